@@ -1,0 +1,215 @@
+"""The result model every check, source and output shares: statuses, entities, findings, actions.
+
+"Could not look" is never "healthy": UNKNOWN means a check (or one entity of it) could not be
+judged; SKIPPED means it does not apply to this node. Both are distinct from OK.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+    UNKNOWN = "unknown"  # the check could not run or could not read a device
+    SKIPPED = "skipped"  # not applicable on this node (no IB HCA, no DCGM, ...)
+
+    @property
+    def rank(self) -> int:
+        # Worst-of ordering used to fold findings into one check status.
+        return _STATUS_RANK[self]
+
+
+_STATUS_RANK = {Status.SKIPPED: 0, Status.OK: 1, Status.WARN: 2, Status.UNKNOWN: 3, Status.FAIL: 4}
+
+
+class Action(enum.IntEnum):
+    """Recommended remediation, ordered: a larger value is a bigger hammer."""
+
+    NONE = 0
+    MONITOR = 1
+    RESTART_APP = 2
+    DRAIN = 3
+    RESET_GPU = 4
+    REBOOT = 5
+    SERVICE = 6  # hardware service / RMA: no software action fixes it
+
+
+@dataclass(frozen=True)
+class Entity:
+    """What a finding is about. ``id`` is stable across reboots where one exists (GPU UUID)."""
+
+    kind: str  # gpu | ib_port | pcie | nvlink | node | nvswitch
+    id: str
+    index: int | None = None  # GPU index (NVML order) where known
+    pci: str | None = None  # PCI bus id, e.g. 0000:91:00.0, where known
+    link: int | None = None  # NVLink number for kind == "nvlink"
+
+    @classmethod
+    def node(cls, hostname: str) -> "Entity":
+        return cls("node", hostname)
+
+    def label(self) -> str:
+        if self.kind == "gpu":
+            parts = [f"GPU {self.index}" if self.index is not None else "GPU"]
+            if self.id and self.id != self.pci:
+                parts.append(self.id)
+            if self.pci:
+                parts.append(self.pci)
+            return " ".join(parts)
+        if self.kind == "nvlink" and self.link is not None:
+            return f"GPU {self.index} link {self.link}"
+        return f"{self.kind} {self.id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "id": self.id}
+        for key in ("index", "pci", "link"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Entity":
+        return cls(d["kind"], d["id"], d.get("index"), d.get("pci"), d.get("link"))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One observation about one entity, with the action an operator (or the agent) should take."""
+
+    check: str
+    code: str  # stable machine code: the XID number for XIDs, e.g. "79"; else kebab-case
+    entity: Entity
+    status: Status  # WARN, FAIL or UNKNOWN
+    message: str
+    action: Action = Action.NONE
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "code": self.code,
+            "entity": self.entity.to_dict(),
+            "status": self.status.value,
+            "message": self.message,
+            "action": self.action.name,
+            "evidence": dict(self.evidence),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Finding":
+        return cls(
+            check=d["check"],
+            code=str(d["code"]),
+            entity=Entity.from_dict(d["entity"]),
+            status=Status(d["status"]),
+            message=d["message"],
+            action=Action[d["action"]],
+            evidence=dict(d.get("evidence", {})),
+        )
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    status: Status
+    findings: tuple[Finding, ...] = ()
+    error: str | None = None  # why the check is UNKNOWN or SKIPPED
+    duration_s: float = 0.0
+    source: str | None = None  # the file analysed (analyze), None for a check run on a node
+    notes: tuple[str, ...] = ()  # problems that did not stop the check (malformed input lines)
+
+    @property
+    def action(self) -> Action:
+        return max((f.action for f in self.findings), default=Action.NONE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "status": self.status.value,
+            "action": self.action.name,
+            "error": self.error,
+            "duration_s": round(self.duration_s, 3),
+            "findings": [f.to_dict() for f in self.findings],
+            **({"source": self.source} if self.source is not None else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CheckResult":
+        return cls(
+            check=d["check"],
+            status=Status(d["status"]),
+            findings=tuple(Finding.from_dict(f) for f in d.get("findings", ())),
+            error=d.get("error"),
+            duration_s=float(d.get("duration_s", 0.0)),
+            source=d.get("source"),
+            notes=tuple(d.get("notes", ())),
+        )
+
+
+def fold_status(findings: Iterable[Finding]) -> Status:
+    """The status of a check that ran to completion: OK unless a finding says worse."""
+    return max((f.status for f in findings), key=lambda s: s.rank, default=Status.OK)
+
+
+# Exit codes of `preflight` and `analyze`, usable as Slurm HealthCheckProgram / Prolog.
+EXIT_PASS = 0  # every check passed or only warned
+EXIT_FAULT = 1  # a fault that needs action (any FAIL)
+EXIT_UNDECIDED = 2  # no fault found, but something could not be judged (any UNKNOWN)
+
+
+def verdict_exit_code(results: Iterable[CheckResult]) -> int:
+    statuses = {r.status for r in results}
+    if Status.FAIL in statuses:
+        return EXIT_FAULT
+    if Status.UNKNOWN in statuses:
+        return EXIT_UNDECIDED
+    return EXIT_PASS
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one preflight or analyze run produced; the JSON form is a contract for other tools."""
+
+    node: str
+    results: tuple[CheckResult, ...]
+    source: str = "live"  # "live", a scenario root, or the analysed file names
+    tool: str = "preflight"
+
+    @property
+    def exit_code(self) -> int:
+        return verdict_exit_code(self.results)
+
+    @property
+    def status(self) -> Status:
+        return max((r.status for r in self.results), key=lambda s: s.rank, default=Status.UNKNOWN)
+
+    def to_dict(self) -> dict[str, Any]:
+        findings = [f.to_dict() for r in self.results for f in r.findings]
+        return {
+            "tool": self.tool,
+            "node": self.node,
+            "source": self.source,
+            "status": self.status.value,
+            "exit_code": self.exit_code,
+            "action": max((r.action for r in self.results), default=Action.NONE).name,
+            "results": [r.to_dict() for r in self.results],
+            "findings": findings,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Report":
+        return cls(
+            node=d["node"],
+            results=tuple(CheckResult.from_dict(r) for r in d["results"]),
+            source=d.get("source", "live"),
+            tool=d.get("tool", "preflight"),
+        )
