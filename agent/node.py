@@ -1,0 +1,162 @@
+"""A node as the checks see it: its identity plus one instance of every source, live or recorded."""
+from __future__ import annotations
+
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, NvmlError, SourceError
+from .sku import KNOWN_SKUS, sku_from_gpu_name
+from .sources.dcgm import Dcgm
+from .sources.kmsg import DEV_KMSG, KernelLog
+from .sources.nvml import Gpu, Nvml
+from .sources.sysfs import Sysfs
+from .sources.tools import ToolRunner
+
+NODE_TOML_KEYS = {"hostname", "sku", "rack", "nvlink_domain", "boot_id", "recorded_at", "versions"}
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+NVIDIA_VENDOR = "0x10de"
+
+
+@dataclass
+class NodeInfo:
+    hostname: str
+    sku: str = "unknown"
+    rack: str | None = None
+    nvlink_domain: str | None = None
+    boot_id: str | None = None
+    recorded_at: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_toml(cls, path: Path) -> "NodeInfo":
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        unknown = sorted(set(data) - NODE_TOML_KEYS)
+        if unknown:
+            raise ConfigError(f"{path}: unknown key '{unknown[0]}' (known: {', '.join(sorted(NODE_TOML_KEYS))})")
+        if not isinstance(data.get("hostname"), str):
+            raise ConfigError(f"{path}: 'hostname' is required and must be a string")
+        sku = data.get("sku", "unknown")
+        if sku not in KNOWN_SKUS:
+            raise ConfigError(f"{path}: sku '{sku}' is not one of {', '.join(KNOWN_SKUS)}")
+        return cls(**{k: v for k, v in data.items()})
+
+    def to_toml(self) -> str:
+        lines = [f"{k} = {_toml_str(v)}" for k, v in vars(self).items() if v is not None and k != "versions"]
+        if self.versions:
+            lines.append("\n[versions]")
+            lines += [f"{k} = {_toml_str(v)}" for k, v in sorted(self.versions.items())]
+        return "\n".join(lines) + "\n"
+
+
+def _toml_str(value: Any) -> str:
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class Node:
+    """Sources bundled for one node. NVML opens lazily: a node without a driver still runs the checks
+    that do not need it, and the ones that do report UNKNOWN with NVML's reason."""
+
+    def __init__(self, info: NodeInfo, root: Path | None, sysfs: Sysfs, kmsg: KernelLog, tools: ToolRunner,
+                 nvml_factory: Any):
+        self.info, self.root = info, root
+        self.sysfs, self.kmsg, self.tools = sysfs, kmsg, tools
+        self.dcgm = Dcgm(tools)
+        self._nvml_factory = nvml_factory
+        self._nvml: Nvml | None = None
+        self._nvml_error: NvmlError | None = None
+
+    @property
+    def recorded(self) -> bool:
+        return self.root is not None
+
+    @property
+    def hostname(self) -> str:
+        return self.info.hostname
+
+    @property
+    def nvml(self) -> Nvml:
+        if self._nvml is None and self._nvml_error is None:
+            try:
+                self._nvml = self._nvml_factory()
+            except NvmlError as exc:
+                self._nvml_error = exc
+        if self._nvml_error is not None:
+            raise self._nvml_error
+        assert self._nvml is not None
+        return self._nvml
+
+    @classmethod
+    def recorded_at(cls, root: Path) -> "Node":
+        root = Path(root)
+        if not root.is_dir():
+            raise ConfigError(f"{root}: not a scenario folder")
+        info = NodeInfo.from_toml(root / "node.toml")
+        return cls(info, root, Sysfs(root), KernelLog(root / "kmsg", live=False, boot_id=info.boot_id),
+                   ToolRunner(recorded_dir=root / "tools"), lambda: Nvml.recorded(root / "nvml.json"))
+
+    @classmethod
+    def live(cls) -> "Node":
+        sysfs = Sysfs("/")
+        boot_id = None
+        try:
+            boot_id = sysfs.read(BOOT_ID)
+        except SourceError:
+            pass
+        info = NodeInfo(hostname=socket.gethostname(), boot_id=boot_id)
+        node = cls(info, None, sysfs, KernelLog(DEV_KMSG, live=True, boot_id=boot_id), ToolRunner(), Nvml.live)
+        try:
+            gpus = node.nvml.gpus()
+            info.sku = sku_from_gpu_name(next((g.name for g in gpus if g.name), None))
+            info.versions["driver"] = node.nvml.driver_version()
+        except NvmlError:
+            pass  # the checks that need NVML will say why they could not look
+        return node
+
+    def gpus(self) -> list[Gpu]:
+        """NVML's GPUs, with the identity of GPUs NVML cannot open filled in from the kernel's view."""
+        gpus = self.nvml.gpus()
+        if all(g.pci for g in gpus):
+            return gpus
+        pci_gpus = nvidia_pci_gpus(self.sysfs)
+        # NVML enumerates in PCI bus order; only trust the positional match when the counts agree.
+        if len(pci_gpus) == len(gpus):
+            for gpu, bdf in zip(gpus, pci_gpus):
+                if gpu.pci is None:
+                    gpu.pci = bdf
+                    gpu.uuid = gpu.uuid or driver_gpu_uuid(self.sysfs, bdf)
+        return gpus
+
+
+def nvidia_pci_gpus(sysfs: Sysfs) -> list[str]:
+    """BDFs of NVIDIA display/3D controllers (class 0x03xxxx), sorted."""
+    out = []
+    for bdf in sysfs.listdir("/sys/bus/pci/devices"):
+        base = f"/sys/bus/pci/devices/{bdf}"
+        try:
+            if sysfs.read(f"{base}/vendor") == NVIDIA_VENDOR and sysfs.read(f"{base}/class").startswith("0x03"):
+                out.append(bdf)
+        except SourceError:
+            continue
+    return out
+
+
+def driver_gpu_uuid(sysfs: Sysfs, bdf: str) -> str | None:
+    """The UUID the NVIDIA driver keeps in /proc/driver/nvidia/gpus/<bdf>/information (readable when NVML
+    is not: the driver caches it at probe time)."""
+    try:
+        text = sysfs.read(f"/proc/driver/nvidia/gpus/{bdf}/information")
+    except SourceError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "GPU UUID":
+            return value.strip() or None
+    return None

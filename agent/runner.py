@@ -1,0 +1,94 @@
+"""Runs checks concurrently, each with its own timeout, and turns every way a check can end into a result.
+
+A check only yields findings. Here: an exception or a timeout -> UNKNOWN with the reason,
+NotApplicable or a missing tool -> SKIPPED, and OK only for a check that ran to the end.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import structlog
+
+from .check import CheckSpec
+from .errors import GpuwardenError, NotApplicable, ToolMissing
+from .model import CheckResult, Finding, Status, fold_status
+
+log = structlog.get_logger("gpuwarden.runner")
+
+# progress(check_name, phase, result): phase is "start" or "done" (result set only on "done")
+Progress = Callable[[str, str, "CheckResult | None"], None]
+
+
+@dataclass
+class _Outcome:
+    findings: list[Finding] | None = None
+    error: BaseException | None = None
+    trace: str = ""
+
+
+def _timeout_for(spec: CheckSpec, agent_cfg: Mapping[str, Any]) -> float:
+    configured = float(agent_cfg.get("check_timeout_s", 0) or 0)
+    return configured if configured > 0 else spec.timeout_s
+
+
+def run_one(spec: CheckSpec, node: Any, cfg: Mapping[str, Any], timeout_s: float) -> CheckResult:
+    outcome = _Outcome()
+    start = time.monotonic()
+
+    def target() -> None:
+        try:
+            outcome.findings = list(spec.run(node, cfg))
+        except BaseException as exc:  # noqa: BLE001 - every failure must become a result
+            outcome.error = exc
+            outcome.trace = traceback.format_exc()
+
+    # A daemon thread: a check stuck in a driver call cannot be killed, but it must neither block the
+    # other checks nor keep the process alive after the verdict.
+    thread = threading.Thread(target=target, name=f"check-{spec.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    duration = time.monotonic() - start
+    if thread.is_alive():
+        return CheckResult(spec.name, Status.UNKNOWN, error=f"timed out after {timeout_s:g}s", duration_s=duration)
+    return _result(spec.name, outcome, duration)
+
+
+def _result(name: str, outcome: _Outcome, duration: float) -> CheckResult:
+    exc = outcome.error
+    if exc is None:
+        findings = tuple(outcome.findings or ())
+        return CheckResult(name, fold_status(findings), findings, None, duration)
+    if isinstance(exc, (NotApplicable, ToolMissing)):
+        return CheckResult(name, Status.SKIPPED, error=str(exc), duration_s=duration)
+    if isinstance(exc, GpuwardenError):
+        return CheckResult(name, Status.UNKNOWN, error=str(exc), duration_s=duration)
+    log.error("check crashed", check=name, error=repr(exc), traceback=outcome.trace)
+    return CheckResult(name, Status.UNKNOWN, error=f"internal error: {type(exc).__name__}: {exc}", duration_s=duration)
+
+
+def run_checks(node: Any, specs: Iterable[CheckSpec], config: Any, progress: Progress | None = None) -> list[CheckResult]:
+    """Run every spec concurrently; results come back in the order of `specs`."""
+    specs = list(specs)
+    results: dict[str, CheckResult] = {}
+    lock = threading.Lock()
+
+    def one(spec: CheckSpec) -> None:
+        if progress:
+            progress(spec.name, "start", None)
+        result = run_one(spec, node, config.for_check(spec.name), _timeout_for(spec, config.agent))
+        with lock:
+            results[spec.name] = result
+        log.debug("check done", check=spec.name, status=result.status.value, duration_s=round(result.duration_s, 3))
+        if progress:
+            progress(spec.name, "done", result)
+
+    threads = [threading.Thread(target=one, args=(s,), name=f"run-{s.name}", daemon=True) for s in specs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # run_one bounds each by its timeout
+    return [results[s.name] for s in specs]

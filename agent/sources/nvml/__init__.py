@@ -1,0 +1,268 @@
+"""NVML source: the only code that imports pynvml.
+
+`Nvml` runs the same reading code over two backends: the real pynvml module (live) or
+`RecordedNvml` (a scenario's nvml.json served through the same pynvml function names and return
+types). Every pynvml.NVMLError becomes an `NvmlError` naming the call and the GPU.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pynvml
+
+from ...errors import NvmlError, SourceError
+from ...model import Entity
+from .recorded import RecordedNvml
+
+# NVML error number -> its name without the NVML_ERROR_ prefix, from the installed bindings.
+ERROR_NAMES: dict[int, str] = {
+    getattr(pynvml, n): n[len("NVML_ERROR_"):] for n in dir(pynvml) if n.startswith("NVML_ERROR_")
+}
+ERROR_CODES: dict[str, int] = {v: k for k, v in ERROR_NAMES.items()}
+
+NVLINK_COUNTERS = {
+    "replay": pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+    "recovery": pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+    "crc_flit": pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+    "crc_data": pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+}
+# HBM temperature is only exposed as a field value (no nvmlTemperatureSensors_t for memory).
+FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
+SNAPSHOT_FORMAT = 1
+
+
+def canonical_bdf(nvml_bus_id: str) -> str:
+    """NVML prints an 8-hex-digit domain ("00000008:01:00.0"); sysfs and findings use 4 ("0008:01:00.0")."""
+    text = nvml_bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if not sep:
+        return text
+    return f"{int(domain, 16):04x}:{rest}" if domain else rest
+
+
+@dataclass
+class Gpu:
+    """A GPU as NVML enumerates it. Identity fields are None when NVML could not read them."""
+
+    index: int
+    handle: Any = None
+    uuid: str | None = None
+    name: str | None = None
+    serial: str | None = None
+    pci: str | None = None  # canonical BDF, "0008:01:00.0"
+    bus_id: str | None = None  # as NVML prints it, "00000008:01:00.0"
+    error: NvmlError | None = None  # set when the device could not be opened or identified
+    _errors: dict[str, NvmlError] = field(default_factory=dict, repr=False)
+
+    @property
+    def entity(self) -> Entity:
+        return Entity("gpu", self.uuid or self.pci or f"index-{self.index}", self.index, self.pci)
+
+
+class Nvml:
+    """High-level NVML reads; identical code for the live library and a recorded scenario."""
+
+    def __init__(self, backend: Any, origin: str):
+        self._lib = backend
+        self.origin = origin
+        self._gpus: list[Gpu] | None = None
+        self._lock = threading.Lock()
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def live(cls) -> "Nvml":
+        nvml = cls(pynvml, "live")
+        nvml._call("nvmlInit")
+        return nvml
+
+    @classmethod
+    def recorded(cls, path: Path) -> "Nvml":
+        return cls(RecordedNvml.from_file(path), str(path))
+
+    def close(self) -> None:
+        try:
+            self._call("nvmlShutdown")
+        except NvmlError:
+            pass
+
+    # -- the one place pynvml errors are translated --------------------------------------
+    def _call(self, name: str, *args: Any, device: int | None = None) -> Any:
+        try:
+            fn: Callable[..., Any] = getattr(self._lib, name)
+        except AttributeError:
+            raise NvmlError(name, "FUNCTION_NOT_FOUND", device, "not in the installed nvidia-ml-py") from None
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as exc:
+            code = ERROR_NAMES.get(getattr(exc, "value", -1), f"CODE_{getattr(exc, 'value', '?')}")
+            raise NvmlError(name, code, device) from None
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            # A broken library install or a malformed recorded scenario: still the project's error.
+            raise NvmlError(name, "UNKNOWN", device, f"{type(exc).__name__}: {exc}") from None
+
+    def _dev(self, gpu: Gpu, name: str, *args: Any) -> Any:
+        if gpu.handle is None:
+            raise gpu.error or NvmlError(name, "UNKNOWN", gpu.index, "no device handle")
+        return self._call(name, gpu.handle, *args, device=gpu.index)
+
+    # -- system -------------------------------------------------------------------------
+    def driver_version(self) -> str:
+        return _text(self._call("nvmlSystemGetDriverVersion"))
+
+    def nvml_version(self) -> str:
+        return _text(self._call("nvmlSystemGetNVMLVersion"))
+
+    def gpus(self) -> list[Gpu]:
+        """Every GPU NVML counts, in NVML index order; a GPU that cannot be opened keeps its error."""
+        with self._lock:
+            if self._gpus is None:
+                self._gpus = [self._open(i) for i in range(self._call("nvmlDeviceGetCount"))]
+            return list(self._gpus)
+
+    def _open(self, index: int) -> Gpu:
+        gpu = Gpu(index)
+        try:
+            gpu.handle = self._call("nvmlDeviceGetHandleByIndex", index, device=index)
+            gpu.uuid = _text(self._dev(gpu, "nvmlDeviceGetUUID"))
+            gpu.bus_id = _text(self._dev(gpu, "nvmlDeviceGetPciInfo_v3").busId)
+            gpu.pci = canonical_bdf(gpu.bus_id)
+        except NvmlError as exc:
+            gpu.error = exc
+            return gpu
+        for attr, call in (("name", "nvmlDeviceGetName"), ("serial", "nvmlDeviceGetSerial")):
+            try:
+                setattr(gpu, attr, _text(self._dev(gpu, call)))
+            except NvmlError as exc:
+                gpu._errors[call] = exc  # optional identity: a board without a serial is fine
+        return gpu
+
+    # -- per-device reads (raise NvmlError) -------------------------------------------------
+    def memory_total_bytes(self, gpu: Gpu) -> int:
+        return int(self._dev(gpu, "nvmlDeviceGetMemoryInfo").total)
+
+    def ecc_mode(self, gpu: Gpu) -> dict[str, int]:
+        current, pending = self._dev(gpu, "nvmlDeviceGetEccMode")
+        return {"current": int(current), "pending": int(pending)}
+
+    def ecc_errors(self, gpu: Gpu) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for counter, ctype in (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC)):
+            out[counter] = {
+                kind: int(self._dev(gpu, "nvmlDeviceGetTotalEccErrors", etype, ctype))
+                for kind, etype in (
+                    ("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                    ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+                )
+            }
+        return out
+
+    def remapped_rows(self, gpu: Gpu) -> dict[str, Any]:
+        corr, unc, pending, failure = self._dev(gpu, "nvmlDeviceGetRemappedRows")
+        return {"correctable": int(corr), "uncorrectable": int(unc), "pending": bool(pending), "failure": bool(failure)}
+
+    def row_remapper_histogram(self, gpu: Gpu) -> dict[str, int]:
+        h = self._dev(gpu, "nvmlDeviceGetRowRemapperHistogram")
+        return {k: int(getattr(h, k)) for k in ("max", "high", "partial", "low", "none")}
+
+    def clocks_event_reasons(self, gpu: Gpu) -> int:
+        return int(self._dev(gpu, "nvmlDeviceGetCurrentClocksEventReasons"))
+
+    def temperatures(self, gpu: Gpu) -> dict[str, int | None]:
+        core = int(self._dev(gpu, "nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU))
+        (fv,) = self._dev(gpu, "nvmlDeviceGetFieldValues", [FI_MEMORY_TEMP])
+        # A field can fail on its own while the call succeeds (HBM sensor absent on PCIe boards).
+        memory = int(fv.value.uiVal) if fv.nvmlReturn == pynvml.NVML_SUCCESS else None
+        return {"gpu": core, "memory": memory}
+
+    def nvlinks(self, gpu: Gpu) -> list[dict[str, Any]]:
+        links = []
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                state = int(self._dev(gpu, "nvmlDeviceGetNvLinkState", link))
+            except NvmlError as exc:
+                # Links a SKU does not have answer NOT_SUPPORTED / INVALID_ARGUMENT: not a fault.
+                if exc.not_supported or exc.code == "INVALID_ARGUMENT":
+                    continue
+                raise
+            errors = {
+                name: int(self._dev(gpu, "nvmlDeviceGetNvLinkErrorCounter", link, counter))
+                for name, counter in NVLINK_COUNTERS.items()
+            }
+            links.append({"link": link, "state": state, "errors": errors})
+        return links
+
+    def fabric_info(self, gpu: Gpu) -> dict[str, Any]:
+        info = pynvml.c_nvmlGpuFabricInfoV_t()
+        info.version = pynvml.nvmlGpuFabricInfo_v2
+        self._dev(gpu, "nvmlDeviceGetGpuFabricInfoV", pynvml.byref(info))
+        return {
+            "cluster_uuid": _uuid_text(bytes(info.clusterUuid)),
+            "clique_id": int(info.cliqueId),
+            "state": int(info.state),
+            "status": int(info.status),
+            "health_mask": int(info.healthMask),
+        }
+
+    # -- recording ------------------------------------------------------------------------
+    PER_GPU_READS: tuple[str, ...] = (
+        "memory_total_bytes", "ecc_mode", "ecc_errors", "remapped_rows", "row_remapper_histogram",
+        "clocks_event_reasons", "temperatures", "nvlinks", "fabric_info",
+    )
+    # snapshot key differs from method name for these two
+    _SNAPSHOT_KEY = {"temperatures": "temperature", "fabric_info": "fabric"}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the checks read, as nvml.json (docs/scenario-format.md). Failed calls are kept as errors."""
+        snap: dict[str, Any] = {"format": SNAPSHOT_FORMAT}
+        for key, method in (("driver_version", self.driver_version), ("nvml_version", self.nvml_version)):
+            try:
+                snap[key] = method()
+            except NvmlError as exc:
+                snap.setdefault("errors", {})[exc.call] = exc.code
+        gpus = []
+        for gpu in self.gpus():
+            identity = {"index": gpu.index, "uuid": gpu.uuid, "name": gpu.name, "serial": gpu.serial,
+                        "pci_bus_id": gpu.bus_id}
+            entry: dict[str, Any] = {k: v for k, v in identity.items() if v is not None}
+            errors: dict[str, str] = {call: e.code for call, e in gpu._errors.items()}
+            if gpu.error is not None:
+                errors["*"] = gpu.error.code
+            else:
+                for method in self.PER_GPU_READS:
+                    try:
+                        entry[self._SNAPSHOT_KEY.get(method, method)] = getattr(self, method)(gpu)
+                    except NvmlError as exc:
+                        errors[exc.call] = exc.code
+            if errors:
+                entry["errors"] = errors
+            gpus.append(entry)
+        snap["gpus"] = gpus
+        return snap
+
+    def write_snapshot(self, path: Path) -> None:
+        path.write_text(json.dumps(self.snapshot(), indent=2) + "\n")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def load_snapshot(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read recorded NVML: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise SourceError(f"{path}: not an nvml.json snapshot (no 'gpus' list)")
+    return data

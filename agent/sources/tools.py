@@ -1,0 +1,63 @@
+"""External tools (nccl-tests, perftest, dcgmi, nvbandwidth): run with a timeout and no shell.
+
+On a recorded node the same call reads tools/<name>.out (+ .rc); tools/<name>.hang makes the call
+behave like a tool that never returns, so the timeout path is exercised without a real hang.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import ToolError, ToolMissing
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    name: str
+    argv: tuple[str, ...]
+    output: str  # stdout and stderr, interleaved as the tool wrote them
+    returncode: int
+    duration_s: float
+
+
+class ToolRunner:
+    def __init__(self, recorded_dir: Path | None = None):
+        self.recorded_dir = recorded_dir
+
+    def run(self, name: str, argv: Sequence[str], timeout_s: float) -> ToolOutput:
+        """Run argv (argv[0] is looked up on PATH); `name` keys the recorded output."""
+        if self.recorded_dir is not None:
+            return self._replay(name, tuple(argv), timeout_s)
+        exe = shutil.which(argv[0])
+        if exe is None:
+            raise ToolMissing(f"{argv[0]}: not installed (not on PATH)")
+        start = time.monotonic()
+        try:
+            proc = subprocess.run([exe, *argv[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise ToolError(f"{argv[0]}: no answer within {timeout_s:g}s (killed)") from None
+        except OSError as exc:
+            raise ToolError(f"{argv[0]}: cannot run: {exc.strerror or exc}") from None
+        return ToolOutput(name, tuple(argv), proc.stdout.decode(errors="replace"), proc.returncode,
+                          time.monotonic() - start)
+
+    def _replay(self, name: str, argv: tuple[str, ...], timeout_s: float) -> ToolOutput:
+        assert self.recorded_dir is not None
+        base = self.recorded_dir / name
+        if base.with_suffix(".hang").exists():
+            time.sleep(timeout_s)
+            raise ToolError(f"{argv[0]}: no answer within {timeout_s:g}s (killed) [recorded hang]")
+        out = base.with_suffix(".out")
+        if not out.exists():
+            raise ToolMissing(f"{argv[0]}: not installed (no recorded {out})")
+        rc_file = base.with_suffix(".rc")
+        try:
+            rc = int(rc_file.read_text().strip()) if rc_file.exists() else 0
+        except ValueError:
+            raise ToolError(f"{rc_file}: not an exit status") from None
+        return ToolOutput(name, argv, out.read_text(errors="replace"), rc, 0.0)
