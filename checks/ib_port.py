@@ -1,0 +1,117 @@
+"""InfiniBand / RoCE port state now, from sysfs: a port that should be up is down, or runs below the rate
+it should. (Cumulative downtime over time is the daemon's job.)"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from gpuwarden.agent.check import CheckSpec
+from gpuwarden.agent.errors import NotApplicable, SourceError
+from gpuwarden.agent.model import Action, Entity, Finding, Status
+
+CHECK_NAME = "ib_port"
+IB_CLASS = "/sys/class/infiniband"
+_RATE = re.compile(r"^\s*([\d.]+)\s*Gb/sec")
+
+
+@dataclass(frozen=True)
+class PortReading:
+    port: str  # "mlx5_2/1"
+    pci: str | None
+    state: str  # "ACTIVE", "DOWN", ... (sysfs prints "4: ACTIVE")
+    phys_state: str  # "LinkUp", "Polling", "Disabled", ...
+    rate_gbps: float | None
+    link_layer: str  # InfiniBand | Ethernet
+    link_downed: int | None
+
+
+def _after_colon(text: str) -> str:
+    return text.split(":", 1)[1].strip() if ":" in text else text.strip()
+
+
+def parse_rate(text: str) -> float | None:
+    m = _RATE.match(text)
+    return float(m.group(1)) if m else None
+
+
+def expected_rates(ports: Iterable[PortReading], configured: float) -> dict[str, float]:
+    """Expected Gb/s per link layer: the configured figure, else the fastest active port of that layer
+    (a node's rails are built alike, so one slower rail is the odd one out)."""
+    out: dict[str, float] = {}
+    for p in ports:
+        if configured > 0:
+            out[p.link_layer] = configured
+        elif p.state == "ACTIVE" and p.rate_gbps is not None:
+            out[p.link_layer] = max(out.get(p.link_layer, 0.0), p.rate_gbps)
+    return out
+
+
+def decide(ports: list[PortReading], policy: Mapping[str, Any]) -> list[Finding]:
+    ignored = set(policy["ignore_ports"])
+    watched = [p for p in ports if p.port not in ignored]
+    expected = expected_rates(watched, float(policy["expected_rate_gbps"]))
+    out: list[Finding] = []
+    for p in watched:
+        entity = Entity("ib_port", p.port, pci=p.pci)
+        evidence = {"state": p.state, "phys_state": p.phys_state, "rate_gbps": p.rate_gbps,
+                    "link_layer": p.link_layer, "link_downed": p.link_downed}
+        if p.state != "ACTIVE":
+            out.append(Finding(CHECK_NAME, "ib-port-down", entity, Status.FAIL,
+                               f"{p.port} ({p.link_layer}) is {p.state} / {p.phys_state}: the rail is lost to "
+                               "NCCL; drain the node and check cable and switch port", Action.DRAIN, evidence))
+            continue
+        want = expected.get(p.link_layer)
+        if want and p.rate_gbps is not None and p.rate_gbps < want:
+            out.append(Finding(CHECK_NAME, "ib-port-slow", entity, Status.FAIL,
+                               f"{p.port} runs at {p.rate_gbps:g} Gb/s, expected {want:g} Gb/s: a degraded link "
+                               "slows every collective that crosses it", Action.DRAIN,
+                               {**evidence, "expected_rate_gbps": want}))
+    return out
+
+
+def read_ports(sysfs: Any) -> tuple[list[PortReading], list[Finding]]:
+    ports: list[PortReading] = []
+    unreadable: list[Finding] = []
+    for hca in sysfs.listdir(IB_CLASS):
+        pci = sysfs.link_target_name(f"{IB_CLASS}/{hca}/device")
+        for num in sysfs.listdir(f"{IB_CLASS}/{hca}/ports"):
+            base, name = f"{IB_CLASS}/{hca}/ports/{num}", f"{hca}/{num}"
+            try:
+                state = _after_colon(sysfs.read(f"{base}/state"))
+                phys = _after_colon(sysfs.read(f"{base}/phys_state"))
+                rate = parse_rate(sysfs.read(f"{base}/rate"))
+                layer = sysfs.read(f"{base}/link_layer") if sysfs.exists(f"{base}/link_layer") else "InfiniBand"
+            except SourceError as err:
+                unreadable.append(Finding(CHECK_NAME, "ib-port-unreadable", Entity("ib_port", name, pci=pci),
+                                          Status.UNKNOWN, f"{name}: could not read port state: {err}"))
+                continue
+            downed = None
+            if sysfs.exists(f"{base}/counters/link_downed"):
+                try:
+                    downed = sysfs.read_int(f"{base}/counters/link_downed")
+                except SourceError:
+                    pass  # evidence only; the state files decide
+            ports.append(PortReading(name, pci, state, phys, rate, layer, downed))
+    return ports, unreadable
+
+
+def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
+    ports, unreadable = read_ports(node.sysfs)
+    if not ports and not unreadable:
+        raise NotApplicable(f"no InfiniBand/RoCE port under {node.sysfs.path(IB_CLASS)}")
+    yield from unreadable
+    yield from decide(ports, cfg)
+
+
+CHECK = CheckSpec(
+    name=CHECK_NAME,
+    summary="InfiniBand/RoCE ports up and at their expected rate",
+    run=run,
+    defaults={
+        "ignore_ports": [],  # "mlx5_bond_0/1": ports not meant to be up
+        "expected_rate_gbps": 0.0,  # 0 = the fastest active port of the same link layer
+    },
+    list_types={"ignore_ports": str},
+    timeout_s=10,
+)
