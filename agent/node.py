@@ -99,7 +99,7 @@ class Node:
         if not root.is_dir():
             raise ConfigError(f"{root}: not a scenario folder")
         info = NodeInfo.from_toml(root / "node.toml")
-        return cls(info, root, Sysfs(root), KernelLog(root / "kmsg", live=False, boot_id=info.boot_id),
+        return cls(info, root, Sysfs(root), KernelLog(root / "kmsg", live=False, boot_id=info.boot_id, name="kmsg"),
                    ToolRunner(recorded_dir=root / "tools"), lambda: Nvml.recorded(root / "nvml.json"))
 
     @classmethod

@@ -23,8 +23,11 @@ class Cursor:
 
 
 class KernelLog:
-    def __init__(self, path: Path | str, live: bool, boot_id: str | None = None):
+    def __init__(self, path: Path | str, live: bool, boot_id: str | None = None, name: str | None = None):
         self.path = Path(path)
+        # How records name their source in findings: stable across machines ("kmsg" in a scenario), so
+        # golden outputs and evidence do not depend on where a scenario was unpacked.
+        self.name = name or str(self.path)
         self.live = live
         self.boot_id = boot_id
         self.parse_errors: list[ParseError] = []
@@ -66,7 +69,7 @@ class KernelLog:
 
     def records(self) -> list[LogRecord]:
         """Every record available now. Malformed records are kept in `parse_errors`, not raised."""
-        records, errors = parse_kmsg_text(self._read_text(), str(self.path))
+        records, errors = parse_kmsg_text(self._read_text(), self.name)
         self.parse_errors = errors
         return records
 

@@ -81,7 +81,9 @@ class Nvml:
 
     @classmethod
     def recorded(cls, path: Path) -> "Nvml":
-        return cls(RecordedNvml.from_file(path), str(path))
+        nvml = cls(RecordedNvml.from_file(path), str(path))
+        nvml._call("nvmlInit")
+        return nvml
 
     def close(self) -> None:
         try:
