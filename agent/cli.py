@@ -1,0 +1,143 @@
+"""The `gpuwarden` command.
+
+Exit codes of `preflight` and `analyze` (usable as Slurm HealthCheckProgram / Prolog):
+  0  every check passed, or only warned
+  1  a fault that needs action (at least one FAIL)
+  2  could not decide: a check could not look (UNKNOWN), or the command itself was wrong (bad config, bad
+     flags, unreadable scenario)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Sequence
+
+import structlog
+
+from . import config as config_mod
+from . import logs
+from .errors import GpuwardenError
+from .model import EXIT_UNDECIDED, Report
+
+log = structlog.get_logger("gpuwarden")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpuwarden", description="GPU node health agent",
+                                epilog="exit codes: 0 pass/warn, 1 fault needing action, 2 could not decide")
+    p.add_argument("--version", action="version", version=f"gpuwarden {metadata.version('gpuwarden')}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pre = sub.add_parser("preflight", help="run the health checks once and print a verdict")
+    pre.add_argument("--root", type=Path, help="run on a recorded node (scenario folder) instead of this machine")
+    pre.add_argument("--checks", action="append", default=[], metavar="NAME[,NAME…]",
+                     help="run only these checks (repeatable or comma-separated)")
+    pre.add_argument("--json", action="store_true", help="print the report as JSON")
+    pre.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
+    pre.add_argument("--check-timeout", type=float, metavar="SECONDS", help="per-check timeout (overrides config)")
+    _log_flags(pre)
+
+    ana = sub.add_parser("analyze", help="find faults in saved logs and tool outputs (post-mortem)")
+    ana.add_argument("files", nargs="+", type=Path)
+    ana.add_argument("--json", action="store_true", help="print the report as JSON")
+    _log_flags(ana)
+
+    rec = sub.add_parser("record", help="write a scenario (recorded node) from this machine")
+    rec.add_argument("--out", type=Path, required=True, help="folder to write")
+    rec.add_argument("--root", type=Path, help="re-record an existing scenario instead of this machine")
+    _log_flags(rec)
+
+    sub.add_parser("checks", help="list the checks and their config keys")
+    return p
+
+
+def _log_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=("auto", "json", "console"), help="log format (default: auto)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default: info)")
+
+
+def _node(root: Path | None):
+    from .node import Node
+
+    return Node.recorded_at(root) if root is not None else Node.live()
+
+
+def _emit(report: Report, as_json: bool) -> int:
+    from .render import table
+
+    sys.stdout.write(report.to_json() + "\n" if as_json else table(report))
+    return report.exit_code
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import ALL
+
+    from .render import Progress
+    from .runner import run_checks
+
+    cfg = config_mod.load(ALL, args.config, explicit=args.config is not None)
+    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+    if args.check_timeout is not None:
+        cfg.agent["check_timeout_s"] = config_mod.coerce("--check-timeout", args.check_timeout, 0.0, "command line")
+    names = [n for arg in args.checks for n in arg.split(",") if n] or cfg.agent["checks"]
+    known = {s.name: s for s in ALL}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise GpuwardenError(f"unknown check '{unknown[0]}' (known: {', '.join(known)})")
+    specs = [known[n] for n in names] if names else list(ALL)
+    node = _node(args.root)
+    progress = Progress() if not args.json else None
+    try:
+        results = run_checks(node, specs, cfg, progress)
+    finally:
+        if progress:
+            progress.close()
+    report = Report(node.hostname, tuple(results), str(args.root) if args.root else "live")
+    log.debug("preflight done", node=node.hostname, status=report.status.value, exit_code=report.exit_code)
+    return _emit(report, args.json)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from .analyze import analyze
+
+    logs.setup(args.log_format or "auto", args.log_level or "info")
+    return _emit(analyze(args.files), args.json)
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from .record import record
+
+    logs.setup(args.log_format or "auto", args.log_level or "info")
+    problems = record(_node(args.root), args.out)
+    for problem in problems:
+        log.warning("could not record", problem=problem)
+    log.info("recorded", out=str(args.out), problems=len(problems))
+    print(f"recorded {args.out}" + (f" ({len(problems)} part(s) could not be read; see log)" if problems else ""))
+    return 0
+
+
+def cmd_checks(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import ALL
+
+    for spec in ALL:
+        keys = ", ".join(f"{k}={v!r}" for k, v in spec.defaults.items()) or "-"
+        print(f"{spec.name:<10} {spec.level:<6} {spec.summary}\n{'':<17} [checks.{spec.name}] {keys}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks}
+    try:
+        return handler[args.command](args)
+    except GpuwardenError as exc:
+        print(f"gpuwarden {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_UNDECIDED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

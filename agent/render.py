@@ -1,0 +1,89 @@
+"""Human output of a Report: one row per check and per finding, with the recommended action."""
+from __future__ import annotations
+
+import shutil
+import sys
+import textwrap
+import threading
+import time
+from typing import TextIO
+
+from .model import CheckResult, Report, Status
+
+_MARK = {Status.OK: "OK", Status.WARN: "WARN", Status.FAIL: "FAIL", Status.UNKNOWN: "UNKNOWN", Status.SKIPPED: "SKIP"}
+_VERDICT = {0: "PASS", 1: "FAULT: action needed", 2: "UNDECIDED: could not judge everything"}
+
+
+def table(report: Report) -> str:
+    """One line per check (or per finding), then the finding's message indented under it, wrapped."""
+    width = max(80, shutil.get_terminal_size((120, 24)).columns)
+    lines = [f"gpuwarden {report.tool}: {report.node}  ({report.source})", ""]
+    lines.append(f"{'CHECK':<10} {'STATUS':<8} {'ACTION':<11} {'CODE':<30} ENTITY")
+    for r in report.results:
+        lines.extend(_rows(r, width))
+    lines.append("")
+    lines.append(f"verdict: {_VERDICT[report.exit_code]} (exit {report.exit_code})")
+    return "\n".join(lines) + "\n"
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width=width, initial_indent=" " * 11, subsequent_indent=" " * 11) or []
+
+
+def _rows(r: CheckResult, width: int) -> list[str]:
+    rows = []
+    if r.source:
+        rows.append(f"{r.check:<10} {'':<8} {'':<11} {'':<30} file {r.source}")
+    if not r.findings:
+        rows.append(f"{r.check:<10} {_MARK[r.status]:<8} {'-':<11} {'-':<30} -")
+        rows += _wrapped(r.error or f"ran in {r.duration_s:.2f}s, nothing found", width)
+    for f in r.findings:
+        entity = f.entity.label()
+        rows.append(f"{r.check:<10} {_MARK[f.status]:<8} {f.action.name:<11} {f.code:<30} {entity}")
+        detail = f.message[len(entity) + 2:] if f.message.startswith(entity + ": ") else f.message
+        rows += _wrapped(detail, width)
+    for note in r.notes:
+        rows += _wrapped(f"note: {note}", width)
+    return rows
+
+
+class Progress:
+    """A one-line "running: …" display on a TTY for checks that take more than a moment."""
+
+    def __init__(self, stream: TextIO = sys.stderr, delay_s: float = 0.5):
+        self.stream, self.delay_s = stream, delay_s
+        self.enabled = stream.isatty()
+        self._running: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if self.enabled:
+            threading.Thread(target=self._tick, name="progress", daemon=True).start()
+
+    def _tick(self) -> None:
+        # Redraw so a long check's elapsed time moves even when no other check finishes.
+        while not self._stop.wait(self.delay_s):
+            with self._lock:
+                if self._running:
+                    self._draw()
+
+    def __call__(self, name: str, phase: str, result: CheckResult | None) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            if phase == "start":
+                self._running[name] = time.monotonic()
+            else:
+                self._running.pop(name, None)
+            self._draw()
+
+    def _draw(self) -> None:
+        now = time.monotonic()
+        slow = [f"{n} {now - t:.0f}s" for n, t in self._running.items() if now - t >= self.delay_s]
+        self.stream.write("\r\033[K" + (f"running: {', '.join(slow)}" if slow else ""))
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.enabled:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
