@@ -1,0 +1,115 @@
+"""End to end: the real `gpuwarden` command on every bundled scenario, diffed against a golden JSON.
+
+Refresh the goldens deliberately with `pytest tests/test_cli_e2e.py --update-golden` and review the diff.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import NODES, ROOT
+
+GOLDEN = ROOT / "tests" / "golden"
+SCENARIOS = sorted(p.name for p in NODES.iterdir() if (p / "node.toml").exists())
+EXPECTED_EXIT = {"h100-hgx-healthy": 0, "gb200-nvl72-healthy": 0, "gb200-nvl72-faulty": 1}
+
+
+def gpuwarden(*args: str) -> subprocess.CompletedProcess:
+    # The real command in a clean process, from the repository root so scenario paths stay relative and
+    # the goldens do not depend on where the checkout lives.
+    return subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "160"})
+
+
+def scenario(name: str) -> str:
+    return f"fixtures/nodes/{name}"
+
+
+def normalise(report: dict) -> dict:
+    # Durations vary run to run; everything else must be byte-stable.
+    for r in report["results"]:
+        r["duration_s"] = 0.0
+    return report
+
+
+def test_every_expected_scenario_is_bundled():
+    assert set(EXPECTED_EXIT) <= set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_preflight_json_matches_golden(name, update_golden):
+    proc = gpuwarden("preflight", "--root", scenario(name), "--json")
+    assert proc.returncode == EXPECTED_EXIT.get(name, proc.returncode), proc.stderr
+    report = normalise(json.loads(proc.stdout))
+    assert report["exit_code"] == proc.returncode
+    golden = GOLDEN / f"preflight-{name}.json"
+    text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    if update_golden or not golden.exists():
+        if not update_golden and os.environ.get("CI"):
+            pytest.fail(f"{golden} is missing; create it with --update-golden and review it")
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{name}: output differs from {golden} (rerun with --update-golden if intended)"
+
+
+def test_faulty_gb200_verdict_names_each_fault():
+    proc = gpuwarden("preflight", "--root", scenario("gb200-nvl72-faulty"), "--json")
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    findings = report["findings"]
+    xid79 = [f for f in findings if f["check"] == "xid" and f["code"] == "79"]
+    assert len(xid79) == 1
+    gpu = xid79[0]["entity"]
+    assert gpu["kind"] == "gpu" and gpu["index"] == 2 and gpu["id"].startswith("GPU-") and gpu["pci"]
+    assert xid79[0]["status"] == "fail" and xid79[0]["action"] == "REBOOT"
+    remap = [f for f in findings if f["code"] == "row-remap-pending"]
+    assert len(remap) == 1 and remap[0]["entity"]["index"] == 1 and remap[0]["entity"]["pci"]
+    down = [f for f in findings if f["code"] == "ib-port-down"]
+    assert [f["entity"]["id"] for f in down] == ["mlx5_2/1"]
+
+
+def test_human_table_names_the_faults():
+    proc = gpuwarden("preflight", "--root", scenario("gb200-nvl72-faulty"))
+    assert proc.returncode == 1
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    # check, status, action, code, then the entity: index, UUID and PCI address of the XID 79 GPU.
+    assert ["xid", "FAIL", "REBOOT", "79", "GPU", "2", "GPU-d31f83c1-7f20-f9ad-e7a7-a6207a05c957", "0018:01:00.0"] in rows
+    assert ["ecc", "FAIL", "RESET_GPU", "row-remap-pending", "GPU", "1", "GPU-7f56209f-bfaa-0234-486e-9d778f65ba32",
+            "0009:01:00.0"] in rows
+    assert ["ib_port", "FAIL", "DRAIN", "ib-port-down", "ib_port", "mlx5_2/1"] in rows
+    assert "verdict: FAULT: action needed (exit 1)" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["h100-hgx-healthy", "gb200-nvl72-healthy"])
+def test_healthy_nodes_pass(name):
+    proc = gpuwarden("preflight", "--root", scenario(name))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: PASS" in proc.stdout
+
+
+def test_version():
+    proc = gpuwarden("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("gpuwarden ")
+
+
+def test_malformed_config_is_a_clear_error_with_exit_2(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[checks.ecc]\nbanks_low_spares_warn = \"two\"\n")
+    proc = gpuwarden("preflight", "--root", scenario("h100-hgx-healthy"), "--config", str(cfg))
+    assert proc.returncode == 2
+    assert "checks.ecc.banks_low_spares_warn" in proc.stderr and str(cfg) in proc.stderr
+
+
+def test_unknown_check_name_exits_2():
+    proc = gpuwarden("preflight", "--root", scenario("h100-hgx-healthy"), "--checks", "ecc,bogus")
+    assert proc.returncode == 2 and "bogus" in proc.stderr
+
+
+def test_checks_flag_selects(tmp_path):
+    proc = gpuwarden("preflight", "--root", scenario("gb200-nvl72-faulty"), "--checks", "ib_port", "--json")
+    report = json.loads(proc.stdout)
+    assert [r["check"] for r in report["results"]] == ["ib_port"] and proc.returncode == 1

@@ -1,0 +1,45 @@
+"""`gpuwarden record` through the recorded sources: what it writes, preflight reads back identically."""
+import json
+import tomllib
+
+from conftest import NODES
+from gpuwarden.agent import config
+from gpuwarden.agent.node import Node
+from gpuwarden.agent.record import record
+from gpuwarden.agent.runner import run_checks
+from gpuwarden.checks import ALL
+
+
+def findings(root):
+    results = run_checks(Node.recorded_at(root), ALL, config.defaults(ALL))
+    return [(r.check, r.status, [f.to_dict() for f in r.findings]) for r in results]
+
+
+def test_record_of_a_scenario_replays_to_the_same_verdict(tmp_path):
+    src = NODES / "gb200-nvl72-faulty"
+    out = tmp_path / "recorded"
+    problems = record(Node.recorded_at(src), out)
+    assert problems == []
+    for name in ("node.toml", "nvml.json", "kmsg"):
+        assert (out / name).is_file()
+    assert (out / "sys/class/infiniband/mlx5_2/ports/1/state").read_text() == "1: DOWN\n"
+    assert (out / "sys/class/infiniband/mlx5_2/device").is_symlink()
+    assert (out / "proc/driver/nvidia/gpus/0018:01:00.0/information").exists()
+    info = tomllib.loads((out / "node.toml").read_text())
+    assert info["hostname"] == "gb200-rack07-tray11" and info["sku"] == "GB200-NVL72"
+    assert info["versions"]["gpuwarden"] and info["recorded_at"].endswith("Z")
+    # NVML: what the live path read is what was written (a lost GPU keeps only its error).
+    snap = json.loads((out / "nvml.json").read_text())
+    original = json.loads((src / "nvml.json").read_text())
+    assert snap["gpus"][2] == {"index": 2, "errors": {"*": "GPU_IS_LOST"}}
+    for key in ("ecc_errors", "remapped_rows", "row_remapper_histogram", "nvlinks", "fabric", "temperature"):
+        assert snap["gpus"][1][key] == original["gpus"][1][key]
+    assert findings(out) == findings(src)
+
+
+def test_record_via_cli_writes_a_scenario_preflight_accepts(tmp_path):
+    from gpuwarden.agent.cli import main
+
+    out = tmp_path / "bundle"
+    assert main(["record", "--root", str(NODES / "h100-hgx-healthy"), "--out", str(out)]) == 0
+    assert main(["preflight", "--root", str(out), "--json"]) == 0

@@ -1,0 +1,75 @@
+import threading
+
+from gpuwarden.agent import config
+from gpuwarden.agent.check import CheckSpec
+from gpuwarden.agent.errors import NotApplicable, SourceError, ToolMissing
+from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.runner import run_checks
+
+GPU = Entity("gpu", "GPU-1", 0, "0000:18:00.0")
+
+
+def spec(name, fn, timeout_s=5.0):
+    return CheckSpec(name=name, summary=name, run=fn, timeout_s=timeout_s)
+
+
+def run(*specs):
+    return run_checks(object(), specs, config.defaults(specs))
+
+
+def test_each_way_a_check_ends():
+    release = threading.Event()
+
+    def hangs(node, cfg):
+        release.wait(30)
+        return []
+
+    def finds(node, cfg):
+        yield Finding("finds", "x", GPU, Status.WARN, "warm", Action.MONITOR)
+
+    def source_error(node, cfg):
+        raise SourceError("/sys/class/infiniband/mlx5_0/ports/1/state: cannot read")
+
+    def crashes(node, cfg):
+        return {}["missing"]
+
+    def not_here(node, cfg):
+        raise NotApplicable("no InfiniBand HCA")
+
+    def no_tool(node, cfg):
+        raise ToolMissing("dcgmi: not installed")
+
+    results = {r.check: r for r in run(
+        spec("ok", lambda n, c: []), spec("finds", finds), spec("hangs", hangs, timeout_s=0.2),
+        spec("source_error", source_error), spec("crashes", crashes), spec("not_here", not_here),
+        spec("no_tool", no_tool))}
+    release.set()
+    assert results["ok"].status is Status.OK and results["ok"].error is None
+    assert results["finds"].status is Status.WARN and results["finds"].action is Action.MONITOR
+    assert results["hangs"].status is Status.UNKNOWN and "timed out after 0.2s" in results["hangs"].error
+    assert results["source_error"].status is Status.UNKNOWN and "mlx5_0" in results["source_error"].error
+    assert results["crashes"].status is Status.UNKNOWN and "KeyError" in results["crashes"].error
+    assert results["not_here"].status is Status.SKIPPED and "InfiniBand" in results["not_here"].error
+    assert results["no_tool"].status is Status.SKIPPED
+
+
+def test_checks_run_concurrently():
+    # Both checks must be inside run() at the same time for the barrier to open.
+    barrier = threading.Barrier(2, timeout=10)
+
+    def meet(node, cfg):
+        barrier.wait()
+        return []
+
+    results = run(spec("a", meet, timeout_s=20), spec("b", meet, timeout_s=20))
+    assert [r.status for r in results] == [Status.OK, Status.OK]
+
+
+def test_config_timeout_overrides_the_checks_own():
+    release = threading.Event()
+    specs = [spec("slow", lambda n, c: release.wait(30) and [], timeout_s=60)]
+    cfg = config.defaults(specs)
+    cfg.agent["check_timeout_s"] = 0.1
+    (result,) = run_checks(object(), specs, cfg)
+    release.set()
+    assert result.status is Status.UNKNOWN and "0.1s" in result.error

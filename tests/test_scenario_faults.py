@@ -1,0 +1,69 @@
+"""Faults injected into copies of bundled scenarios: the agent keeps judging what it can and says what it
+could not."""
+import json
+
+from gpuwarden.agent import config
+from gpuwarden.agent.model import Status, verdict_exit_code
+from gpuwarden.agent.node import Node
+from gpuwarden.agent.runner import run_checks
+from gpuwarden.checks import ALL
+
+
+def preflight(root):
+    node = Node.recorded_at(root)
+    return {r.check: r for r in run_checks(node, ALL, config.defaults(ALL))}
+
+
+def test_unreadable_kmsg_makes_xid_unknown_not_ok(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    (root / "kmsg").unlink()
+    (root / "kmsg").mkdir()  # exists but cannot be read as a file (root ignores permission bits)
+    results = preflight(root)
+    assert results["xid"].status is Status.UNKNOWN and "kmsg" in results["xid"].error
+    assert results["ecc"].status is Status.OK  # the other checks still ran
+    assert verdict_exit_code(results.values()) == 2
+
+
+def test_missing_kmsg_is_unknown(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    (root / "kmsg").unlink()
+    results = preflight(root)
+    assert results["xid"].status is Status.UNKNOWN and "missing" in results["xid"].error
+
+
+def test_gpu_lost_on_one_device_others_still_checked(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    snap = json.loads((root / "nvml.json").read_text())
+    snap["gpus"][5]["errors"] = {"*": "GPU_IS_LOST"}
+    snap["gpus"][3]["errors"] = {"nvmlDeviceGetTotalEccErrors": "UNKNOWN"}
+    snap["gpus"][6]["remapped_rows"]["pending"] = True
+    (root / "nvml.json").write_text(json.dumps(snap))
+    ecc = preflight(root)["ecc"]
+    by_index = {f.entity.index: f for f in ecc.findings}
+    assert sorted(by_index) == [3, 5, 6]
+    assert by_index[5].code == "gpu-lost" and by_index[5].status is Status.FAIL
+    assert by_index[5].entity.pci  # identity recovered from sysfs even though NVML cannot open the GPU
+    assert by_index[3].code == "nvml-error" and by_index[3].status is Status.UNKNOWN
+    assert "nvmlDeviceGetTotalEccErrors" in by_index[3].message
+    assert by_index[6].code == "row-remap-pending"  # GPU 6 was still judged after 3 and 5 failed
+    assert ecc.status is Status.FAIL
+
+
+def test_nvml_unusable_makes_nvml_checks_unknown(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    (root / "nvml.json").write_text("{ not json")
+    results = preflight(root)
+    assert results["ecc"].status is Status.UNKNOWN and "nvml.json" in results["ecc"].error
+    assert results["ib_port"].status is Status.OK
+
+
+def test_malformed_node_toml_names_the_key(scenario_copy):
+    import pytest
+
+    from gpuwarden.agent.errors import ConfigError
+
+    root = scenario_copy("gb200-nvl72-healthy")
+    toml = root / "node.toml"
+    toml.write_text('hostnme = "typo"\n' + toml.read_text())
+    with pytest.raises(ConfigError, match="hostnme"):
+        Node.recorded_at(root)
