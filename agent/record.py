@@ -3,6 +3,7 @@ the checks read, so what is recorded is exactly what preflight will read back.""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 from importlib import metadata
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from .errors import NvmlError, SourceError
 from .node import Node
+from .sources.nvml import SNAPSHOT_FORMAT
 from .sources.sysfs import Sysfs
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -32,10 +34,13 @@ def record(node: Node, out: Path) -> list[str]:
     info.versions.setdefault("kernel", platform.release())
     info.versions["gpuwarden"] = metadata.version("gpuwarden")
     try:
-        (out / "nvml.json").write_text(_nvml_json(node))
-        info.versions.setdefault("driver", node.nvml.driver_version())
+        snapshot = node.nvml.snapshot()
+        info.versions.setdefault("driver", snapshot.get("driver_version", ""))
     except NvmlError as exc:
+        # Keep the failure itself: replaying the bundle then fails the same way the node did.
         problems.append(f"nvml: {exc}")
+        snapshot = {"format": SNAPSHOT_FORMAT, "errors": {exc.call: exc.code}, "gpus": []}
+    (out / "nvml.json").write_text(json.dumps(snapshot, indent=2) + "\n")
     (out / "node.toml").write_text(info.to_toml())
     try:
         (out / "kmsg").write_text(node.kmsg.raw_text())
@@ -43,12 +48,6 @@ def record(node: Node, out: Path) -> list[str]:
         problems.append(f"kmsg: {exc}")
     problems += _copy_sys(node.sysfs, Sysfs(out))
     return problems
-
-
-def _nvml_json(node: Node) -> str:
-    import json
-
-    return json.dumps(node.nvml.snapshot(), indent=2) + "\n"
 
 
 def _copy_file(src: Sysfs, dst: Sysfs, path: str, problems: list[str]) -> None:

@@ -113,3 +113,37 @@ def test_checks_flag_selects(tmp_path):
     proc = gpuwarden("preflight", "--root", scenario("gb200-nvl72-faulty"), "--checks", "ib_port", "--json")
     report = json.loads(proc.stdout)
     assert [r["check"] for r in report["results"]] == ["ib_port"] and proc.returncode == 1
+
+
+KERNEL_LOGS = ROOT / "fixtures" / "logs" / "kernel"
+
+
+def test_analyze_json_on_real_kernel_logs():
+    xid79 = "fixtures/logs/kernel/gpud__dmesg__xid79-fallen-off-bus-with-nvswitch-SXid-20034.txt"
+    noise = "fixtures/logs/kernel/gpud__journalctl-short-iso__noise-2.log"
+    truncated = "fixtures/logs/kernel/handmade__kmsg-raw__peermem-TRUNCATED-last-record.log"
+    proc = gpuwarden("analyze", "--json", xid79, noise, truncated)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["tool"] == "analyze" and report["exit_code"] == 1
+    (finding,) = report["findings"]  # the noise file and the peermem log hold no XID
+    assert finding["code"] == "79" and finding["action"] == "REBOOT" and finding["status"] == "fail"
+    assert finding["entity"] == {"kind": "gpu", "id": "GPU-b6c3b2be-c55b-d076-fa0e-d464e4c7e08b",
+                                 "pci": "0000:91:00.0"}
+    by_file = {r["source"].split(" ")[0]: r for r in report["results"]}
+    assert by_file[noise]["status"] == "ok" and by_file[noise]["findings"] == []
+    assert by_file[truncated]["notes"] == [
+        f"{truncated}:8: malformed kmsg record (no ';' between header and message): '6,3973,2279'"]
+
+
+def test_analyze_exit_codes():
+    warn_only = "fixtures/logs/kernel/gpud__dmesg-ctime__xid45-then-hung-task-nvidia-stack.txt"  # solo XID 45
+    assert gpuwarden("analyze", warn_only).returncode == 0
+    assert gpuwarden("analyze", "fixtures/logs/kernel/does-not-exist.log").returncode == 2
+
+
+def test_logs_are_json_lines_when_not_on_a_tty(tmp_path):
+    proc = gpuwarden("record", "--root", scenario("gb200-nvl72-healthy"), "--out", str(tmp_path / "r"))
+    assert proc.returncode == 0
+    lines = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert lines and lines[-1]["event"] == "recorded" and lines[-1]["level"] == "info" and "timestamp" in lines[-1]

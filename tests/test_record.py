@@ -43,3 +43,30 @@ def test_record_via_cli_writes_a_scenario_preflight_accepts(tmp_path):
     out = tmp_path / "bundle"
     assert main(["record", "--root", str(NODES / "h100-hgx-healthy"), "--out", str(out)]) == 0
     assert main(["preflight", "--root", str(out), "--json"]) == 0
+
+
+def test_live_record_and_preflight_on_this_machine(tmp_path):
+    """The live paths (NVML, /sys, /dev/kmsg) on whatever this machine is. Without a GPU driver NVML's own
+    error is recorded and replays as the same UNKNOWN; never as healthy."""
+    import os
+
+    from gpuwarden.agent.model import Status
+    from gpuwarden.agent.sources.kmsg import DEV_KMSG
+
+    live = Node.live()
+    out = tmp_path / "bundle"
+    problems = record(live, out)
+    assert (out / "node.toml").exists() and (out / "nvml.json").exists()
+    if os.access(DEV_KMSG, os.R_OK):
+        assert (out / "kmsg").stat().st_size > 0
+    live_results = {r.check: r for r in run_checks(Node.live(), ALL, config.defaults(ALL))}
+    replayed = {r.check: r for r in run_checks(Node.recorded_at(out), ALL, config.defaults(ALL))}
+    snap = json.loads((out / "nvml.json").read_text())
+    if "nvmlInit" in snap.get("errors", {}):  # no usable driver here
+        assert any(p.startswith("nvml:") for p in problems)
+        for results in (live_results, replayed):
+            assert results["ecc"].status is Status.UNKNOWN and "nvmlInit" in results["ecc"].error
+    else:  # a GPU node: what was recorded judges the same as the live node
+        assert [g["index"] for g in snap["gpus"]] == list(range(len(snap["gpus"])))
+        assert replayed["ecc"].status == live_results["ecc"].status
+    assert replayed["ib_port"].status == live_results["ib_port"].status

@@ -1,7 +1,7 @@
 """The kernel log: /dev/kmsg live (records since boot, non-blocking), a plain file on a recorded node.
 
 The cursor (last sequence number + boot_id) is what the daemon persists so a restart neither misses
-nor repeats a record; `read_since` honours it.
+nor repeats a record; `KmsgFollower` honours it.
 """
 from __future__ import annotations
 
@@ -33,10 +33,7 @@ class KernelLog:
         self.parse_errors: list[ParseError] = []
 
     def raw_text(self) -> str:
-        """The log as /dev/kmsg records, one a line (what `record` saves)."""
-        return self._read_text()
-
-    def _read_text(self) -> str:
+        """The log as /dev/kmsg records, one a line (what `record` saves and `records` parses)."""
         if not self.live:
             try:
                 return self.path.read_text(errors="replace")
@@ -44,38 +41,102 @@ class KernelLog:
                 raise SourceError(f"{self.path}: kernel log missing") from None
             except OSError as exc:
                 raise SourceError(f"{self.path}: cannot read kernel log: {exc.strerror or exc}") from None
-        # /dev/kmsg returns one record per read() and EAGAIN at the end in non-blocking mode.
+        fd = _open_kmsg(self.path)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            raise SourceError(f"{self.path}: cannot open kernel log: {exc.strerror or exc}") from None
-        chunks: list[str] = []
-        try:
-            while True:
-                try:
-                    data = os.read(fd, 8192)
-                except OSError as exc:
-                    if exc.errno == errno.EAGAIN:
-                        break
-                    if exc.errno == errno.EPIPE:  # the ring buffer overwrote records we had not read
-                        continue
-                    raise SourceError(f"{self.path}: read failed: {exc.strerror}") from None
-                if not data:
-                    break
-                chunks.append(data.decode(errors="replace"))
+            return _read_available(fd, self.path)[0]
         finally:
             os.close(fd)
-        return "".join(c if c.endswith("\n") else c + "\n" for c in chunks)
 
     def records(self) -> list[LogRecord]:
         """Every record available now. Malformed records are kept in `parse_errors`, not raised."""
-        records, errors = parse_kmsg_text(self._read_text(), self.name)
+        records, errors = parse_kmsg_text(self.raw_text(), self.name)
         self.parse_errors = errors
         return records
 
-    def read_since(self, cursor: Cursor | None) -> tuple[list[LogRecord], Cursor]:
-        records = self.records()
-        if cursor is not None and cursor.boot_id == self.boot_id:
-            records = [r for r in records if r.seq is not None and r.seq > cursor.seq]
-        last = max((r.seq for r in records if r.seq is not None), default=cursor.seq if cursor else -1)
-        return records, Cursor(self.boot_id, last)
+
+class KmsgFollower:
+    """New kernel-log records since the last poll, resuming after a saved cursor.
+
+    Live it keeps /dev/kmsg open non-blocking (one record per read, EAGAIN when caught up, EPIPE when the
+    ring buffer overwrote records we had not read yet: counted in `lost`). On a recorded node it follows the
+    scenario's kmsg file as it grows, taking only complete lines, and starts over if the file shrinks. Either
+    way records at or below the cursor's sequence number of the same boot are skipped, so a restart with the
+    persisted cursor neither repeats nor misses a record.
+    """
+
+    def __init__(self, log: KernelLog, cursor: Cursor | None = None):
+        self.log = log
+        self.cursor = cursor if cursor is not None and cursor.boot_id == log.boot_id else Cursor(log.boot_id, -1)
+        self.lost = 0
+        self.parse_errors: list[ParseError] = []
+        self._fd: int | None = None
+        self._offset = 0
+        self._pending = b""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def poll(self) -> list[LogRecord]:
+        text = self._read_live() if self.log.live else self._read_file()
+        if not text:
+            return []
+        records, errors = parse_kmsg_text(text, self.log.name)
+        self.parse_errors.extend(errors)
+        fresh = [r for r in records if r.seq is not None and r.seq > self.cursor.seq]
+        if fresh:
+            self.cursor = Cursor(self.log.boot_id, fresh[-1].seq)
+        return fresh
+
+    def _read_live(self) -> str:
+        if self._fd is None:
+            self._fd = _open_kmsg(self.log.path)
+        text, lost = _read_available(self._fd, self.log.path)
+        self.lost += lost
+        return text
+
+    def _read_file(self) -> str:
+        try:
+            size = self.log.path.stat().st_size
+            if size < self._offset:  # truncated or replaced: read it again from the start
+                self._offset, self._pending = 0, b""
+            with open(self.log.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError as exc:
+            raise SourceError(f"{self.log.path}: cannot read kernel log: {exc.strerror or exc}") from None
+        self._offset += len(data)
+        data = self._pending + data
+        complete, _, self._pending = data.rpartition(b"\n")  # a line still being written waits for its newline
+        return (complete + b"\n").decode(errors="replace") if complete else ""
+
+
+def _open_kmsg(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot open kernel log: {exc.strerror or exc}") from None
+
+
+def _read_available(fd: int, path: Path) -> tuple[str, int]:
+    """Every record /dev/kmsg has for this descriptor now, and how many overwrites (EPIPE) were met.
+
+    /dev/kmsg returns one record per read() and EAGAIN when caught up (non-blocking); a regular file
+    (tests, a scenario) returns data until EOF."""
+    chunks: list[bytes] = []
+    lost = 0
+    while True:
+        try:
+            data = os.read(fd, 8192)
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                break
+            if exc.errno == errno.EPIPE:
+                lost += 1  # overwritten before we read it; the next read resumes at the oldest record
+                continue
+            raise SourceError(f"{path}: read failed: {exc.strerror}") from None
+        if not data:
+            break
+        chunks.append(data if data.endswith(b"\n") else data + b"\n")
+    return b"".join(chunks).decode(errors="replace"), lost

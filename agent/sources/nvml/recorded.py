@@ -89,6 +89,8 @@ class RecordedNvml:
 
     def nvmlDeviceGetCount(self) -> int:
         self._require_init()
+        if "nvmlDeviceGetCount" in self._snap.get("errors", {}):
+            raise _error(self._snap["errors"]["nvmlDeviceGetCount"])
         return len(self._gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> RecordedHandle:
