@@ -39,8 +39,9 @@ class Config:
 
 def defaults(specs: Iterable[CheckSpec]) -> Config:
     specs = list(specs)
+    list_types = {"agent.checks": str} | {f"checks.{s.name}.{k}": t for s in specs for k, t in s.list_types.items()}
     return Config(copy.deepcopy(AGENT_DEFAULTS), {s.name: copy.deepcopy(dict(s.defaults)) for s in specs},
-                  list_types={"agent.checks": str} | {f"checks.{s.name}.{k}": t for s in specs for k, t in s.list_types.items()})
+                  list_types=list_types)
 
 
 def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = False) -> Config:
@@ -76,7 +77,8 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
         elif key == "checks":
             for name, table in _table(value, "checks", origin).items():
                 if name not in check_names:
-                    raise ConfigError(f"{origin}: unknown check 'checks.{name}' (known: {', '.join(sorted(check_names))})")
+                    known = ", ".join(sorted(check_names))
+                    raise ConfigError(f"{origin}: unknown check 'checks.{name}' (known: {known})")
                 _merge(cfg, cfg.checks[name], _table(table, f"checks.{name}", origin), f"checks.{name}", origin)
         else:
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent] and [checks.<name>])")

@@ -128,7 +128,7 @@ class Node:
         pci_gpus = nvidia_pci_gpus(self.sysfs)
         # NVML enumerates in PCI bus order; only trust the positional match when the counts agree.
         if len(pci_gpus) == len(gpus):
-            for gpu, bdf in zip(gpus, pci_gpus):
+            for gpu, bdf in zip(gpus, pci_gpus, strict=True):
                 if gpu.pci is None:
                     gpu.pci = bdf
                     gpu.uuid = gpu.uuid or driver_gpu_uuid(self.sysfs, bdf)

@@ -70,7 +70,8 @@ def _result(name: str, outcome: _Outcome, duration: float) -> CheckResult:
     return CheckResult(name, Status.UNKNOWN, error=f"internal error: {type(exc).__name__}: {exc}", duration_s=duration)
 
 
-def run_checks(node: Any, specs: Iterable[CheckSpec], config: Any, progress: Progress | None = None) -> list[CheckResult]:
+def run_checks(node: Any, specs: Iterable[CheckSpec], config: Any,
+               progress: Progress | None = None) -> list[CheckResult]:
     """Run every spec concurrently; results come back in the order of `specs`."""
     specs = list(specs)
     results: dict[str, CheckResult] = {}

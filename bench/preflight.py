@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,8 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             rss.append(usage.ru_maxrss / 1024)
         print(f"{scenario.parent.name:<22} wall median {statistics.median(times) * 1000:.0f} ms "
-              f"(min {min(times) * 1000:.0f}, max {max(times) * 1000:.0f}); peak RSS median {statistics.median(rss):.1f} MB; "
-              f"exit {os.waitstatus_to_exitcode(status)}")
+              f"(min {min(times) * 1000:.0f}, max {max(times) * 1000:.0f}); "
+              f"peak RSS median {statistics.median(rss):.1f} MB; exit {os.waitstatus_to_exitcode(status)}")
 
 
 if __name__ == "__main__":

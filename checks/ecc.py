@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import CheckSpec, read_each_gpu
+from gpuwarden.agent.check import CheckSpec
+from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.errors import NvmlError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 

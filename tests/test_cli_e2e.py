@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -77,7 +76,8 @@ def test_human_table_names_the_faults():
     assert proc.returncode == 1
     rows = [line.split() for line in proc.stdout.splitlines()]
     # check, status, action, code, then the entity: index, UUID and PCI address of the XID 79 GPU.
-    assert ["xid", "FAIL", "REBOOT", "79", "GPU", "2", "GPU-d31f83c1-7f20-f9ad-e7a7-a6207a05c957", "0018:01:00.0"] in rows
+    assert ["xid", "FAIL", "REBOOT", "79", "GPU", "2", "GPU-d31f83c1-7f20-f9ad-e7a7-a6207a05c957",
+            "0018:01:00.0"] in rows
     assert ["ecc", "FAIL", "RESET_GPU", "row-remap-pending", "GPU", "1", "GPU-7f56209f-bfaa-0234-486e-9d778f65ba32",
             "0009:01:00.0"] in rows
     assert ["ib_port", "FAIL", "DRAIN", "ib-port-down", "ib_port", "mlx5_2/1"] in rows

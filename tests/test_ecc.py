@@ -50,7 +50,8 @@ def test_volatile_uncorrectable_fails_and_history_warns():
 
 @pytest.mark.parametrize("hist, expected", [
     ({"max": 2555, "high": 3, "partial": 2, "low": 0, "none": 0}, []),
-    ({"max": 2555, "high": 3, "partial": 1, "low": 1, "none": 0}, [("row-remap-headroom-low", Status.WARN, Action.MONITOR)]),
+    ({"max": 2555, "high": 3, "partial": 1, "low": 1, "none": 0},
+     [("row-remap-headroom-low", Status.WARN, Action.MONITOR)]),
     ({"max": 2555, "high": 3, "partial": 0, "low": 1, "none": 1},
      [("row-remap-headroom-exhausted", Status.WARN, Action.SERVICE)]),
 ])
@@ -60,7 +61,8 @@ def test_headroom_warns_before_the_banks_run_out(hist, expected):
 
 def test_headroom_thresholds_are_configurable():
     hist = {"max": 2555, "high": 3, "partial": 0, "low": 1, "none": 1}
-    assert ecc.decide(GPU, reading(hist=hist), {**POLICY, "banks_without_spares_max": 1, "banks_low_spares_warn": 2}) == []
+    policy = {**POLICY, "banks_without_spares_max": 1, "banks_low_spares_warn": 2}
+    assert ecc.decide(GPU, reading(hist=hist), policy) == []
 
 
 def test_ecc_disabled_and_pending_mode():

@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 from gpuwarden.agent.model import (Action, CheckResult, Entity, Finding, Report, Status, fold_status,
                                    verdict_exit_code)
 
-entities = st.builds(Entity, kind=st.sampled_from(["gpu", "ib_port", "pcie", "nvlink", "node"]), id=st.text(min_size=1),
-                     index=st.none() | st.integers(0, 71), pci=st.none() | st.text(), link=st.none() | st.integers(0, 17))
+entities = st.builds(Entity, kind=st.sampled_from(["gpu", "ib_port", "pcie", "nvlink", "node"]),
+                     id=st.text(min_size=1), index=st.none() | st.integers(0, 71), pci=st.none() | st.text(),
+                     link=st.none() | st.integers(0, 17))
 evidence = st.dictionaries(st.text(), st.none() | st.booleans() | st.integers() | st.text())
 findings = st.builds(Finding, check=st.text(min_size=1), code=st.text(min_size=1), entity=entities,
                      status=st.sampled_from([Status.WARN, Status.FAIL, Status.UNKNOWN]), message=st.text(),

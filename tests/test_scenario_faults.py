@@ -67,3 +67,18 @@ def test_malformed_node_toml_names_the_key(scenario_copy):
     toml.write_text('hostnme = "typo"\n' + toml.read_text())
     with pytest.raises(ConfigError, match="hostnme"):
         Node.recorded_at(root)
+
+
+def test_empty_kmsg_is_unknown_not_ok(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    (root / "kmsg").write_text("")
+    xid = preflight(root)["xid"]
+    assert xid.status is Status.UNKNOWN and "holds no record" in xid.error
+
+
+def test_malformed_kmsg_lines_do_not_stop_the_check(scenario_copy):
+    root = scenario_copy("gb200-nvl72-faulty")
+    with open(root / "kmsg", "a") as f:
+        f.write("6,99999,12\n")  # a record cut off mid-header
+    xid = preflight(root)["xid"]
+    assert xid.status is Status.FAIL and [f.code for f in xid.findings] == ["63", "79"]

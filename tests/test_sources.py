@@ -6,7 +6,6 @@ import os
 import shutil
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 

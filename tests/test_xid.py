@@ -119,7 +119,7 @@ def test_xids_found_in_each_log(name):
 def test_tsv_rows_one_by_one():
     rows = tsv_rows()
     assert len(rows) == len(TSV_EXPECTED)
-    for row, expected in zip(rows, TSV_EXPECTED):
+    for row, expected in zip(rows, TSV_EXPECTED, strict=True):
         event = parse_xid(row["line_verbatim"])
         assert (None if event is None else (event.xid, event.pci)) == expected, row["line_verbatim"]
 

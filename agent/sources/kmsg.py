@@ -10,10 +10,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from ..errors import ParseError, SourceError
 from ..kernel_log import LogRecord, parse_kmsg_text
 
 DEV_KMSG = "/dev/kmsg"
+_MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
+log = structlog.get_logger("gpuwarden.kmsg")
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,15 @@ class KernelLog:
             os.close(fd)
 
     def records(self) -> list[LogRecord]:
-        """Every record available now. Malformed records are kept in `parse_errors`, not raised."""
+        """Every record since boot. Malformed records are logged and kept in `parse_errors`, not raised; a log
+        with no record at all is a SourceError (a booted kernel always has something to say)."""
         records, errors = parse_kmsg_text(self.raw_text(), self.name)
         self.parse_errors = errors
+        for err in errors[:_MAX_LOGGED_PARSE_ERRORS]:
+            log.warning("malformed kernel log record", error=str(err))
+        if not records:
+            raise SourceError(f"{self.path}: kernel log holds no record"
+                              + (f" ({len(errors)} malformed line(s))" if errors else ""))
         return records
 
 

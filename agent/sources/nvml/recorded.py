@@ -6,7 +6,6 @@ pynvml.NVMLError subclasses (NotSupported, GPU is lost, ...) where the scenario 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
