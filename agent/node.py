@@ -120,6 +120,13 @@ class Node:
             pass  # the checks that need NVML will say why they could not look
         return node
 
+    def uptime_usec(self) -> int | None:
+        """Microseconds since boot (the clock of kmsg records), from /proc/uptime under the root."""
+        try:
+            return int(float(self.sysfs.read("/proc/uptime").split()[0]) * 1_000_000)
+        except (SourceError, ValueError, IndexError):
+            return None
+
     def gpus(self) -> list[Gpu]:
         """NVML's GPUs, with the identity of GPUs NVML cannot open filled in from the kernel's view."""
         gpus = self.nvml.gpus()

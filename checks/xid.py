@@ -202,8 +202,20 @@ def analyze_text(text: str, source: str, gpus: Sequence[GpuRef] = ()) -> tuple[l
     return decide(events, [*gpus, *logged], load_catalog(), CHECK.defaults), errors
 
 
+def recent(records: Sequence[LogRecord], window_s: float, now_usec: int | None) -> list[LogRecord]:
+    """Records of the last `window_s` seconds (0 = the whole boot). `now_usec` is the node's uptime; without
+    it, the newest record's time stands in (a recorded node)."""
+    if window_s <= 0:
+        return list(records)
+    stamps = [r.usec for r in records if r.usec is not None]
+    now = now_usec if now_usec is not None else max(stamps, default=0)
+    oldest = now - int(window_s * 1_000_000)
+    return [r for r in records if r.usec is None or r.usec >= oldest]
+
+
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:
     records = node.kmsg.records()  # SourceError propagates: the runner reports UNKNOWN
+    records = recent(records, cfg["window_s"], node.uptime_usec())
     try:
         # node.gpus(): NVML's list with the PCI/UUID of a lost GPU filled in from sysfs and the driver.
         gpus = list(node.gpus())
@@ -217,7 +229,9 @@ CHECK = CheckSpec(
     name=CHECK_NAME,
     summary="NVIDIA XID errors in the kernel log, with the action NVIDIA's XID catalogue recommends",
     run=run,
-    defaults={"ignore_xids": [], "fail_xids": []},
+    # window_s: judge only XIDs of the last N seconds (0 = since boot). A preflight after a GPU reset would
+    # otherwise keep failing on the XID that caused the reset until the next reboot.
+    defaults={"ignore_xids": [], "fail_xids": [], "window_s": 0.0},
     list_types={"ignore_xids": int, "fail_xids": int},
     timeout_s=30,
 )

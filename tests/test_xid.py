@@ -319,7 +319,30 @@ def test_policy_fail_xids_forces_at_least_drain():
 
 
 def test_policy_comes_from_config_as_the_check_declares_it():
-    assert CHECK.name == "xid" and CHECK.defaults == {"ignore_xids": [], "fail_xids": []}
+    assert CHECK.name == "xid" and CHECK.defaults == {"ignore_xids": [], "fail_xids": [], "window_s": 0.0}
+
+
+def test_window_keeps_only_recent_xids():
+    from gpuwarden.checks.xid import recent
+
+    text = ("6,1,1000000,-;boot\n"
+            "3,2,5000000,-;NVRM: Xid (PCI:0000:19:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
+            "3,3,95000000,-;NVRM: Xid (PCI:0000:19:00): 13, pid=1, name=p, Graphics Exception\n")
+    records, _ = parse_log_text(text, "k")
+    assert len(recent(records, 0, None)) == 3
+    # now = 100 s after boot; a 60 s window drops the XID 48 at 5 s and keeps the XID 13 at 95 s.
+    kept = recent(records, 60, 100_000_000)
+    assert [r.seq for r in kept] == [3]
+    # without the uptime (a recorded node) the newest record is "now"
+    assert [r.seq for r in recent(records, 60, None)] == [3]
+
+
+def test_window_on_a_recorded_node(scenario_copy):
+    root = scenario_copy("gb200-nvl72-faulty")
+    node = Node.recorded_at(root)
+    assert [f.code for f in run(node, DEFAULTS)] == ["63", "79"]
+    (root / "proc" / "uptime").write_text("99999999.00 1.00\n")  # long after the XIDs were logged
+    assert list(run(Node.recorded_at(root), {**DEFAULTS, "window_s": 3600.0})) == []
 
 
 # --- run() on recorded nodes -------------------------------------------------------------------------
