@@ -15,7 +15,7 @@ Analyzer = Callable[[str, str], "tuple[str, list[Finding], list[ParseError]]"]
 
 
 def _kernel_log(text: str, source: str) -> tuple[str, list[Finding], list[ParseError]]:
-    from gpuwarden.checks.xid import analyze_text
+    from gpuwarden.checks.xid import analyze_text  # checks import agent: import at use, not at load
 
     findings, errors = analyze_text(text, source)
     return "xid", findings, errors

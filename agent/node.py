@@ -43,6 +43,12 @@ class NodeInfo:
             raise ConfigError(f"{path}: unknown key '{unknown[0]}' (known: {', '.join(sorted(NODE_TOML_KEYS))})")
         if not isinstance(data.get("hostname"), str):
             raise ConfigError(f"{path}: 'hostname' is required and must be a string")
+        for key in ("sku", "rack", "nvlink_domain", "boot_id", "recorded_at"):
+            if key in data and not isinstance(data[key], str):
+                raise ConfigError(f"{path}: '{key}' must be a string")
+        versions = data.get("versions", {})
+        if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
+            raise ConfigError(f"{path}: [versions] must be a table of strings")
         sku = data.get("sku", "unknown")
         if sku not in KNOWN_SKUS:
             raise ConfigError(f"{path}: sku '{sku}' is not one of {', '.join(KNOWN_SKUS)}")

@@ -82,3 +82,19 @@ def test_malformed_kmsg_lines_do_not_stop_the_check(scenario_copy):
         f.write("6,99999,12\n")  # a record cut off mid-header
     xid = preflight(root)["xid"]
     assert xid.status is Status.FAIL and [f.code for f in xid.findings] == ["63", "79"]
+
+
+def test_node_toml_types_are_checked(scenario_copy):
+    import pytest
+
+    from gpuwarden.agent.errors import ConfigError
+
+    root = scenario_copy("gb200-nvl72-healthy")
+    toml = root / "node.toml"
+    text = toml.read_text()
+    toml.write_text(text.replace('rack = "rack07"', "rack = 7"))
+    with pytest.raises(ConfigError, match="'rack' must be a string"):
+        Node.recorded_at(root)
+    toml.write_text(text.replace('sku = "GB200-NVL72"', 'sku = "GB200"'))
+    with pytest.raises(ConfigError, match="sku 'GB200' is not one of"):
+        Node.recorded_at(root)
