@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .errors import ParseError
+from .errors import GpuwardenError, ParseError
 from .kernel_log import detect_format
 from .model import CheckResult, Finding, Report, Status, fold_status
 
@@ -22,8 +22,23 @@ def _kernel_log(text: str, source: str) -> tuple[str, list[Finding], list[ParseE
 
 
 def detect(text: str) -> tuple[str, Analyzer]:
-    """Which analyzer reads this text. Kernel logs are the fallback: any text may hold NVRM lines."""
+    """Which analyzer reads this text: the first check analyzer whose format matches, in check order; kernel
+    logs are the fallback (any text may hold NVRM lines)."""
+    from gpuwarden.checks import ALL
+
+    for spec in ALL:
+        for analyzer in spec.analyzers:
+            if analyzer.detect(text):
+                return analyzer.fmt, _wrap(spec.name, analyzer.analyze)
     return f"kernel-log/{detect_format(text)}", _kernel_log
+
+
+def _wrap(check: str, fn: Callable[[str, str], "tuple[list[Finding], list[ParseError]]"]) -> Analyzer:
+    def run(text: str, source: str) -> tuple[str, list[Finding], list[ParseError]]:
+        findings, errors = fn(text, source)
+        return check, findings, errors
+
+    return run
 
 
 def analyze_file(path: Path) -> CheckResult:
@@ -34,7 +49,11 @@ def analyze_file(path: Path) -> CheckResult:
         return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
                            source=str(path))
     fmt, analyzer = detect(text)
-    check, findings, errors = analyzer(text, str(path))
+    try:
+        check, findings, errors = analyzer(text, str(path))
+    except GpuwardenError as exc:  # the whole file is unreadable as its format (garbage, truncated JSON)
+        return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
+                           source=f"{path} ({fmt})")
     notes = tuple(str(e) for e in errors)
     status = fold_status(findings)
     error = None

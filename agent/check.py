@@ -8,10 +8,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from .errors import ParseError
 from .model import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
     from .node import Node
+
+
+@dataclass(frozen=True)
+class Analyzer:
+    """How `gpuwarden analyze` reads one kind of saved output (a tool's stdout, a log) into findings."""
+
+    fmt: str  # e.g. "nccl-tests", "dcgmi-diag-json"
+    detect: Callable[[str], bool]  # cheap: does this text look like my format?
+    analyze: "Callable[[str, str], tuple[list[Finding], list[ParseError]]]"  # (text, source name)
 
 
 @dataclass(frozen=True)
@@ -26,4 +36,8 @@ class CheckSpec:
     list_types: Mapping[str, type] = field(default_factory=dict)
     timeout_s: float = 30.0
     level: str = "quick"  # quick: non-disturbing, seconds; full: loads the GPUs or the network
+    # Resources the check loads ("gpu", "network"): checks sharing one never run at the same time, so a
+    # burn-in does not skew an NCCL bandwidth figure.
+    resources: tuple[str, ...] = ()
+    analyzers: tuple[Analyzer, ...] = ()  # saved-output formats this check's decision code can read
 

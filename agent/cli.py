@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
     pre.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
     pre.add_argument("--check-timeout", type=float, metavar="SECONDS", help="per-check timeout (overrides config)")
+    pre.add_argument("--level", choices=("quick", "full"),
+                     help="quick: non-disturbing checks, seconds (default); full: also the checks that load GPUs "
+                          "and network (burn-in, NCCL, RDMA, DCGM diag), minutes")
+    pre.add_argument("--budget", type=float, metavar="SECONDS",
+                     help="overall time budget; checks not started in time are UNKNOWN")
     _log_flags(pre)
 
     ana = sub.add_parser("analyze", help="find faults in saved logs and tool outputs (post-mortem)")
@@ -81,16 +86,20 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     if args.check_timeout is not None:
         cfg.agent["check_timeout_s"] = config_mod.coerce("--check-timeout", args.check_timeout, 0.0, "command line")
+    if args.budget is not None:
+        cfg.agent["budget_s"] = config_mod.coerce("--budget", args.budget, 0.0, "command line")
+    level = args.level or cfg.agent["level"]
     names = [n for arg in args.checks for n in arg.split(",") if n] or cfg.agent["checks"]
     known = {s.name: s for s in ALL}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise GpuwardenError(f"unknown check '{unknown[0]}' (known: {', '.join(known)})")
-    specs = [known[n] for n in names] if names else list(ALL)
+    # Named checks run whatever their level; otherwise the level picks them.
+    specs = [known[n] for n in names] if names else [s for s in ALL if level == "full" or s.level == "quick"]
     node = _node(args.root)
     progress = Progress() if not args.json else None
     try:
-        results = run_checks(node, specs, cfg, progress)
+        results = run_checks(node, specs, cfg, progress, budget_s=cfg.agent["budget_s"] or None)
     finally:
         if progress:
             progress.close()

@@ -19,10 +19,13 @@ DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
 AGENT_DEFAULTS: dict[str, Any] = {
     "check_timeout_s": 0.0,  # seconds per check; 0 = each check's own default
     "checks": [],  # names to run; empty = every check of the chosen level
+    "level": "quick",  # quick: non-disturbing checks (seconds) | full: also burn-in, NCCL, RDMA, DCGM (minutes)
+    "budget_s": 0.0,  # overall time budget of one preflight; 0 = none (each check still has its timeout)
     "log_format": "auto",  # auto (console on a TTY, JSON otherwise) | json | console
     "log_level": "info",
 }
-_CHOICES = {"log_format": ("auto", "json", "console"), "log_level": ("debug", "info", "warning", "error")}
+_CHOICES = {"log_format": ("auto", "json", "console"), "log_level": ("debug", "info", "warning", "error"),
+            "level": ("quick", "full")}
 
 
 @dataclass

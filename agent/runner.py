@@ -70,17 +70,38 @@ def _result(name: str, outcome: _Outcome, duration: float) -> CheckResult:
     return CheckResult(name, Status.UNKNOWN, error=f"internal error: {type(exc).__name__}: {exc}", duration_s=duration)
 
 
-def run_checks(node: Any, specs: Iterable[CheckSpec], config: Any,
-               progress: Progress | None = None) -> list[CheckResult]:
-    """Run every spec concurrently; results come back in the order of `specs`."""
+def run_checks(node: Any, specs: Iterable[CheckSpec], config: Any, progress: Progress | None = None,
+               budget_s: float | None = None) -> list[CheckResult]:
+    """Run every spec concurrently, except that checks sharing a resource take turns; results come back in
+    the order of `specs`. A check that has not started when `budget_s` runs out is UNKNOWN (not run)."""
     specs = list(specs)
     results: dict[str, CheckResult] = {}
     lock = threading.Lock()
+    resource_locks = {r: threading.Lock() for s in specs for r in s.resources}
+    deadline = None if budget_s is None else time.monotonic() + budget_s
 
     def one(spec: CheckSpec) -> None:
-        if progress:
-            progress(spec.name, "start", None)
-        result = run_one(spec, node, config.for_check(spec.name), _timeout_for(spec, config.agent))
+        held = [resource_locks[r] for r in sorted(set(spec.resources))]  # one global order: no deadlock
+        acquired: list[threading.Lock] = []
+        try:
+            for res_lock in held:
+                wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+                if not res_lock.acquire(timeout=wait):
+                    break
+                acquired.append(res_lock)
+            if len(acquired) < len(held) or (deadline is not None and time.monotonic() >= deadline):
+                result = CheckResult(spec.name, Status.UNKNOWN,
+                                     error=f"not run: the overall time budget of {budget_s:g}s ran out")
+            else:
+                if progress:
+                    progress(spec.name, "start", None)
+                timeout = _timeout_for(spec, config.agent)
+                if deadline is not None:
+                    timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+                result = run_one(spec, node, config.for_check(spec.name), timeout)
+        finally:
+            for res_lock in acquired:
+                res_lock.release()
         with lock:
             results[spec.name] = result
         log.debug("check done", check=spec.name, status=result.status.value, duration_s=round(result.duration_s, 3))

@@ -73,3 +73,41 @@ def test_config_timeout_overrides_the_checks_own():
     (result,) = run_checks(object(), specs, cfg)
     release.set()
     assert result.status is Status.UNKNOWN and "0.1s" in result.error
+
+
+def test_checks_sharing_a_resource_take_turns():
+    inside = []
+    overlap = []
+    gate = threading.Lock()
+
+    def exclusive(name):
+        def run(node, cfg):
+            with gate:
+                if inside:
+                    overlap.append((inside[0], name))
+                inside.append(name)
+            threading.Event().wait(0.05)
+            with gate:
+                inside.remove(name)
+            return []
+        return run
+
+    specs = [CheckSpec(name=n, summary=n, run=exclusive(n), resources=("gpu",), timeout_s=10) for n in "abc"]
+    results = run_checks(object(), specs, config.defaults(specs))
+    assert [r.status for r in results] == [Status.OK] * 3
+    assert overlap == []  # never two "gpu" checks at once
+
+
+def test_budget_marks_checks_that_could_not_start_unknown():
+    release = threading.Event()
+
+    def hog(node, cfg):
+        release.wait(30)
+        return []
+
+    specs = [CheckSpec(name="first", summary="", run=hog, resources=("gpu",), timeout_s=30),
+             CheckSpec(name="second", summary="", run=lambda n, c: [], resources=("gpu",), timeout_s=30)]
+    results = {r.check: r for r in run_checks(object(), specs, config.defaults(specs), budget_s=0.3)}
+    release.set()
+    assert results["first"].status is Status.UNKNOWN and "timed out" in results["first"].error
+    assert results["second"].status is Status.UNKNOWN and "budget" in results["second"].error

@@ -30,6 +30,18 @@ NVLINK_COUNTERS = {
     "crc_flit": pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
     "crc_data": pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
 }
+# Peer-to-peer capabilities NVML reports per ordered GPU pair (nvmlGpuP2PCapsIndex_t).
+P2P_CAPS = {
+    "nvlink": pynvml.NVML_P2P_CAPS_INDEX_NVLINK,
+    "read": pynvml.NVML_P2P_CAPS_INDEX_READ,
+    "write": pynvml.NVML_P2P_CAPS_INDEX_WRITE,
+    "atomics": pynvml.NVML_P2P_CAPS_INDEX_ATOMICS,
+}
+P2P_STATUS_NAMES: dict[int, str] = {
+    getattr(pynvml, n): n[len("NVML_P2P_STATUS_"):] for n in dir(pynvml)
+    if n.startswith("NVML_P2P_STATUS_") and n != "NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED"  # the bindings' typo alias
+}
+P2P_STATUS_CODES: dict[str, int] = {v: k for k, v in P2P_STATUS_NAMES.items()}
 # HBM temperature is only exposed as a field value (no nvmlTemperatureSensors_t for memory).
 FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
 SNAPSHOT_FORMAT = 1
@@ -209,13 +221,40 @@ class Nvml:
             "health_mask": int(info.healthMask),
         }
 
+    def pcie_link(self, gpu: Gpu) -> dict[str, int]:
+        """Current vs maximum PCIe generation and width (max = what GPU and slot both support), and the
+        replay counter (link-level retransmissions: a marginal link shows them before it downtrains)."""
+        return {
+            "gen": int(self._dev(gpu, "nvmlDeviceGetCurrPcieLinkGeneration")),
+            "max_gen": int(self._dev(gpu, "nvmlDeviceGetMaxPcieLinkGeneration")),
+            "width": int(self._dev(gpu, "nvmlDeviceGetCurrPcieLinkWidth")),
+            "max_width": int(self._dev(gpu, "nvmlDeviceGetMaxPcieLinkWidth")),
+            "replay": int(self._dev(gpu, "nvmlDeviceGetPcieReplayCounter")),
+        }
+
+    def p2p_status(self, gpu: Gpu, peer: Gpu) -> dict[str, str]:
+        """NVML's peer-to-peer status from `gpu` to `peer` per capability: "OK" or why not
+        (e.g. NOT_SUPPORTED for NVLink on a pair that only reaches over PCIe)."""
+        if peer.handle is None:
+            raise peer.error or NvmlError("nvmlDeviceGetP2PStatus", "UNKNOWN", peer.index, "no device handle")
+        out = {}
+        for name, cap in P2P_CAPS.items():
+            code = int(self._call("nvmlDeviceGetP2PStatus", gpu.handle, peer.handle, cap, device=gpu.index))
+            out[name] = P2P_STATUS_NAMES.get(code, f"CODE_{code}")
+        return out
+
+    def p2p_matrix(self, gpu: Gpu) -> dict[str, dict[str, str]]:
+        """p2p_status from `gpu` to every other GPU NVML can open, keyed by the peer's index."""
+        return {str(peer.index): self.p2p_status(gpu, peer) for peer in self.gpus()
+                if peer.index != gpu.index and peer.handle is not None}
+
     # -- recording ------------------------------------------------------------------------
     PER_GPU_READS: tuple[str, ...] = (
         "memory_total_bytes", "ecc_mode", "ecc_errors", "remapped_rows", "row_remapper_histogram",
-        "clocks_event_reasons", "temperatures", "nvlinks", "fabric_info",
+        "clocks_event_reasons", "temperatures", "nvlinks", "fabric_info", "pcie_link", "p2p_matrix",
     )
-    # snapshot key differs from method name for these two
-    _SNAPSHOT_KEY = {"temperatures": "temperature", "fabric_info": "fabric"}
+    # snapshot key differs from method name for these
+    _SNAPSHOT_KEY = {"temperatures": "temperature", "fabric_info": "fabric", "pcie_link": "pcie", "p2p_matrix": "p2p"}
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the checks read, as nvml.json (docs/scenario-format.md). Failed calls are kept as errors."""

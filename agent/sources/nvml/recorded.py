@@ -186,6 +186,37 @@ class RecordedNvml:
             raise _error("INVALID_ARGUMENT")
         return int(entry["errors"][names[counter]])
 
+    def _pcie(self, handle: RecordedHandle, call: str, key: str) -> int:
+        return int(self._field(handle, call, "pcie")[key])
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: RecordedHandle) -> int:
+        return self._pcie(handle, "nvmlDeviceGetCurrPcieLinkGeneration", "gen")
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: RecordedHandle) -> int:
+        return self._pcie(handle, "nvmlDeviceGetMaxPcieLinkGeneration", "max_gen")
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: RecordedHandle) -> int:
+        return self._pcie(handle, "nvmlDeviceGetCurrPcieLinkWidth", "width")
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: RecordedHandle) -> int:
+        return self._pcie(handle, "nvmlDeviceGetMaxPcieLinkWidth", "max_width")
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: RecordedHandle) -> int:
+        return self._pcie(handle, "nvmlDeviceGetPcieReplayCounter", "replay")
+
+    def nvmlDeviceGetP2PStatus(self, device1: RecordedHandle, device2: RecordedHandle, p2pIndex: int) -> int:
+        matrix = self._field(device1, "nvmlDeviceGetP2PStatus", "p2p")
+        self._gpu(device2, "nvmlDeviceGetP2PStatus")  # a lost peer fails the call too
+        names = {pynvml.NVML_P2P_CAPS_INDEX_NVLINK: "nvlink", pynvml.NVML_P2P_CAPS_INDEX_READ: "read",
+                 pynvml.NVML_P2P_CAPS_INDEX_WRITE: "write", pynvml.NVML_P2P_CAPS_INDEX_ATOMICS: "atomics"}
+        if p2pIndex not in names or str(device2.index) not in matrix:
+            raise _error("INVALID_ARGUMENT")
+        status = matrix[str(device2.index)][names[p2pIndex]]
+        code = getattr(pynvml, f"NVML_P2P_STATUS_{status}", None)
+        if code is None:
+            raise KeyError(f"{self._origin}: GPU {device1.index}: unknown P2P status {status!r}")
+        return int(code)
+
     def nvmlDeviceGetGpuFabricInfoV(self, device: RecordedHandle, gpuFabricInfo: Any) -> int:
         fabric = self._field(device, "nvmlDeviceGetGpuFabricInfoV", "fabric")
         info = getattr(gpuFabricInfo, "_obj", gpuFabricInfo)  # ctypes.byref(...) or the struct itself
