@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ class Node:
         self._nvml_factory = nvml_factory
         self._nvml: Nvml | None = None
         self._nvml_error: NvmlError | None = None
+        self._gpus_lock = threading.Lock()  # checks run concurrently; the identity fill-in happens once
 
     @property
     def recorded(self) -> bool:
@@ -135,17 +137,18 @@ class Node:
 
     def gpus(self) -> list[Gpu]:
         """NVML's GPUs, with the identity of GPUs NVML cannot open filled in from the kernel's view."""
-        gpus = self.nvml.gpus()
-        if all(g.pci for g in gpus):
+        with self._gpus_lock:
+            gpus = self.nvml.gpus()
+            if all(g.pci for g in gpus):
+                return gpus
+            pci_gpus = nvidia_pci_gpus(self.sysfs)
+            # NVML enumerates in PCI bus order; only trust the positional match when the counts agree.
+            if len(pci_gpus) == len(gpus):
+                for gpu, bdf in zip(gpus, pci_gpus, strict=True):
+                    if gpu.pci is None:
+                        gpu.uuid = gpu.uuid or driver_gpu_uuid(self.sysfs, bdf)
+                        gpu.pci = bdf
             return gpus
-        pci_gpus = nvidia_pci_gpus(self.sysfs)
-        # NVML enumerates in PCI bus order; only trust the positional match when the counts agree.
-        if len(pci_gpus) == len(gpus):
-            for gpu, bdf in zip(gpus, pci_gpus, strict=True):
-                if gpu.pci is None:
-                    gpu.pci = bdf
-                    gpu.uuid = gpu.uuid or driver_gpu_uuid(self.sysfs, bdf)
-        return gpus
 
 
 def nvidia_pci_gpus(sysfs: Sysfs) -> list[str]:

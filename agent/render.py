@@ -18,32 +18,37 @@ def table(report: Report) -> str:
     """One line per check (or per finding), then the finding's message indented under it, wrapped."""
     width = max(80, shutil.get_terminal_size((120, 24)).columns)
     lines = [f"gpuwarden {report.tool}: {report.node}  ({report.source})", ""]
-    lines.append(f"{'CHECK':<10} {'STATUS':<8} {'ACTION':<11} {'CODE':<30} ENTITY")
+    cw = max([len("CHECK"), *(len(r.check) for r in report.results)])
+    lines.append(f"{'CHECK':<{cw}} {'STATUS':<8} {'ACTION':<11} {'CODE':<30} ENTITY")
     for r in report.results:
-        lines.extend(_rows(r, width))
+        lines.extend(_rows(r, width, cw))
     lines.append("")
     lines.append(f"verdict: {_VERDICT[report.exit_code]} (exit {report.exit_code})")
     return "\n".join(lines) + "\n"
 
 
-def _wrapped(text: str, width: int) -> list[str]:
-    return textwrap.wrap(text, width=width, initial_indent=" " * 11, subsequent_indent=" " * 11) or []
+def _wrapped(text: str, width: int, indent: int) -> list[str]:
+    pad = " " * indent
+    return textwrap.wrap(text, width=width, initial_indent=pad, subsequent_indent=pad) or []
 
 
-def _rows(r: CheckResult, width: int) -> list[str]:
+def _rows(r: CheckResult, width: int, cw: int) -> list[str]:
     rows = []
+    pad = cw + 1
     if r.source:
-        rows.append(f"{r.check:<10} {'':<8} {'':<11} {'':<30} file {r.source}")
+        rows.append(f"{r.check:<{cw}} {'':<8} {'':<11} {'':<30} file {r.source}")
     if not r.findings:
-        rows.append(f"{r.check:<10} {_MARK[r.status]:<8} {'-':<11} {'-':<30} -")
-        rows += _wrapped(r.error or f"ran in {r.duration_s:.2f}s, nothing found", width)
+        rows.append(f"{r.check:<{cw}} {_MARK[r.status]:<8} {'-':<11} {'-':<30} -")
+        rows += _wrapped(r.error or f"ran in {r.duration_s:.2f}s, nothing found", width, pad)
     for f in r.findings:
         entity = f.entity.label()
-        rows.append(f"{r.check:<10} {_MARK[f.status]:<8} {f.action.name:<11} {f.code:<30} {entity}")
+        rows.append(f"{r.check:<{cw}} {_MARK[f.status]:<8} {f.action.name:<11} {f.code:<30} {entity}")
         detail = f.message[len(entity) + 2:] if f.message.startswith(entity + ": ") else f.message
-        rows += _wrapped(detail, width)
+        rows += _wrapped(detail, width, pad)
+    if r.findings and r.error:  # stopped part-way: say why after what it found
+        rows += _wrapped(f"stopped: {r.error}", width, pad)
     for note in r.notes:
-        rows += _wrapped(f"note: {note}", width)
+        rows += _wrapped(f"note: {note}", width, pad)
     return rows
 
 

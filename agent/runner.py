@@ -40,8 +40,11 @@ def run_one(spec: CheckSpec, node: Any, cfg: Mapping[str, Any], timeout_s: float
     start = time.monotonic()
 
     def target() -> None:
+        found: list[Finding] = []
+        outcome.findings = found  # findings yielded before a later failure are kept
         try:
-            outcome.findings = list(spec.run(node, cfg))
+            for finding in spec.run(node, cfg):
+                found.append(finding)
         except BaseException as exc:  # noqa: BLE001 - every failure must become a result
             outcome.error = exc
             outcome.trace = traceback.format_exc()
@@ -59,15 +62,19 @@ def run_one(spec: CheckSpec, node: Any, cfg: Mapping[str, Any], timeout_s: float
 
 def _result(name: str, outcome: _Outcome, duration: float) -> CheckResult:
     exc = outcome.error
+    findings = tuple(outcome.findings or ())
     if exc is None:
-        findings = tuple(outcome.findings or ())
         return CheckResult(name, fold_status(findings), findings, None, duration)
-    if isinstance(exc, (NotApplicable, ToolMissing)):
+    if isinstance(exc, (NotApplicable, ToolMissing)) and not findings:
         return CheckResult(name, Status.SKIPPED, error=str(exc), duration_s=duration)
     if isinstance(exc, GpuwardenError):
-        return CheckResult(name, Status.UNKNOWN, error=str(exc), duration_s=duration)
-    log.error("check crashed", check=name, error=repr(exc), traceback=outcome.trace)
-    return CheckResult(name, Status.UNKNOWN, error=f"internal error: {type(exc).__name__}: {exc}", duration_s=duration)
+        error = str(exc)
+    else:
+        log.error("check crashed", check=name, error=repr(exc), traceback=outcome.trace)
+        error = f"internal error: {type(exc).__name__}: {exc}"
+    # The check stopped part-way: what it found stands (a FAIL stays a FAIL), the rest is unknown.
+    status = Status.FAIL if fold_status(findings) is Status.FAIL else Status.UNKNOWN
+    return CheckResult(name, status, findings, error, duration)
 
 
 def run_checks(node: Any, specs: Iterable[CheckSpec], config: Any, progress: Progress | None = None,

@@ -1,11 +1,20 @@
-"""The checks. Each module holds one check's decision logic and exposes CHECK (a CheckSpec)."""
+"""The checks. Each module holds one check's decision logic and exposes CHECK (a CheckSpec).
+
+Order matters twice: it is the order of the report, and `gpuwarden analyze` asks the checks' analyzers in this
+order which one reads a file (the kernel-log reader of `xid` is the fallback, asked last)."""
 from __future__ import annotations
 
 from gpuwarden.agent.check import CheckSpec
 
-from . import ecc, ib_port, xid
+from . import (burnin, dcgm_diag, ecc, ecc_memtest, ib_port, nccl_allreduce, pcie_link, peer_p2p, rdma_loopback,
+               xid)
 
-ALL: tuple[CheckSpec, ...] = (xid.CHECK, ecc.CHECK, ib_port.CHECK)
+ALL: tuple[CheckSpec, ...] = (
+    # quick: reads only, seconds
+    xid.CHECK, ecc.CHECK, ib_port.CHECK, pcie_link.CHECK,
+    # full: load the GPUs or the network, minutes
+    burnin.CHECK, peer_p2p.CHECK, nccl_allreduce.CHECK, rdma_loopback.CHECK, dcgm_diag.CHECK, ecc_memtest.CHECK,
+)
 
 
 def by_name() -> dict[str, CheckSpec]:

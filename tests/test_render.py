@@ -34,6 +34,6 @@ def test_table_lists_every_finding_with_entity_action_and_verdict():
         CheckResult("ib_port", Status.SKIPPED, error="no InfiniBand/RoCE port"),
     ))
     text = table(report)
-    assert "xid        FAIL     REBOOT      79" in text and "GPU 2 GPU-d31f 0018:01:00.0" in text
+    assert "xid     FAIL     REBOOT      79" in text and "GPU 2 GPU-d31f 0018:01:00.0" in text
     assert "SKIP" in text and "no InfiniBand/RoCE port" in text
     assert text.rstrip().endswith("verdict: FAULT: action needed (exit 1)")

@@ -111,3 +111,18 @@ def test_budget_marks_checks_that_could_not_start_unknown():
     release.set()
     assert results["first"].status is Status.UNKNOWN and "timed out" in results["first"].error
     assert results["second"].status is Status.UNKNOWN and "budget" in results["second"].error
+
+
+def test_findings_before_a_crash_are_kept():
+    def partial(node, cfg):
+        yield Finding("partial", "gpu-lost", GPU, Status.FAIL, "lost", Action.REBOOT)
+        raise SourceError("nvbandwidth: no answer within 60s")
+
+    def partial_warn(node, cfg):
+        yield Finding("partial_warn", "x", GPU, Status.WARN, "warm", Action.MONITOR)
+        raise ValueError("boom")
+
+    results = {r.check: r for r in run(spec("partial", partial), spec("partial_warn", partial_warn))}
+    assert results["partial"].status is Status.FAIL and len(results["partial"].findings) == 1
+    assert "nvbandwidth" in results["partial"].error
+    assert results["partial_warn"].status is Status.UNKNOWN and "ValueError" in results["partial_warn"].error

@@ -54,7 +54,8 @@ class ToolRunner:
             raise ToolError(f"{argv[0]}: no answer within {timeout_s:g}s (killed) [recorded hang]")
         out = base.with_suffix(".out")
         if not out.exists():
-            raise ToolMissing(f"{argv[0]}: not installed (no recorded {out})")
+            # Scenario-relative: the message lands in findings, which must not depend on where a scenario lives.
+            raise ToolMissing(f"{argv[0]}: not installed (no recorded tools/{out.name})")
         rc_file = base.with_suffix(".rc")
         try:
             rc = int(rc_file.read_text().strip()) if rc_file.exists() else 0
