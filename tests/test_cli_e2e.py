@@ -147,3 +147,25 @@ def test_logs_are_json_lines_when_not_on_a_tty(tmp_path):
     assert proc.returncode == 0
     lines = [json.loads(line) for line in proc.stderr.splitlines()]
     assert lines and lines[-1]["event"] == "recorded" and lines[-1]["level"] == "info" and "timestamp" in lines[-1]
+
+
+@pytest.mark.parametrize("path, check, fmt, codes, exit_code", [
+    ("fixtures/tools/nccl/dcgm-mock__all_reduce_perf__nccl-tests-2.17plus-format__FAIL-out-of-bounds-wrong1.txt",
+     "nccl_allreduce", "nccl-tests", {"nccl-wrong-results"}, 1),
+    ("fixtures/tools/dcgmi/stas00__dcgmi-diag-r2__text__FRAGMENT__gpu-memory-fail-gpu0-thermal-warning.txt",
+     "dcgm_diag", "dcgmi-diag-text", {"dcgm-memory"}, 1),
+    ("fixtures/tools/dcgmi/virtualclient__dcgmi-diag-r2-j__DCGM-3.x-schema__1xT4__pass.json",
+     "dcgm_diag", "dcgmi-diag-json", set(), 0),
+    ("fixtures/tools/dcgmi/virtualclient__dcgmi-diag-j__MALFORMED-missing-test_categories.json",
+     "analyze", "dcgmi-diag-json", set(), 2),
+    # perftest output carries no port rate: the figure is reported, the verdict is "could not judge".
+    ("fixtures/tools/perftest/amd-pollara__ib_write_bw-b-a-q4__CLIENT.txt",
+     "rdma_loopback", "perftest", {"rdma-loopback-rate-unknown"}, 2),
+])
+def test_analyze_detects_tool_outputs(path, check, fmt, codes, exit_code):
+    proc = gpuwarden("analyze", "--json", path)
+    report = json.loads(proc.stdout)
+    (result,) = report["results"]
+    assert proc.returncode == exit_code, proc.stdout
+    assert result["check"] == check and result["source"].endswith(f"({fmt})")
+    assert codes <= {f["code"] for f in result["findings"]}

@@ -45,3 +45,16 @@ def test_missing_explicit_file_is_an_error_but_missing_default_is_not(tmp_path, 
         config.load(ALL, tmp_path / "absent.toml", explicit=True)
     monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "absent.toml")
     assert config.load(ALL).agent["checks"] == []
+
+
+def test_every_config_key_is_documented():
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    for spec in ALL:
+        assert f"[checks.{spec.name}]" in doc, spec.name
+        section = doc.split(f"[checks.{spec.name}]", 1)[1].split("\n[", 1)[0]
+        for key in spec.defaults:
+            assert f"\n{key} =" in section, f"checks.{spec.name}.{key} missing from docs/configuration.md"
+    for key in config.AGENT_DEFAULTS:
+        assert f"\n{key} =" in doc.split("[agent]", 1)[1].split("\n[", 1)[0], f"agent.{key}"
