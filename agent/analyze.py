@@ -59,6 +59,10 @@ def analyze_file(path: Path) -> CheckResult:
     error = None
     if not text.strip():
         status, error = Status.UNKNOWN, f"{path}: empty file"
+    elif fmt == "kernel-log/plain" and not findings:
+        # Nothing in it looked like any format gpuwarden reads: finding no fault there means nothing.
+        status, error = Status.UNKNOWN, (f"{path}: not a format gpuwarden reads (kernel log, nccl-tests, perftest, "
+                                         "dcgmi diag JSON or text)")
     return CheckResult(check, status, tuple(findings), error, time.monotonic() - start,
                        source=f"{path} ({fmt})", notes=notes)
 

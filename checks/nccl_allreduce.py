@@ -117,11 +117,21 @@ def decide(run: NcclTestsRun, entity: Entity, floor: Floor, policy: Mapping[str,
 
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
-    n = len(node.gpus())  # an NVML error propagates: UNKNOWN with its reason
+    gpus = node.gpus()  # an NVML error propagates: UNKNOWN with its reason
+    n = len(gpus)
     if n < 2:
         raise NotApplicable(f"{n} GPU(s): no intra-node all-reduce to test")
-    result = node.tools.run(TOOL, argv(n), cfg["tool_timeout_s"])
     entity = Entity("node", node.hostname)
+    lost = [g for g in gpus if g.error is not None]
+    if lost:
+        # An all-reduce over a GPU NVML cannot open only fails, and says nothing new: the GPU checks
+        # already report the lost GPU. Running on the rest would not test the node as it will be used.
+        names = ", ".join(g.entity.label() for g in lost)
+        yield Finding(CHECK_NAME, "nccl-not-run", entity, Status.UNKNOWN,
+                      f"all-reduce not run: {names} cannot be opened ({lost[0].error})", Action.NONE,
+                      {"unusable_gpus": [g.index for g in lost]})
+        return
+    result = node.tools.run(TOOL, argv(n), cfg["tool_timeout_s"])
     try:
         parsed = parse_nccl_tests(result.output, f"{TOOL} output")
     except ParseError as err:

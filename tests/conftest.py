@@ -22,11 +22,13 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture
 def scenario_copy(tmp_path: Path):
-    """A writable copy of a bundled scenario, for tests that inject a fault by editing it."""
+    """A writable copy of a bundled scenario, for tests that inject a fault by editing it. The recorded tool
+    outputs (tools/) are left out unless asked for: a test of a full-level check writes the output it is about."""
 
-    def copy(name: str) -> Path:
+    def copy(name: str, with_tools: bool = False) -> Path:
         dst = tmp_path / name
-        shutil.copytree(NODES / name, dst, symlinks=True)
+        shutil.copytree(NODES / name, dst, symlinks=True,
+                        ignore=None if with_tools else shutil.ignore_patterns("tools"))
         return dst
 
     return copy

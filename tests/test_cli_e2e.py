@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import NODES, ROOT
+from gpuwarden.checks import ALL
 
 GOLDEN = ROOT / "tests" / "golden"
 SCENARIOS = sorted(p.name for p in NODES.iterdir() if (p / "node.toml").exists())
@@ -40,13 +41,17 @@ def test_every_expected_scenario_is_bundled():
     assert set(EXPECTED_EXIT) <= set(SCENARIOS)
 
 
+@pytest.mark.parametrize("level", ["quick", "full"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_preflight_json_matches_golden(name, update_golden):
-    proc = gpuwarden("preflight", "--root", scenario(name), "--json")
+def test_preflight_json_matches_golden(name, level, update_golden):
+    proc = gpuwarden("preflight", "--root", scenario(name), "--level", level, "--json")
     assert proc.returncode == EXPECTED_EXIT.get(name, proc.returncode), proc.stderr
     report = normalise(json.loads(proc.stdout))
     assert report["exit_code"] == proc.returncode
-    golden = GOLDEN / f"preflight-{name}.json"
+    if level == "full":  # every check ran on the recorded tool outputs: none skipped for a missing tool
+        assert [r["check"] for r in report["results"]] == [s.name for s in ALL]
+        assert not [r["check"] for r in report["results"] if r["status"] == "skipped"]
+    golden = GOLDEN / (f"preflight-{name}.json" if level == "quick" else f"preflight-full-{name}.json")
     text = json.dumps(report, indent=2, sort_keys=True) + "\n"
     if update_golden or not golden.exists():
         if not update_golden and os.environ.get("CI"):
@@ -169,3 +174,11 @@ def test_analyze_detects_tool_outputs(path, check, fmt, codes, exit_code):
     assert proc.returncode == exit_code, proc.stdout
     assert result["check"] == check and result["source"].endswith(f"({fmt})")
     assert codes <= {f["code"] for f in result["findings"]}
+
+
+def test_analyze_on_an_unreadable_format_is_undecided(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("lunch at noon\nbring the cables\n")
+    proc = gpuwarden("analyze", "--json", str(path))
+    assert proc.returncode == 2
+    assert "not a format gpuwarden reads" in json.loads(proc.stdout)["results"][0]["error"]

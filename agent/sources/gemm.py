@@ -244,7 +244,7 @@ class Gemm:
         if self.recorded_dir is not None:
             hang = (self.recorded_dir / "burnin.hang").exists()
             return "" if hang or (self.recorded_dir / BURNIN_FILE).exists() else \
-                f"no recorded {self.recorded_dir / BURNIN_FILE}"
+                f"no recorded tools/{BURNIN_FILE}"
         if not self.use_torch:
             return "PyTorch not used (use_torch = false)"
         torch = _torch_or_none()
