@@ -3,13 +3,14 @@ median is slow; a GPU whose result differs bit for bit from its peers of the sam
 data corruption). Without PyTorch: DCGM's targeted_stress; without either the check does not apply."""
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from statistics import median
 from typing import Any, Iterable, Mapping
 
 from gpuwarden.agent.check import CheckSpec
+from gpuwarden.checks.dcgm_diag import slug
+from gpuwarden.checks.parse_dcgmi_diag import TestResult, parse_dcgmi_diag_json
 from gpuwarden.agent.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.per_gpu import read_each_gpu
@@ -74,32 +75,16 @@ def decide(runs: list[GpuGemm], floor: float | None, policy: Mapping[str, Any]) 
     return out
 
 
-def targeted_stress_results(data: Any, source: str) -> list[tuple[int | None, str, str]]:
-    """(GPU id, status, detail) of every targeted_stress result in `dcgmi diag -j` JSON, DCGM 3.x ("DCGM GPU
-    Diagnostic", gpu_ids) and 4.x ("DCGM Diagnostic", entity_id) schemas. A minimal reader: replace it with
-    checks/parse_dcgmi_diag.py when that parser exists."""
-    top = data.get("DCGM Diagnostic") or data.get("DCGM GPU Diagnostic") if isinstance(data, dict) else None
-    if not isinstance(top, dict):
-        raise ParseError("no 'DCGM Diagnostic' object in dcgmi JSON", source)
-    if top.get("runtime_error"):
-        raise ToolError(f"dcgmi diag could not run targeted_stress: {top['runtime_error']}")
-    out = []
-    for category in top.get("test_categories") or []:
-        for test in (category.get("tests") or []) if isinstance(category, dict) else []:
-            if not isinstance(test, dict) or str(test.get("name", "")).lower().replace(" ", "_") != "targeted_stress":
-                continue
-            for res in test.get("results") or []:
-                if not isinstance(res, dict):
-                    raise ParseError("a targeted_stress result is not an object", source)
-                ids = [res["entity_id"]] if "entity_id" in res else str(res.get("gpu_ids", "")).split(",")
-                detail = json.dumps(res.get("warnings") or res.get("info") or "")[:300]
-                for gid in ids:
-                    text = str(gid).strip()
-                    gpu = int(text) if text.isascii() and text.isdigit() else None
-                    out.append((gpu, str(res.get("status", "")), detail))
-    if not out:
+def targeted_stress_results(text: str, source: str) -> list[TestResult]:
+    """The targeted_stress results of `dcgmi diag -r targeted_stress -j` output (DCGM 3.x and 4.x, through the
+    project's dcgmi parser). ParseError when the output holds none; ToolError when DCGM could not run the test."""
+    run = parse_dcgmi_diag_json(text, source)
+    if run.runtime_error:
+        raise ToolError(f"dcgmi diag could not run targeted_stress: {run.runtime_error}")
+    results = [r for r in run.results if slug(r.test) == "targeted-stress"]
+    if not results:
         raise ParseError("no targeted_stress result in dcgmi JSON", source)
-    return out
+    return results
 
 
 def _dcgm(node: Any, cfg: Mapping[str, Any], why: str) -> Iterable[Finding]:
@@ -108,21 +93,22 @@ def _dcgm(node: Any, cfg: Mapping[str, Any], why: str) -> Iterable[Finding]:
     except ToolMissing as exc:
         raise NotApplicable(f"{why} and no DCGM ({exc})") from None
     try:
-        data = json.loads(out.output)
-    except json.JSONDecodeError as exc:
-        if out.returncode != 0:
+        results = targeted_stress_results(out.output, DCGM_TOOL)
+    except ParseError:
+        if out.returncode != 0:  # dcgmi failed before printing a diagnostic: say what it said
             raise ToolError(f"dcgmi diag exited {out.returncode}: {out.output.strip()[:200]}") from None
-        raise ParseError(f"malformed JSON: {exc.msg}", DCGM_TOOL, exc.lineno) from None
+        raise
     gpus = {gpu.index: gpu.entity for gpu in node.gpus()}
-    for gid, status, detail in targeted_stress_results(data, DCGM_TOOL):
-        entity = gpus.get(gid) if gid is not None else None
-        entity = entity or Entity.node(node.hostname)
-        kind = status.lower()
-        if kind in ("fail", "warn"):
-            bad = kind == "fail"
-            yield Finding(CHECK_NAME, f"dcgm-targeted-stress-{kind}", entity, Status.FAIL if bad else Status.WARN,
-                          f"{entity.label()}: DCGM targeted_stress {status}: {detail}",
-                          Action.DRAIN if bad else Action.MONITOR, {"dcgm_gpu_id": gid, "detail": detail})
+    for result in results:
+        if result.status not in ("fail", "warn"):
+            continue
+        entity = (gpus.get(result.gpu) if result.gpu is not None else None) or Entity.node(node.hostname)
+        bad = result.status == "fail"
+        detail = "; ".join(result.messages or result.info)[:300]
+        yield Finding(CHECK_NAME, f"dcgm-targeted-stress-{result.status}", entity,
+                      Status.FAIL if bad else Status.WARN, f"{entity.label()}: DCGM targeted_stress {result.status}: "
+                      f"{detail}", Action.DRAIN if bad else Action.MONITOR,
+                      {"dcgm_gpu_id": result.gpu, "detail": detail})
 
 
 def _device(gemm: Gemm, gpu: Any, device: str) -> str:

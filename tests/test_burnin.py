@@ -243,7 +243,7 @@ def test_dcgm_garbage_is_unknown(scenario_copy):
 def test_real_dcgm_capture_without_targeted_stress_is_a_parse_error():
     real = ROOT / "fixtures/tools/dcgmi/virtualclient__dcgmi-diag-r2-j__DCGM-3.x-schema__1xT4__pass.json"
     with pytest.raises(Exception, match="no targeted_stress"):
-        burnin.targeted_stress_results(json.loads(real.read_text()), real.name)
+        burnin.targeted_stress_results(real.read_text(), real.name)
 
 
 def test_thresholds_table_has_every_nvlink_sku():
