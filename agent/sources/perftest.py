@@ -41,7 +41,7 @@ def tool_name(hca: str, port: int | str) -> str:
 
 def _free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind(("127.0.0.1", 0))  # only to learn a free port number; nothing listens beyond loopback
         return int(s.getsockname()[1])
 
 
