@@ -32,3 +32,28 @@ def scenario_copy(tmp_path: Path):
         return dst
 
     return copy
+
+
+def record_tool(root: Path, tool: str, output: str | None = None, rc: int | None = None, hang: bool = False) -> Path:
+    """Write a recorded tool run into a scenario: tools/<tool>.out, .rc, .hang (docs/scenario-format.md)."""
+    tools = root / "tools"
+    tools.mkdir(exist_ok=True)
+    if output is not None:
+        (tools / f"{tool}.out").write_text(output)
+    if rc is not None:
+        (tools / f"{tool}.rc").write_text(f"{rc}\n")
+    if hang:
+        (tools / f"{tool}.hang").write_text("")
+    return root
+
+
+def run_spec(node, spec, check_timeout_s: float = 0.0, **overrides):
+    """One check through the real runner, with config overrides for that check and an optional timeout."""
+    from gpuwarden.agent import config
+    from gpuwarden.agent.runner import run_checks
+
+    cfg = config.defaults([spec])
+    cfg.checks[spec.name].update(overrides)
+    cfg.agent["check_timeout_s"] = check_timeout_s
+    (result,) = run_checks(node, [spec], cfg)
+    return result

@@ -6,15 +6,13 @@ import json
 
 import pytest
 
-from gpuwarden.agent import config
 from gpuwarden.agent.errors import SourceError
 from gpuwarden.agent.model import Action, Entity, Status
 from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_checks
 from gpuwarden.agent.sources.gemm import Gemm, GemmResult, run_gemm, torch_available
 from gpuwarden.checks import burnin
 
-from conftest import ROOT
+from conftest import ROOT, run_spec
 
 needs_torch = pytest.mark.skipif(not torch_available(), reason="PyTorch not installed (the [burnin] extra)")
 TINY = {"device": "cpu", "matrix_size": 48, "seconds": 0.02, "tflops_floor": 1e-12}
@@ -22,11 +20,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def run_one(node, spec=burnin.CHECK, timeout_s=0.0, **overrides):
-    cfg = config.defaults([spec])
-    cfg.checks[spec.name].update(overrides)
-    cfg.agent["check_timeout_s"] = timeout_s
-    (result,) = run_checks(node, [spec], cfg)
-    return result
+    return run_spec(node, spec, timeout_s, **overrides)
 
 
 def with_gemm(gemm):

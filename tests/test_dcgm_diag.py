@@ -5,12 +5,10 @@ import json
 import pytest
 
 import gpuwarden.checks
-from conftest import NODES
-from gpuwarden.agent import config
+from conftest import NODES, record_tool, run_spec
 from gpuwarden.agent.analyze import analyze_file
 from gpuwarden.agent.model import Action, Status
 from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_checks
 from gpuwarden.checks import dcgm_diag
 from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_json, parse_dcgmi_diag_text
 from test_parse_dcgmi_diag import (FOOTER, FRAG_MEMORY, FRAG_REMAP, HEADER, MALFORMED, R2_PASS_T4, band,
@@ -116,24 +114,12 @@ def test_a_level1_run_has_no_per_gpu_results_to_miss():
 
 
 def node_with(scenario_copy, name="h100-hgx-healthy", out=None, rc=None, hang=False, tool="dcgmi-diag-r2"):
-    root = scenario_copy(name)
-    tools = root / "tools"
-    tools.mkdir(exist_ok=True)
-    if out is not None:
-        (tools / f"{tool}.out").write_text(out if isinstance(out, str) else json.dumps(out, indent="\t"))
-    if rc is not None:
-        (tools / f"{tool}.rc").write_text(f"{rc}\n")
-    if hang:
-        (tools / f"{tool}.hang").write_text("")
-    return Node.recorded_at(root)
+    text = out if out is None or isinstance(out, str) else json.dumps(out, indent="\t")
+    return Node.recorded_at(record_tool(scenario_copy(name), tool, text, rc, hang))
 
 
 def run_check(node, spec=dcgm_diag.CHECK, check_timeout_s=0.0, **cfg):
-    conf = config.defaults([spec])
-    conf.checks[spec.name].update(cfg)
-    conf.agent["check_timeout_s"] = check_timeout_s
-    (result,) = run_checks(node, [spec], conf)
-    return result
+    return run_spec(node, spec, check_timeout_s, **cfg)
 
 
 def test_scenario_pass_on_every_gpu(scenario_copy):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import record_tool
 from gpuwarden.agent import config
 from gpuwarden.agent.analyze import analyze_file
 from gpuwarden.agent.errors import ParseError
@@ -161,16 +162,7 @@ def test_argv():
 
 # -- the check on recorded scenarios ---------------------------------------------------------------------------------
 def scenario(scenario_copy, output=None, rc=None, hang=False, name="h100-hgx-healthy"):
-    root = scenario_copy(name)
-    tools = root / "tools"
-    tools.mkdir(exist_ok=True)
-    if output is not None:
-        (tools / "all_reduce_perf.out").write_text(output)
-    if rc is not None:
-        (tools / "all_reduce_perf.rc").write_text(f"{rc}\n")
-    if hang:
-        (tools / "all_reduce_perf.hang").write_text("")
-    return root
+    return record_tool(scenario_copy(name), "all_reduce_perf", output, rc, hang)
 
 
 def check(root, **overrides):
