@@ -11,7 +11,7 @@ from typing import Any
 from .errors import ConfigError, NvmlError, SourceError
 from .sku import KNOWN_SKUS, sku_from_gpu_name
 from .sources.dcgm import Dcgm
-from .sources.kmsg import DEV_KMSG, KernelLog
+from .sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
 from .sources.nvml import Gpu, Nvml
 from .sources.sysfs import Sysfs
 from .sources.tools import ToolRunner
@@ -79,7 +79,9 @@ class Node:
         self._nvml_factory = nvml_factory
         self._nvml: Nvml | None = None
         self._nvml_error: NvmlError | None = None
-        self._gpus_lock = threading.Lock()  # checks run concurrently; the identity fill-in happens once
+        self._gpus_lock = threading.RLock()  # checks run concurrently; gpus() reads nvml under it
+        self._nvml_stamp: int | None = None  # mtime of a recorded nvml.json when last loaded
+        self._follower: KmsgFollower | None = None
 
     @property
     def recorded(self) -> bool:
@@ -91,6 +93,8 @@ class Node:
 
     @property
     def nvml(self) -> Nvml:
+        if self.root is not None:
+            self._reload_if_rerecorded()
         if self._nvml is None and self._nvml_error is None:
             try:
                 self._nvml = self._nvml_factory()
@@ -100,6 +104,29 @@ class Node:
             raise self._nvml_error
         assert self._nvml is not None
         return self._nvml
+
+    def _reload_if_rerecorded(self) -> None:
+        """A recorded node is re-read when its nvml.json changes, as a live node is re-read on every poll: the
+        daemon's scenario tests inject a fault by rewriting the file."""
+        assert self.root is not None
+        try:
+            stamp = (self.root / "nvml.json").stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        if stamp != self._nvml_stamp:
+            with self._gpus_lock:
+                self._nvml_stamp = stamp
+                self._nvml, self._nvml_error = None, None
+
+    def kmsg_follower(self, cursor: Cursor | None) -> KmsgFollower:
+        """The node's one kernel-log follower, resumed at `cursor` (a new follower when the cursor is not where
+        the current one stands, e.g. after a restart from persisted state)."""
+        current = self._follower
+        if current is None or (cursor is not None and current.cursor != cursor):
+            if current is not None:
+                current.close()
+            current = self._follower = KmsgFollower(self.kmsg, cursor)
+        return current
 
     @classmethod
     def recorded_at(cls, root: Path) -> "Node":

@@ -1,0 +1,59 @@
+"""Passive checks: what the daemon runs continuously, each at its own interval.
+
+A passive check is two functions:
+- `sample(node, cfg, state) -> sample`: the only I/O, through the node's sources (it may read `state` to know
+  where it left off, e.g. a kernel-log cursor, but never writes it);
+- `judge(state, sample, cfg, now) -> Judgement`: pure. Given the check's previous state (a JSON-serialisable
+  dict the daemon persists in SQLite after every judgement, atomically with the findings) it returns the new
+  state, the findings that hold now, and the metric samples to export.
+
+Because the state is persisted with the findings, a restart (or kill -9) resumes exactly: rates, sliding
+windows, downtime accumulators and log cursors are never lost or counted twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from .model import Finding
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .node import Node
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One Prometheus sample a check exports (the collector groups samples by name into families)."""
+
+    name: str  # gpuwarden_* , e.g. "gpuwarden_ib_port_down_seconds"
+    help: str
+    labels: Mapping[str, str]
+    value: float
+    kind: str = "gauge"  # gauge | counter (counters are exported with the _total suffix by prometheus-client)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    state: dict[str, Any]  # persisted; must round-trip through json
+    findings: tuple[Finding, ...] = ()
+    metrics: tuple[MetricSample, ...] = ()
+
+
+@dataclass(frozen=True)
+class PassiveSpec:
+    name: str
+    summary: str
+    sample: "Callable[[Node, Mapping[str, Any], Mapping[str, Any]], Any]"
+    judge: Callable[[Mapping[str, Any], Any, Mapping[str, Any], float], Judgement]
+    interval_s: float  # production poll interval
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    list_types: Mapping[str, type] = field(default_factory=dict)
+    timeout_s: float = 10.0  # a sample that takes longer is UNKNOWN; it never blocks the other checks
+    # "event": sampled by its own thread as fast as the source delivers (the kernel-log follower), not on
+    # a timer; interval_s is then the longest wait between two samples.
+    mode: str = "poll"
+
+
+def step(spec: PassiveSpec, node: "Node", cfg: Mapping[str, Any], state: Mapping[str, Any], now: float) -> Judgement:
+    """One sample and judgement (what the daemon does per tick; tests drive checks through time with it)."""
+    return spec.judge(state, spec.sample(node, cfg, state), cfg, now)
