@@ -54,6 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("--root", type=Path, help="re-record an existing scenario instead of this machine")
     _log_flags(rec)
 
+    run = sub.add_parser("run", help="the daemon: passive checks, node state, Prometheus endpoint")
+    run.add_argument("--root", type=Path, help="run on a recorded node (followed and re-read as if live)")
+    run.add_argument("--state-dir", type=Path, help="SQLite state and action journal (default /var/lib/gpuwarden)")
+    run.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics here (default 0.0.0.0:9456)")
+    run.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
+    run.add_argument("--textfile", type=Path, help="also write metrics for node_exporter's textfile collector")
+    _log_flags(run)
+
+    st = sub.add_parser("status", help="the node state and recent findings, from the daemon's store")
+    st.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
+    st.add_argument("--json", action="store_true")
+
     sub.add_parser("checks", help="list the checks and their config keys")
     return p
 
@@ -77,12 +89,12 @@ def _emit(report: Report, as_json: bool) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from gpuwarden.checks import ALL
+    from gpuwarden.checks import ALL, all_specs
 
     from .render import Progress
     from .runner import run_checks
 
-    cfg = config_mod.load(ALL, args.config, explicit=args.config is not None)
+    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     if args.check_timeout is not None:
         cfg.agent["check_timeout_s"] = config_mod.coerce("--check-timeout", args.check_timeout, 0.0, "command line")
@@ -127,6 +139,18 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from .run import run_daemon
+
+    return run_daemon(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .run import print_status
+
+    return print_status(args)
+
+
 def cmd_checks(args: argparse.Namespace) -> int:
     from gpuwarden.checks import ALL
 
@@ -138,7 +162,8 @@ def cmd_checks(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks}
+    handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
+               "run": cmd_run, "status": cmd_status}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

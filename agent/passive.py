@@ -57,3 +57,25 @@ class PassiveSpec:
 def step(spec: PassiveSpec, node: "Node", cfg: Mapping[str, Any], state: Mapping[str, Any], now: float) -> Judgement:
     """One sample and judgement (what the daemon does per tick; tests drive checks through time with it)."""
     return spec.judge(state, spec.sample(node, cfg, state), cfg, now)
+
+
+@dataclass(frozen=True)
+class KernelBatch:
+    """What a kernel-log consumer is given per tick: the new records, the node's GPUs as last enumerated (for
+    naming entities), and the boot they belong to (state from an earlier boot is stale)."""
+
+    records: list[Any]
+    gpus: list[Any]
+    boot_id: str | None
+
+
+@dataclass(frozen=True)
+class KernelConsumer:
+    """A check fed by the kernel log: the daemon's one follower hands every consumer the new records (and an
+    empty list on idle ticks, so time-based rules still advance). `judge(state, records, cfg, now)` is pure."""
+
+    name: str
+    summary: str
+    judge: "Callable[[Mapping[str, Any], KernelBatch, Mapping[str, Any], float], Judgement]"
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    list_types: Mapping[str, type] = field(default_factory=dict)

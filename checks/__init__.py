@@ -5,9 +5,10 @@ order which one reads a file (the kernel-log reader of `xid` is the fallback, as
 from __future__ import annotations
 
 from gpuwarden.agent.check import CheckSpec
+from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
 
 from . import (burnin, dcgm_diag, ecc, ecc_memtest, ib_port, nccl_allreduce, pcie_link, peer_p2p, rdma_loopback,
-               xid)
+               xid, xid_watch)
 
 ALL: tuple[CheckSpec, ...] = (
     # quick: reads only, seconds
@@ -15,6 +16,16 @@ ALL: tuple[CheckSpec, ...] = (
     # full: load the GPUs or the network, minutes
     burnin.CHECK, peer_p2p.CHECK, nccl_allreduce.CHECK, rdma_loopback.CHECK, dcgm_diag.CHECK, ecc_memtest.CHECK,
 )
+
+
+# gpuwarden run: polled passive checks, and the consumers of the followed kernel log.
+PASSIVE: tuple[PassiveSpec, ...] = ()
+KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER,)
+
+
+def all_specs() -> tuple[CheckSpec | PassiveSpec | KernelConsumer, ...]:
+    """Everything that has a [checks.<name>] config table."""
+    return (*ALL, *PASSIVE, *KERNEL_CONSUMERS)
 
 
 def by_name() -> dict[str, CheckSpec]:

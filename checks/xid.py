@@ -109,7 +109,7 @@ def decide(events: Sequence[XidEvent], gpus: Sequence[GpuRef], catalog: Mapping[
     listed, with status OK: it is information for a post-mortem, not a fault."""
     ignore = {int(x) for x in policy.get("ignore_xids", ())}
     force = {int(x) for x in policy.get("fail_xids", ())}
-    entity_at = _entity_lookup(gpus)
+    entity_at = entity_lookup(gpus)
     groups: dict[tuple[str, int], list[XidEvent]] = {}
     codes_on: dict[str, set[int]] = {}
     for event in events:
@@ -122,20 +122,33 @@ def decide(events: Sequence[XidEvent], gpus: Sequence[GpuRef], catalog: Mapping[
             continue
         # Catalogue, XID 45: "Not Solo: IGNORE (follow guidance in other Xid)": the teardown that follows
         # another fault on the same GPU adds nothing; only a solo 45 stands on its own.
-        accompanied_45 = xid == 45 and len(codes_on[pci]) > 1 and xid not in force
+        accompanied_45 = xid == 45 and len(codes_on[pci]) > 1
         info = catalog.get(xid)
-        action = Action.NONE if accompanied_45 else info.action if info else Action.MONITOR
-        if xid == 154:
-            # Each 154 reports a change of the GPU's recovery action; the latest one is what holds now.
-            named = recovery_action(group[-1].detail)
-            action = named if named is not None else action
-        if xid in force:
-            action = max(action, Action.DRAIN)
+        action = xid_action(xid, info, group[-1].detail, accompanied_45, xid in force)
         findings.append(_finding(xid, entity_at(pci), group, info, action, forced=xid in force))
     return findings
 
 
-def _entity_lookup(gpus: Sequence[GpuRef]) -> Callable[[str], Entity]:
+def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:
+    """The recommended action for one GPU's XID: the catalogue's, with the rules the catalogue itself states,
+    raised to at least DRAIN when the operator's policy says so (fail_xids)."""
+    action = info.action if info else Action.MONITOR
+    if xid == 154:
+        # Each 154 reports a change of the GPU's recovery action; the latest one is what holds now.
+        named = recovery_action(last_detail)
+        action = named if named is not None else action
+    if forced:
+        return max(action, Action.DRAIN)
+    if accompanied_45:
+        return Action.NONE  # catalogue, XID 45: "Not Solo: IGNORE (follow guidance in other Xid)"
+    return action
+
+
+def xid_status(action: Action) -> Status:
+    return Status.FAIL if action >= Action.DRAIN else Status.WARN if action > Action.NONE else Status.OK
+
+
+def entity_lookup(gpus: Sequence[GpuRef]) -> Callable[[str], Entity]:
     """PCI address -> entity. Earlier refs (NVML) win over later ones (driver preamble lines)."""
     by_pci: dict[str, GpuRef] = {}
     by_uuid: dict[str, GpuRef] = {}
@@ -173,7 +186,7 @@ def _finding(xid: int, entity: Entity, group: list[XidEvent], info: XidInfo | No
     message = f'{what}; {len(group)} event(s), last: "{detail}"; recommended: {action.name}{why}'
     pids = sorted({e.pid for e in group if e.pid})[:_MAX_EVIDENCE_PIDS]
     processes = sorted({e.process for e in group if e.process})[:_MAX_EVIDENCE_PIDS]
-    status = Status.FAIL if action >= Action.DRAIN else Status.WARN if action > Action.NONE else Status.OK
+    status = xid_status(action)
     evidence = {
         "count": len(group),
         "source": getattr(first.record, "source", None),

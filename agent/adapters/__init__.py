@@ -1,0 +1,1 @@
+"""Scheduler adapters: how the node's state reaches the scheduler (local record, Slurm, Kubernetes)."""

@@ -1,0 +1,37 @@
+"""The local adapter: records what it would do (cordon, drain, resume, ...) as JSON lines, and does nothing
+else. The Slurm and Kubernetes adapters of the remediation issue replace it; the daemon's contract is the same:
+`apply(action, detail)` must be idempotent, since a crash between the intent's commit and its completion
+replays it."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("gpuwarden.adapter")
+
+
+class LocalAdapter:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def apply(self, action: str, detail: dict[str, Any]) -> None:
+        line = json.dumps({"action": action, "at": time.time(), **detail}, sort_keys=True)
+        with self._lock, open(self.path, "a") as f:
+            f.write(line + "\n")
+        log.info("would act", action=action, reason=detail.get("reason", ""))
+
+    def replay_pending(self, store: Any) -> None:
+        for intent in store.intents(pending_only=True):
+            self.apply(intent["action"], {**intent["detail"], "replayed": True})
+            store.mark_done(intent["key"], time.time())
+
+    def actions(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,113 @@
+"""Prometheus metrics: a custom collector over the daemon's latest results. A scrape never touches hardware:
+it only reads what the last samples left in memory.
+
+Names are gpuwarden_*; the per-check samples (IB downtime, throttle ratios, temperatures, ...) come from the
+passive checks' judgements (agent/passive.py MetricSample).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .model import CheckResult, Status
+from .passive import MetricSample
+from .state import NodeRecord, NodeState
+
+
+@dataclass
+class Snapshot:
+    """What the collector reads; the daemon replaces it under the lock after every judgement."""
+
+    node: str = ""
+    record: NodeRecord = field(default_factory=NodeRecord)
+    results: dict[str, CheckResult] = field(default_factory=dict)
+    samples: dict[str, tuple[MetricSample, ...]] = field(default_factory=dict)  # per check
+    transitions: int = 0
+    kmsg_records: int = 0
+    kmsg_lost: int = 0
+
+
+class DaemonCollector(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snap = Snapshot()
+
+    def update(self, snap: Snapshot) -> None:
+        with self._lock:
+            self._snap = snap
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snap = self._snap
+        state = GaugeMetricFamily("gpuwarden_node_state", "1 for the node's current health state, 0 for the others.",
+                                  labels=["state"])
+        for s in NodeState:
+            state.add_metric([s.value], 1.0 if snap.record.state is s else 0.0)
+        yield state
+        since = GaugeMetricFamily("gpuwarden_node_state_since_seconds",
+                                  "Unix time the node entered its current state.")
+        since.add_metric([], snap.record.since)
+        yield since
+        success = GaugeMetricFamily("gpuwarden_check_success",
+                                    "1 if the check could look (ok, warn or fail), 0 if not (unknown) or skipped.",
+                                    labels=["check"])
+        status = GaugeMetricFamily("gpuwarden_check_status", "1 for the check's current status, 0 for the others.",
+                                   labels=["check", "status"])
+        duration = GaugeMetricFamily("gpuwarden_check_duration_seconds", "Duration of the check's last run.",
+                                     labels=["check"])
+        findings = GaugeMetricFamily("gpuwarden_finding",
+                                     "1 for each finding that holds now, by check, code, entity and status.",
+                                     labels=["check", "code", "entity_kind", "entity", "pci", "status", "action"])
+        for name, r in sorted(snap.results.items()):
+            success.add_metric([name], 1.0 if r.status in (Status.OK, Status.WARN, Status.FAIL) else 0.0)
+            for s in Status:
+                status.add_metric([name, s.value], 1.0 if r.status is s else 0.0)
+            duration.add_metric([name], r.duration_s)
+            for f in r.findings:
+                findings.add_metric([name, f.code, f.entity.kind, f.entity.id, f.entity.pci or "", f.status.value,
+                                     f.action.name], 1.0)
+        yield from (success, status, duration, findings)
+        transitions = CounterMetricFamily("gpuwarden_node_transitions", "Node state transitions since start.")
+        transitions.add_metric([], snap.transitions)
+        yield transitions
+        kmsg = CounterMetricFamily("gpuwarden_kmsg_records", "Kernel-log records read since start.")
+        kmsg.add_metric([], snap.kmsg_records)
+        yield kmsg
+        lost = CounterMetricFamily("gpuwarden_kmsg_overwritten",
+                                   "Times the kernel ring buffer overwrote records before they were read.")
+        lost.add_metric([], snap.kmsg_lost)
+        yield lost
+        yield from families(s for samples in snap.samples.values() for s in samples)
+
+
+def families(samples: Iterable[MetricSample]) -> Iterator[Metric]:
+    """Group check samples by name into metric families (label sets must agree within a name)."""
+    by_name: dict[str, list[MetricSample]] = {}
+    for s in samples:
+        by_name.setdefault(s.name, []).append(s)
+    for name, group in sorted(by_name.items()):
+        labels = sorted(group[0].labels)
+        cls = CounterMetricFamily if group[0].kind == "counter" else GaugeMetricFamily
+        family = cls(name, group[0].help, labels=labels)
+        for s in group:
+            if sorted(s.labels) != labels:
+                continue  # a check emitting mixed label sets would break the exposition; drop the odd one
+            family.add_metric([str(s.labels[k]) for k in labels], float(s.value))
+        yield family
+
+
+def registry_for(collector: DaemonCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def write_textfile(registry: CollectorRegistry, path: Path) -> None:
+    """node_exporter textfile collector output (written atomically by prometheus-client)."""
+    write_to_textfile(str(path), registry)

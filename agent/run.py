@@ -1,0 +1,133 @@
+"""Wiring of `gpuwarden run` (daemon, HTTP endpoint, signals, systemd) and `gpuwarden status`."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import start_http_server
+
+from . import config as config_mod
+from . import logs
+from .adapters.local import LocalAdapter
+from .daemon import Daemon, DaemonOptions
+from .errors import ConfigError, GpuwardenError
+from .metrics import DaemonCollector, registry_for, write_textfile
+from .model import EXIT_PASS
+from .store import Store
+from .systemd import notify, watchdog_interval_s
+
+log = structlog.get_logger("gpuwarden")
+TEXTFILE_EVERY_S = 15.0
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"listen address {text!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+
+    from .cli import _node
+    from .runner import run_checks
+
+    specs = all_specs()
+    cfg = config_mod.load(specs, args.config, explicit=args.config is not None)
+    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+    state_dir = Path(args.state_dir or cfg.agent["state_dir"])
+    host, port = _listen(args.listen or cfg.agent["listen"])
+    textfile = args.textfile or (Path(cfg.agent["textfile"]) if cfg.agent["textfile"] else None)
+    node = _node(args.root)
+    store = Store(state_dir / "state.db")
+    collector = DaemonCollector()
+    registry = registry_for(collector)
+
+    def retest() -> bool:
+        from gpuwarden.checks import ALL
+
+        quick = [s for s in ALL if s.level == "quick"]
+        results = run_checks(node, quick, daemon.config)
+        return all(r.status.value in ("ok", "warn", "skipped") for r in results)
+
+    daemon = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
+                    LocalAdapter(state_dir / "actions.jsonl"), collector, DaemonOptions(retest=retest))
+    reload_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: daemon.stop_event.set())
+    signal.signal(signal.SIGHUP, lambda *_: reload_requested.set())
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    daemon.start()
+    log.info("running", node=node.hostname, listen=f"{host}:{port}", state_dir=str(state_dir),
+             passive=[s.name for s in PASSIVE], kernel=[c.name for c in KERNEL_CONSUMERS])
+    notify("READY=1\nSTATUS=watching")
+    tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, 1.0) if x)
+    try:
+        while not daemon.stop_event.wait(tick):
+            if reload_requested.is_set():
+                reload_requested.clear()
+                _reload(daemon, specs, args)
+            if textfile:
+                write_textfile(registry, textfile)
+            notify(f"WATCHDOG=1\nSTATUS=node {daemon.record.state.value}")
+    finally:
+        notify("STOPPING=1")
+        daemon.stop()
+        server.shutdown()
+        store.close()
+        log.info("stopped")
+    return EXIT_PASS
+
+
+def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:
+    """SIGHUP: read the config again; a bad file is logged and the running config kept."""
+    try:
+        daemon.reload(config_mod.load(specs, args.config, explicit=args.config is not None))
+        log.info("config reloaded")
+    except ConfigError as exc:
+        log.error("config reload failed; keeping the running config", error=str(exc))
+
+
+def print_status(args: argparse.Namespace) -> int:
+    cfg_dir = Path(args.state_dir or config_mod.AGENT_DEFAULTS["state_dir"])
+    db = cfg_dir / "state.db"
+    if not db.exists():
+        raise GpuwardenError(f"{db}: no daemon state here (is `gpuwarden run` using another --state-dir?)")
+    store = Store(db)
+    try:
+        record = store.node()
+        checks = store.checks()
+        transitions = store.transitions(10)
+        pending = store.intents(pending_only=True)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps({
+            "node": record.to_dict() if record else None,
+            "checks": [{"check": c.name, "status": c.status.value, "error": c.error, "updated": c.updated,
+                        "findings": [f.to_dict() for f in c.findings]} for c in checks],
+            "transitions": [{"at": t.at, "from": t.frm.value, "to": t.to.value, "reason": t.reason,
+                             "actions": list(t.actions)} for t in transitions],
+            "pending_intents": pending}, indent=2))
+        return EXIT_PASS
+    out = sys.stdout
+    out.write(f"node state: {record.state.value if record else 'unknown'}"
+              + (f" since {record.since:.0f} ({record.reason})" if record else "") + "\n\n")
+    for c in checks:
+        out.write(f"{c.name:<14} {c.status.value:<8} {c.error or ''}\n")
+        for f in c.findings:
+            out.write(f"  {f.status.value:<7} {f.action.name:<11} {f.code:<28} {f.entity.label()}\n")
+    if transitions:
+        out.write("\nrecent transitions:\n")
+        for t in transitions:
+            out.write(f"  {t.at:.0f} {t.frm.value} -> {t.to.value}: {t.reason} {list(t.actions)}\n")
+    if pending:
+        out.write(f"\npending actions: {[p['action'] for p in pending]}\n")
+    return EXIT_PASS

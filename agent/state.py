@@ -1,0 +1,123 @@
+"""The node state machine, as a pure function of the previous record, the findings that hold now, and time.
+
+HEALTHY → SUSPECT → CORDONED → QUARANTINED → (retest) → HEALTHY, or RETIRED after too many failed retests.
+Edge-triggered: actions (cordon, drain, retest, resume, retire, uncordon) are emitted only on a transition.
+UNKNOWN is an input of its own: a check that cannot look makes the node SUSPECT after a grace period, never
+CORDONED: a bad signal must not drain a node (let alone a fleet).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
+
+from .model import Action, Finding, Status
+
+
+class NodeState(enum.Enum):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    CORDONED = "cordoned"
+    QUARANTINED = "quarantined"
+    RETIRED = "retired"
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    state: NodeState = NodeState.HEALTHY
+    since: float = 0.0  # when the node entered `state`
+    reason: str = ""
+    retests: int = 0  # failed retests since the node was quarantined
+    fault_since: float | None = None  # first time the current fault (or could-not-look) was seen
+    clear_since: float | None = None  # first time everything looked fine again
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"state": self.state.value, "since": self.since, "reason": self.reason, "retests": self.retests,
+                "fault_since": self.fault_since, "clear_since": self.clear_since}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "NodeRecord":
+        return cls(NodeState(d["state"]), float(d["since"]), d.get("reason", ""), int(d.get("retests", 0)),
+                   d.get("fault_since"), d.get("clear_since"))
+
+
+@dataclass(frozen=True)
+class Transition:
+    frm: NodeState
+    to: NodeState
+    reason: str
+    actions: tuple[str, ...]
+    at: float
+
+
+DEFAULT_POLICY: dict[str, Any] = {
+    "unknown_grace_s": 120.0,  # a check that cannot look for this long makes the node SUSPECT
+    "suspect_clear_s": 600.0,  # SUSPECT back to HEALTHY after this long with nothing to say
+    "cordon_clear_s": 300.0,  # CORDONED back to HEALTHY if the fault is gone this long before quarantine
+    "quarantine_after_s": 300.0,  # a DRAIN-class fault that persists this long in CORDONED quarantines
+    "retest_after_s": 60.0,  # QUARANTINED: all clear this long -> run a retest
+    "max_retests": 2,  # failed retests before the node is RETIRED
+}
+
+
+def _worst(findings: Iterable[Finding]) -> tuple[Status, Action, str]:
+    status, action, reason = Status.OK, Action.NONE, ""
+    for f in findings:
+        if f.status in (Status.FAIL, Status.WARN) and (f.status.rank, f.action) > (status.rank, action):
+            status, action, reason = f.status, f.action, f"{f.check}/{f.code} on {f.entity.label()}"
+    return status, action, reason
+
+
+def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[str], now: float,
+               policy: Mapping[str, Any] = DEFAULT_POLICY, retest: bool | None = None
+               ) -> tuple[NodeRecord, Transition | None]:
+    """The record after this observation, and the transition it caused (None when the state stays).
+
+    `findings`: the active findings of every check; `unknown`: the checks that could not look; `retest`: the
+    outcome of a retest that finished since the last call (None when none did)."""
+    status, action, why = _worst(findings)
+    unknown = sorted(unknown)
+    fault = status is Status.FAIL and action >= Action.DRAIN
+    concern = status in (Status.FAIL, Status.WARN) or bool(unknown)
+    rec = replace(rec, fault_since=(rec.fault_since if rec.fault_since is not None else now) if concern else None,
+                  clear_since=None if concern else (rec.clear_since if rec.clear_since is not None else now))
+
+    def go(to: NodeState, reason: str, *actions: str, **changes: Any) -> tuple[NodeRecord, Transition]:
+        new = replace(rec, state=to, since=now, reason=reason, **changes)
+        return new, Transition(rec.state, to, reason, tuple(actions), now)
+
+    s = rec.state
+    if s is NodeState.RETIRED:
+        return rec, None
+    if s in (NodeState.HEALTHY, NodeState.SUSPECT):
+        if fault:
+            return go(NodeState.CORDONED, why, "cordon")
+        if s is NodeState.HEALTHY and status in (Status.FAIL, Status.WARN):
+            return go(NodeState.SUSPECT, why)
+        concern_for = now - rec.fault_since if rec.fault_since is not None else 0.0
+        if s is NodeState.HEALTHY and unknown and concern_for >= policy["unknown_grace_s"]:
+            return go(NodeState.SUSPECT, f"could not look: {', '.join(unknown)}")
+        cleared_for = now - rec.clear_since if rec.clear_since is not None else -1.0
+        if s is NodeState.SUSPECT and cleared_for >= policy["suspect_clear_s"]:
+            return go(NodeState.HEALTHY, "clear")
+        return rec, None
+    if s is NodeState.CORDONED:
+        if fault and (action >= Action.RESET_GPU or now - rec.since >= policy["quarantine_after_s"]):
+            return go(NodeState.QUARANTINED, why, "drain")
+        if rec.clear_since is not None and now - rec.clear_since >= policy["cordon_clear_s"]:
+            return go(NodeState.HEALTHY, "fault cleared before quarantine", "uncordon")
+        return rec, None
+    # QUARANTINED: waits for the fault to clear (repair, reset, reboot), then a retest decides.
+    if retest is True:
+        return go(NodeState.HEALTHY, "retest passed", "resume", retests=0)
+    if retest is False:
+        if rec.retests + 1 >= policy["max_retests"]:
+            return go(NodeState.RETIRED, f"{rec.retests + 1} failed retests", "retire", retests=rec.retests + 1)
+        return replace(rec, retests=rec.retests + 1, clear_since=None), None
+    return rec, None
+
+
+def wants_retest(rec: NodeRecord, now: float, policy: Mapping[str, Any] = DEFAULT_POLICY) -> bool:
+    """QUARANTINED and everything has looked fine for retest_after_s: time to run a retest."""
+    return (rec.state is NodeState.QUARANTINED and rec.clear_since is not None
+            and now - rec.clear_since >= policy["retest_after_s"])

@@ -1,0 +1,34 @@
+"""sd_notify without libsystemd: one datagram per message to $NOTIFY_SOCKET (the socket protocol of
+sd_notify(3)). READY=1 once the daemon runs, STATUS= for `systemctl status`, WATCHDOG=1 within WatchdogSec."""
+from __future__ import annotations
+
+import os
+import socket
+
+
+def notify(message: str) -> bool:
+    """Send one notification; False when not started by systemd (no NOTIFY_SOCKET) or the send failed."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):  # abstract namespace socket
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        return True
+    except OSError:
+        return False
+
+
+def watchdog_interval_s() -> float | None:
+    """Half of WATCHDOG_USEC (as systemd recommends), or None when the watchdog is off or meant for another pid."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return int(usec) / 2_000_000
+    except ValueError:
+        return None
