@@ -187,7 +187,12 @@ class Nvml:
 
     def temperatures(self, gpu: Gpu) -> dict[str, int | None]:
         core = int(self._dev(gpu, "nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU))
-        (fv,) = self._dev(gpu, "nvmlDeviceGetFieldValues", [FI_MEMORY_TEMP])
+        try:
+            (fv,) = self._dev(gpu, "nvmlDeviceGetFieldValues", [FI_MEMORY_TEMP])
+        except NvmlError as exc:
+            if not exc.not_supported:
+                raise
+            return {"gpu": core, "memory": None}  # no field values on this GPU/driver: the core still counts
         # A field can fail on its own while the call succeeds (HBM sensor absent on PCIe boards).
         memory = int(fv.value.uiVal) if fv.nvmlReturn == pynvml.NVML_SUCCESS else None
         return {"gpu": core, "memory": memory}
