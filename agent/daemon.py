@@ -109,13 +109,19 @@ class Daemon:
             reason = str(exc) if isinstance(exc, GpuwardenError) else f"internal error: {type(exc).__name__}: {exc}"
             self._observe(spec.name, None, status, reason, took)
         else:
-            try:
-                judgement = spec.judge(state, box["sample"], cfg, self.opt.clock())
-            except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
-                log.error("judge failed", check=spec.name, error=repr(exc))
-                self._observe(spec.name, None, Status.UNKNOWN, f"internal error: {type(exc).__name__}: {exc}", took)
-            else:
-                self._observe(spec.name, judgement, None, None, took)
+            now = self.opt.clock()
+            with self._lock:
+                # Judge against the state as it is now, not as it was when the sample began: a kernel-log
+                # consumer of the same name (pcie_aer) may have moved it meanwhile.
+                current = self._records.get(spec.name, CheckRecord(spec.name)).state
+                try:
+                    judgement = spec.judge(current, box["sample"], cfg, now)
+                except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
+                    log.error("judge failed", check=spec.name, error=repr(exc))
+                    self._observe(spec.name, None, Status.UNKNOWN, f"internal error: {type(exc).__name__}: {exc}",
+                                  took)
+                else:
+                    self._observe(spec.name, judgement, None, None, took)
         return worker
 
     # -- kernel log ----------------------------------------------------------------------------------------------

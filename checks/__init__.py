@@ -7,8 +7,8 @@ from __future__ import annotations
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
 
-from . import (burnin, dcgm_diag, ecc, ecc_memtest, ib_port, nccl_allreduce, pcie_link, peer_p2p, rdma_loopback,
-               xid, xid_watch)
+from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, fabric, ib_downtime, ib_port, nccl_allreduce,
+               nvlink_lanes, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid, xid_watch)
 
 ALL: tuple[CheckSpec, ...] = (
     # quick: reads only, seconds
@@ -19,13 +19,19 @@ ALL: tuple[CheckSpec, ...] = (
 
 
 # gpuwarden run: polled passive checks, and the consumers of the followed kernel log.
-PASSIVE: tuple[PassiveSpec, ...] = ()
-KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER,)
+PASSIVE: tuple[PassiveSpec, ...] = (
+    ib_downtime.SPEC, clock_events.SPEC, thermal.SPEC, nvlink_lanes.SPEC, pcie_aer.SPEC, fabric.SPEC,
+)
+KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER, pcie_aer.KERNEL_CONSUMER, fabric.SXID_CONSUMER)
 
 
 def all_specs() -> tuple[CheckSpec | PassiveSpec | KernelConsumer, ...]:
-    """Everything that has a [checks.<name>] config table."""
-    return (*ALL, *PASSIVE, *KERNEL_CONSUMERS)
+    """Everything that has a [checks.<name>] config table (one per name: pcie_aer's kernel-log half shares the
+    table of its poll)."""
+    seen: dict[str, CheckSpec | PassiveSpec | KernelConsumer] = {}
+    for spec in (*ALL, *PASSIVE, *KERNEL_CONSUMERS):
+        seen.setdefault(spec.name, spec)
+    return tuple(seen.values())
 
 
 def by_name() -> dict[str, CheckSpec]:

@@ -1,0 +1,201 @@
+"""NVLink lanes, continuously: every link a GPU should have is up, and the link-level error counters (CRC,
+replay, recovery) rise no faster than NVIDIA's DCGM health watch tolerates, judged as rates over a window.
+
+Which links a GPU should have: the SKU's link count (every known SKU has 18: NVLink 4 on H100/H200 SXM, NVLink 5
+on B200/GB200/GB300) and every link ever seen active since the check first sampled the GPU (persisted), so a
+link that drops is caught on any SKU. NVIDIA: an NVLink that is down needs a GPU reset or a node reboot
+(XID 74 in the XID catalogue, checks/data/xid_catalog.csv) -> RESET_GPU.
+
+Rates follow DCGM's NVLink health watch (NVIDIA/DCGM modules/health/DcgmHealthWatch.cpp MonitorNVLink, limits
+in common/DcgmGPUHardwareLimits.h): it looks at the last minute; any CRC FLIT/DATA error warns and 100 or more
+per second fail; any replay or recovery error fails. We differ on replays only: a replay is the link-level
+retransmission that repairs a CRC error (the data still arrives), so it warns; a recovery is the link
+retraining, during which traffic stalls, so it fails (DRAIN).
+
+Counters are volatile (a GPU reset or driver reload zeroes them): a counter that went down is a reset and its
+new value counts as the increase (Prometheus' rate() rule), so no delta is ever negative or spans two lives
+of the counter. A first sample only sets the baseline: errors accumulated before it are not a rate.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from gpuwarden.agent.errors import NotApplicable
+from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.per_gpu import read_each_gpu
+
+CHECK_NAME = "nvlink_lanes"
+COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")  # nvml.json / Nvml.nvlinks() names
+CRC = ("crc_flit", "crc_data")
+# Links per GPU by SKU: 18 on every known SKU (H100/H200 SXM: NVLink 4, "900 GB/s" = 18 x 50 GB/s; B200, GB200,
+# GB300: NVLink 5, 1.8 TB/s = 18 x 100 GB/s; sources in checks/data/thresholds/peer_p2p.toml). Real H100
+# `nvidia-smi nvlink -e` lists links 0..17 (fixtures/logs/nvswitch/stas00__nvidia-smi-nvlink-e__H100-FRAGMENT.txt).
+SKU_LINKS = {"H100-SXM-HGX": 18, "H200-SXM-HGX": 18, "B200-HGX": 18, "GB200-NVL72": 18, "GB300-NVL72": 18}
+
+
+@dataclass(frozen=True)
+class GpuLinks:
+    index: int
+    uuid: str  # the GPU's UUID (or its PCI address when NVML could not say)
+    pci: str | None
+    links: tuple[Mapping[str, Any], ...]  # Nvml.nvlinks(): {"link", "state", "errors": {replay, ...}}
+
+
+@dataclass(frozen=True)
+class NvlinkSample:
+    expected_links: int  # per GPU, from the SKU or the config (0: only links seen active count)
+    gpus: tuple[GpuLinks, ...]
+    problems: tuple[Finding, ...]  # GPUs NVML could not read (lost -> FAIL, other errors -> UNKNOWN)
+
+
+def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> NvlinkSample:
+    readings, problems = read_each_gpu(node, CHECK_NAME, lambda gpu: node.nvml.nvlinks(gpu))
+    expected = int(cfg["expected_links"]) or SKU_LINKS.get(node.info.sku, 0)
+    gpus = tuple(GpuLinks(g.index, g.entity.id, g.pci, tuple(links)) for g, links in readings)
+    seen_active = any(link.get("active_seen") for g in state.get("gpus", {}).values()
+                      for link in g.get("links", {}).values())
+    if not expected and not seen_active and not problems and not any(g.links for g in gpus):
+        raise NotApplicable("no GPU reports an NVLink and the SKU expects none")
+    return NvlinkSample(expected, gpus, tuple(problems))
+
+
+def _advance(link: dict[str, Any], counters: Mapping[str, int], now: float, window_s: float) -> None:
+    """Fold one reading of a link's counters into its persisted record: the increase since the last reading
+    (a decrease is a counter reset: the new value is the increase) and the window of recent increases."""
+    window = link.setdefault("window", [])
+    last, at = link.get("counters"), link.get("t")
+    if last is not None and at is not None and now > at:
+        before = [int(last.get(c, 0)) for c in COUNTERS]
+        after = [counters[c] for c in COUNTERS]
+        if any(a < b for a, b in zip(after, before, strict=True)):  # one reset zeroes every counter of the link
+            link["resets"] = link.get("resets", 0) + 1
+        window.append([at, now, *(a if a < b else a - b for a, b in zip(after, before, strict=True))])
+    link["window"] = [w for w in window if w[1] > now - window_s]
+    link["counters"], link["t"] = dict(counters), now
+
+
+def rates_per_minute(window: list[list[float]]) -> tuple[dict[str, int], dict[str, float], float]:
+    """(increase per counter, increase per minute, seconds covered) over the window's intervals."""
+    if not window:
+        return {c: 0 for c in COUNTERS}, {c: 0.0 for c in COUNTERS}, 0.0
+    span = max(w[1] for w in window) - min(w[0] for w in window)
+    counts = {c: int(sum(w[2 + i] for w in window)) for i, c in enumerate(COUNTERS)}
+    return counts, {c: (60.0 * n / span if span > 0 else 0.0) for c, n in counts.items()}, span
+
+
+def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], now: float) -> Judgement:
+    gpus: dict[str, Any] = json.loads(json.dumps(state.get("gpus", {})))  # a deep copy: judge stays pure
+    findings: list[Finding] = list(smp.problems)
+    metrics: list[MetricSample] = []
+    for g in smp.gpus:
+        rec = gpus.get(g.uuid)
+        if rec is None:
+            rec = gpus[g.uuid] = {"first_seen": now, "links": {},
+                                  "baseline_active": sum(1 for link in g.links if int(link["state"]) == 1)}
+        rec["index"] = g.index
+        links: dict[str, Any] = rec["links"]
+        reported = {int(link["link"]): link for link in g.links}
+        for n, link in reported.items():
+            lrec = links.setdefault(str(n), {"active_seen": False})
+            _advance(lrec, {c: int(link["errors"].get(c, 0)) for c in COUNTERS}, now, float(cfg["rate_window_s"]))
+            lrec["state"] = int(link["state"])
+            lrec["active_seen"] = lrec["active_seen"] or lrec["state"] == 1
+        expected = set(range(smp.expected_links)) | {int(n) for n, lr in links.items() if lr.get("active_seen")}
+        for n in sorted(expected | set(reported)):
+            lrec = links.setdefault(str(n), {"active_seen": False})
+            entity = Entity("nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n)
+            labels = {"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}
+            if n not in reported:
+                lrec["state"] = None
+            up = n in reported and int(reported[n]["state"]) == 1
+            if up:
+                lrec["down_since"] = None
+            elif lrec.get("down_since") is None:
+                lrec["down_since"] = now
+            metrics.append(MetricSample("gpuwarden_nvlink_up", "1 if the NVLink is active, 0 if it is down or "
+                                        "missing.", labels, 1.0 if up else 0.0))
+            if n in reported:
+                metrics.extend(_counter_metrics(labels, lrec))
+            if n in expected and not up:
+                findings.append(_down(entity, g, lrec, n in reported, smp.expected_links, now,
+                                      rec.get("baseline_active")))
+            elif up:
+                findings.extend(_rate_findings(entity, lrec, cfg))
+    return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
+
+
+def _counter_metrics(labels: Mapping[str, str], lrec: Mapping[str, Any]) -> list[MetricSample]:
+    _, rates, _ = rates_per_minute(lrec.get("window", []))
+    out = []
+    for c in COUNTERS:
+        lab = {**labels, "counter": c}
+        out.append(MetricSample("gpuwarden_nvlink_errors", "NVLink error counter as NVML reports it (volatile: a "
+                                "GPU reset zeroes it).", lab, float(lrec["counters"][c])))
+        out.append(MetricSample("gpuwarden_nvlink_error_rate_per_minute", "Increase of the NVLink error counter "
+                                "per minute over the rate window.", lab, rates[c]))
+    return out
+
+
+def _down(entity: Entity, g: GpuLinks, lrec: Mapping[str, Any], reported: bool, sku_links: int, now: float,
+          baseline: int | None) -> Finding:
+    why = "was active before" if lrec.get("active_seen") else f"the SKU has {sku_links} links per GPU"
+    what = "inactive" if reported else "not reported by NVML"
+    since = lrec.get("down_since", now)
+    return Finding(CHECK_NAME, "nvlink-down", entity, Status.FAIL,
+                   f"{entity.label()} ({g.uuid}) is {what} ({why}) for {now - since:.0f}s: NVLink traffic of this "
+                   "GPU runs on fewer links or falls back to PCIe; a GPU reset or node reboot is needed",
+                   Action.RESET_GPU,
+                   {"state": lrec.get("state"), "reported": reported, "was_active": bool(lrec.get("active_seen")),
+                    "expected_links": sku_links, "active_at_first_sample": baseline, "down_since": since,
+                    "down_seconds": now - since})
+
+
+def _rate_findings(entity: Entity, lrec: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[Finding]:
+    counts, rates, span = rates_per_minute(lrec.get("window", []))
+    evidence = {"window_s": span, "increase": counts, "per_minute": {c: round(r, 3) for c, r in rates.items()},
+                "counters": dict(lrec["counters"]), "resets": lrec.get("resets", 0)}
+    label = entity.label()
+    out = []
+
+    def add(code: str, status: Status, action: Action, msg: str) -> None:
+        out.append(Finding(CHECK_NAME, code, entity, status, f"{label}: {msg}", action, evidence))
+
+    if rates["recovery"] > cfg["recovery_fail_per_minute"]:
+        add("nvlink-recovery-errors", Status.FAIL, Action.DRAIN,
+            f"{counts['recovery']} link recovery event(s) in {span:.0f}s ({rates['recovery']:.1f}/min): the link "
+            "retrains and traffic stalls; drain and reset the GPU, replace it if it repeats")
+    crc = max(rates[c] for c in CRC)
+    crc_text = ", ".join(f"{c} +{counts[c]} ({rates[c]:.1f}/min)" for c in CRC)
+    if crc > cfg["crc_fail_per_minute"]:
+        add("nvlink-crc-errors", Status.FAIL, Action.DRAIN,
+            f"CRC errors at {crc / 60:.0f}/s ({crc_text}), above the {cfg['crc_fail_per_minute'] / 60:g}/s DCGM "
+            "fails at: the link is marginal")
+    elif crc > cfg["crc_warn_per_minute"]:
+        add("nvlink-crc-errors", Status.WARN, Action.MONITOR,
+            f"CRC errors in the last {span:.0f}s ({crc_text}): corrected by replays, watch the link")
+    if rates["replay"] > cfg["replay_warn_per_minute"]:
+        add("nvlink-replay-errors", Status.WARN, Action.MONITOR,
+            f"{counts['replay']} replay(s) in {span:.0f}s ({rates['replay']:.1f}/min): retransmissions after "
+            "link errors; watch the link")
+    return out
+
+
+SPEC = PassiveSpec(
+    name=CHECK_NAME,
+    summary="NVLink links up (per GPU and link) and their CRC / replay / recovery error rates",
+    sample=sample,
+    judge=judge,
+    interval_s=30.0,
+    defaults={
+        "expected_links": 0,  # links per GPU; 0 = the SKU's count (18), else only links once seen active
+        "rate_window_s": 60.0,  # DCGM's NVLink health watch looks at the last minute
+        "crc_warn_per_minute": 0.0,  # CRC FLIT or DATA errors above this rate warn (DCGM: any)
+        "crc_fail_per_minute": 6000.0,  # ... and above this fail (DCGM: 100 per second)
+        "replay_warn_per_minute": 0.0,  # replays above this rate warn
+        "recovery_fail_per_minute": 0.0,  # recoveries (link retraining) above this rate fail (DCGM: any)
+    },
+    timeout_s=10.0,
+)

@@ -1,0 +1,303 @@
+"""nvlink_lanes driven through time on recorded nodes: nvml.json is edited between steps to take links down and
+raise error counters, and the state goes through json between steps as the daemon persists it. Link layouts and
+counter values come from real `nvidia-smi nvlink` outputs (fixtures/logs/nvswitch/)."""
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from gpuwarden.agent.errors import NotApplicable
+from gpuwarden.agent.model import Action, Status
+from gpuwarden.agent.node import Node
+from gpuwarden.agent.passive import step
+from gpuwarden.checks import nvlink_lanes
+from gpuwarden.checks.nvlink_lanes import SPEC as CHECK
+
+SMI = Path(__file__).resolve().parent.parent / "fixtures" / "logs" / "nvswitch"
+CFG = dict(CHECK.defaults)
+T0 = 1_750_000_000.0
+
+
+def edit_nvml(root, change):
+    """Rewrite the scenario's nvml.json through `change(data)`; the mtime moves forward a second each time so
+    the recorded node re-reads it even on filesystems with coarse timestamps."""
+    path = root / "nvml.json"
+    data = json.loads(path.read_text())
+    change(data)
+    stamp = path.stat().st_mtime_ns + 1_000_000_000
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(stamp, stamp))
+
+
+def set_link(root, gpu, link, state=None, **counters):
+    def change(data):
+        entry = next(e for e in data["gpus"][gpu]["nvlinks"] if e["link"] == link)
+        if state is not None:
+            entry["state"] = state
+        entry["errors"].update(counters)
+    edit_nvml(root, change)
+
+
+class Driver:
+    """Steps the check like the daemon: sample + judge, the state persisted as JSON in between."""
+
+    def __init__(self, root, cfg=None):
+        self.root, self.cfg, self.state = root, cfg or CFG, {}
+        self.node = Node.recorded_at(root)
+
+    def at(self, now, restart=False):
+        if restart:  # a new daemon process: a fresh node, only the persisted state survives
+            self.node = Node.recorded_at(self.root)
+        j = step(CHECK, self.node, self.cfg, self.state, now)
+        self.state = json.loads(json.dumps(j.state))
+        assert self.state == j.state
+        return j
+
+
+def metric(j, name, **labels):
+    (value,) = [m.value for m in j.metrics if m.name == name and all(m.labels[k] == v for k, v in labels.items())]
+    return value
+
+
+# ---------------------------------------------------------------- real nvidia-smi nvlink outputs
+_GPU = re.compile(r"^GPU (\d+): (.*) \(UUID: (GPU-[0-9a-f-]+)\)$")
+_LINK = re.compile(r"^\s+Link (\d+): (.*)$")
+
+
+def smi_links(text):
+    """`nvidia-smi nvlink -s` / `-e` text -> {gpu: {link: [what it said]}}; a GPU whose links are all inactive
+    ("NVML: Unable to retrieve NVLink information as all links are inactive") maps to None."""
+    out, gpu = {}, None
+    for line in text.splitlines():
+        if m := _GPU.match(line):
+            gpu = int(m[1])
+            out[gpu] = {}
+        elif "all links are inactive" in line:
+            out[gpu] = None
+        elif (m := _LINK.match(line)) and gpu is not None:
+            out[gpu].setdefault(int(m[1]), []).append(m[2])
+    return out
+
+
+def test_real_smi_outputs_parse_as_the_tests_use_them():
+    a100 = smi_links((SMI / "gpud__nvidia-smi-nvlink-status__8xA100-SXM4-80GB.txt").read_text())
+    assert sorted(a100) == list(range(8)) and all(sorted(links) == list(range(12)) for links in a100.values())
+    assert all(v == ["25 GB/s"] for links in a100.values() for v in links.values())
+    assert smi_links((SMI / "azurehpc__nvidia-smi-nvlink-s__A100-1gpu__BAD-all-links-inactive.txt").read_text()) \
+        == {6: None}
+    assert sorted(smi_links((SMI / "azurehpc__nvidia-smi-nvlink-s__A100-1gpu__good.txt").read_text())[7]) \
+        == list(range(12))
+    # H100's `nvidia-smi nvlink -e` numbers links up to 17 (18 links, as SKU_LINKS says) with zero counters.
+    h100 = smi_links((SMI / "stas00__nvidia-smi-nvlink-e__H100-FRAGMENT.txt").read_text())[0]
+    assert max(h100) + 1 == nvlink_lanes.SKU_LINKS["H100-SXM-HGX"] == 18
+    assert h100[17] == ["Replay Errors: 0", "Recovery Errors: 0", "CRC Errors: 0"]
+
+
+# ---------------------------------------------------------------- links up / down
+def test_healthy_gb200_tray_has_no_finding_and_exports_every_link(scenario_copy):
+    d = Driver(scenario_copy("gb200-nvl72-healthy"))
+    j = d.at(T0)
+    assert j.findings == ()
+    ups = [m for m in j.metrics if m.name == "gpuwarden_nvlink_up"]
+    assert len(ups) == 4 * 18 and {m.value for m in ups} == {1.0}
+    assert d.state["gpus"]["GPU-7f56209f-bfaa-0234-486e-9d778f65ba32"]["baseline_active"] == 18
+    assert metric(j, "gpuwarden_nvlink_errors", gpu="0", link="17", counter="crc_flit") == 0.0
+    assert d.at(T0 + 30).findings == ()
+
+
+def test_a_link_that_drops_is_reset_gpu_until_it_is_back(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Driver(root)
+    d.at(T0)
+    set_link(root, 1, 5, state=0)
+    (f,) = d.at(T0 + 30).findings
+    assert (f.code, f.status, f.action) == ("nvlink-down", Status.FAIL, Action.RESET_GPU)
+    uuid = "GPU-7f56209f-bfaa-0234-486e-9d778f65ba32"
+    assert (f.entity.kind, f.entity.id, f.entity.index, f.entity.pci, f.entity.link) == \
+        ("nvlink", f"{uuid}/link5", 1, "0009:01:00.0", 5)
+    assert f.evidence["was_active"] is True and f.evidence["down_seconds"] == 0
+    assert f.evidence["active_at_first_sample"] == 18 and f.evidence["state"] == 0
+    j = d.at(T0 + 90, restart=True)  # the down time survives a daemon restart
+    (f,) = j.findings
+    assert f.evidence["down_seconds"] == 60 and f.evidence["down_since"] == T0 + 30
+    assert metric(j, "gpuwarden_nvlink_up", gpu="1", link="5") == 0.0
+    set_link(root, 1, 5, state=1)
+    j = d.at(T0 + 120)
+    assert j.findings == () and metric(j, "gpuwarden_nvlink_up", gpu="1", link="5") == 1.0
+
+
+def test_links_the_sku_has_are_expected_from_the_first_sample(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    set_link(root, 3, 17, state=0)  # never came up after boot
+    edit_nvml(root, lambda data: data["gpus"][5]["nvlinks"].pop())  # link 17 not reported at all
+    findings = Driver(root).at(T0).findings
+    assert sorted((f.entity.index, f.entity.link, f.evidence["reported"], f.evidence["state"]) for f in findings) \
+        == [(3, 17, True, 0), (5, 17, False, None)]
+    assert all(f.code == "nvlink-down" and not f.evidence["was_active"] and "the SKU has 18 links" in f.message
+               for f in findings)
+    # Configured: a 12-link layout (e.g. A100) expects no link 17.
+    assert Driver(root, {**CFG, "expected_links": 12}).at(T0).findings == ()
+
+
+def a100_node(scenario_copy):
+    """The H100 scenario with its SKU unknown and the NVLink layout of a real 8x A100 node (12 active links each,
+    gpud's `nvidia-smi nvlink --status` capture)."""
+    root = scenario_copy("h100-hgx-healthy")
+    toml = root / "node.toml"
+    toml.write_text(toml.read_text().replace('sku = "H100-SXM-HGX"', 'sku = "unknown"'))
+    layout = smi_links((SMI / "gpud__nvidia-smi-nvlink-status__8xA100-SXM4-80GB.txt").read_text())
+
+    def change(data):
+        for gpu in data["gpus"]:
+            gpu["nvlinks"] = [{"link": n, "state": 1, "errors": {c: 0 for c in nvlink_lanes.COUNTERS}}
+                              for n in sorted(layout[gpu["index"]])]
+    edit_nvml(root, change)
+    return root
+
+
+def test_unknown_sku_expects_the_links_it_saw_active(scenario_copy):
+    root = a100_node(scenario_copy)
+    assert "unknown" in (root / "node.toml").read_text()
+    set_link(root, 2, 11, state=0)  # down before the first sample: no baseline says it should be up
+    d = Driver(root)
+    assert d.at(T0).findings == ()
+    assert d.state["gpus"]["GPU-973565ff-45cf-12ea-4e91-33386720f7bb"]["baseline_active"] == 11
+    # azurehpc's bad capture: GPU 6 with every link inactive.
+    assert smi_links((SMI / "azurehpc__nvidia-smi-nvlink-s__A100-1gpu__BAD-all-links-inactive.txt").read_text())[6] \
+        is None
+    edit_nvml(root, lambda data: [e.update(state=0) for e in data["gpus"][6]["nvlinks"]])
+    findings = d.at(T0 + 30).findings
+    assert len(findings) == 12 and {f.entity.index for f in findings} == {6}
+    assert all(f.evidence["was_active"] and "was active before" in f.message for f in findings)
+
+
+def test_lost_gpu_is_reported_and_its_links_keep_their_state(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Driver(root)
+    d.at(T0)
+    edit_nvml(root, lambda data: data["gpus"][2]["errors"].update({"*": "GPU_IS_LOST"}))
+    (f,) = d.at(T0 + 30).findings
+    assert (f.code, f.status, f.entity.index) == ("gpu-lost", Status.FAIL, 2)
+    assert "GPU-d31f83c1-7f20-f9ad-e7a7-a6207a05c957" in d.state["gpus"]  # baseline kept for its return
+
+
+def test_no_nvlink_anywhere_is_not_applicable(scenario_copy):
+    root = a100_node(scenario_copy)
+    edit_nvml(root, lambda data: [g.update(nvlinks=[]) for g in data["gpus"]])
+    node = Node.recorded_at(root)
+    with pytest.raises(NotApplicable):
+        CHECK.sample(node, CFG, {})
+    # ...but not when links were seen before: then they are all down.
+    state = {"gpus": {"GPU-566e6f65-c38e-b12f-4824-6944218668b9": {"links": {"0": {"active_seen": True}}}}}
+    (f,) = CHECK.judge(state, CHECK.sample(node, CFG, state), CFG, T0).findings
+    assert f.code == "nvlink-down" and f.evidence["reported"] is False
+
+
+# ---------------------------------------------------------------- error rates
+def test_error_rates_warn_and_fail_then_age_out(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    # Counters carried from before the agent started are not a rate: only increases after the first sample count.
+    set_link(root, 0, 3, crc_flit=1000, replay=40, recovery=2)
+    d = Driver(root)
+    assert d.at(T0).findings == ()
+    set_link(root, 0, 3, crc_flit=1003)
+    (f,) = d.at(T0 + 30).findings
+    assert (f.code, f.status, f.action) == ("nvlink-crc-errors", Status.WARN, Action.MONITOR)
+    assert f.evidence["increase"]["crc_flit"] == 3 and f.evidence["per_minute"]["crc_flit"] == 6.0
+    assert f.entity.link == 3 and f.entity.index == 0
+    set_link(root, 0, 3, replay=42)
+    j = d.at(T0 + 60)
+    assert {f.code for f in j.findings} == {"nvlink-crc-errors", "nvlink-replay-errors"}  # CRC still in the window
+    assert metric(j, "gpuwarden_nvlink_error_rate_per_minute", gpu="0", link="3", counter="replay") == 2.0
+    assert metric(j, "gpuwarden_nvlink_errors", gpu="0", link="3", counter="replay") == 42.0
+    set_link(root, 0, 3, recovery=3)
+    j = d.at(T0 + 90)
+    rec = next(f for f in j.findings if f.code == "nvlink-recovery-errors")
+    assert (rec.status, rec.action) == (Status.FAIL, Action.DRAIN)
+    assert {f.code for f in j.findings} == {"nvlink-replay-errors", "nvlink-recovery-errors"}  # CRC aged out
+    assert d.at(T0 + 150).findings == ()  # a quiet minute: the window is empty again
+
+
+def test_crc_storm_fails_at_dcgms_100_per_second(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Driver(root)
+    d.at(T0)
+    set_link(root, 3, 0, crc_data=2_999)  # 100/s over 30 s would be 3000: still a warning
+    (f,) = d.at(T0 + 30).findings
+    assert f.status is Status.WARN
+    set_link(root, 3, 0, crc_data=2_999 + 30 * 150)
+    (f,) = d.at(T0 + 60).findings
+    assert (f.code, f.status, f.action) == ("nvlink-crc-errors", Status.FAIL, Action.DRAIN)
+    assert "above the 100/s" in f.message
+
+
+def test_counter_reset_is_neither_negative_nor_huge(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    set_link(root, 1, 7, crc_flit=50_000, replay=9_000)
+    d = Driver(root)
+    d.at(T0)
+    set_link(root, 1, 7, crc_flit=2, replay=0)  # GPU reset / driver reload: counters start again from zero
+    (f,) = d.at(T0 + 30).findings
+    assert f.code == "nvlink-crc-errors" and f.status is Status.WARN
+    assert f.evidence["increase"] == {"replay": 0, "recovery": 0, "crc_flit": 2, "crc_data": 0}
+    assert f.evidence["resets"] == 1
+    rates = [m.value for m in d.at(T0 + 60).metrics if m.name == "gpuwarden_nvlink_error_rate_per_minute"]
+    assert min(rates) >= 0.0 and max(rates) <= 4.0
+
+
+def test_a_gap_while_the_daemon_was_down_is_averaged_over_the_gap(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Driver(root)
+    d.at(T0)
+    set_link(root, 2, 9, crc_flit=60)  # 60 CRC errors over the hour the daemon was down: 1/min, not 120/min
+    (f,) = d.at(T0 + 3600, restart=True).findings
+    assert f.code == "nvlink-crc-errors" and f.status is Status.WARN
+    assert f.evidence["window_s"] == 3600 and f.evidence["per_minute"]["crc_flit"] == 1.0
+
+
+def test_clock_standing_still_adds_no_interval(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Driver(root)
+    d.at(T0)
+    set_link(root, 0, 0, crc_flit=5)
+    assert d.at(T0).findings == ()  # same timestamp: the counters move on, no rate from a zero-length interval
+    assert d.state["gpus"]["GPU-f1f125ab-e3b5-c66a-ab3f-9862557b394e"]["links"]["0"]["counters"]["crc_flit"] == 5
+
+
+# ---------------------------------------------------------------- metrics
+def exposition(metrics):
+    families = {}
+    for m in metrics:
+        fam = families.setdefault(m.name, (GaugeMetricFamily(m.name, m.help, labels=sorted(m.labels)), m))
+        assert sorted(m.labels) == sorted(fam[1].labels), m.name  # one label set per family
+        fam[0].add_metric([m.labels[k] for k in sorted(m.labels)], m.value)
+
+    class Collector:
+        def collect(self):
+            return [f for f, _ in families.values()]
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    return generate_latest(registry).decode()
+
+
+def test_metrics_are_lint_clean(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Driver(root)
+    d.at(T0)
+    set_link(root, 1, 5, state=0)
+    j = d.at(T0 + 30)
+    names = {m.name for m in j.metrics}
+    assert names == {"gpuwarden_nvlink_up", "gpuwarden_nvlink_errors", "gpuwarden_nvlink_error_rate_per_minute"}
+    assert all(m.kind == "gauge" and re.fullmatch(r"[a-z_]+", k) for m in j.metrics for k in m.labels)
+    text = exposition(j.metrics)
+    if shutil.which("promtool"):
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                              timeout=30)
+        assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
