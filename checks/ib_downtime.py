@@ -102,9 +102,9 @@ def decide(name: str, port: Mapping[str, Any], now: float, cfg: Mapping[str, Any
                            "unloaded): the rail is lost to NCCL; drain the node (ignore_ports if it was removed on "
                            "purpose)", Action.DRAIN, evidence)
         return Finding(CHECK_NAME, "ib-port-down", entity, Status.FAIL,
-                       f"{name} has been {port['state']} for {down_for:.0f} s, past the NCCL IB timeout "
-                       f"({cfg['down_fail_s']:g} s): collectives over this rail fail; drain the node and check cable "
-                       "and switch port", Action.DRAIN, evidence)
+                       f"{name} has been {port['state']} for {down_for:.0f} s (limit {cfg['down_fail_s']:g} s; NCCL "
+                       "gives up on a rail after ~7 s): collectives over this rail fail; drain the node and check "
+                       "cable and switch port", Action.DRAIN, evidence)
     summary = f"{name} was down {down:.1f} s in the last {window:g} s ({flaps} flap(s))"
     if down >= cfg["window_fail_s"]:
         return Finding(CHECK_NAME, "ib-port-flapping", entity, Status.FAIL,
@@ -159,7 +159,9 @@ SPEC = PassiveSpec(
     judge=judge,
     interval_s=INTERVAL_S,
     defaults={
-        "down_fail_s": 7.0,  # a port down this long now fails (NCCL's effective IB timeout, ~7 s)
+        # A port down this long now fails. NCCL's effective IB timeout is ~7 s: an outage longer than that kills
+        # the collective, so the scheduler must hear of it well before; two 1 s polls filter a one-sample glitch.
+        "down_fail_s": 2.0,
         "window_s": 3600.0,  # sliding window of the cumulative downtime
         "window_fail_s": 30.0,  # downtime in the window that fails (drain)
         "window_warn_s": 5.0,  # downtime in the window that warns

@@ -22,7 +22,9 @@ class Clock:
 
     def __init__(self, root, **cfg):
         self.root, self.node = root, Node.recorded_at(root)
-        self.cfg = {**SPEC.defaults, **cfg}
+        # Most tests here are about downtime accounting: they judge "down now" at NCCL's 7 s, where the
+        # window rules get room to show; test_default_fails_a_down_port_within_two_polls covers the default.
+        self.cfg = {**SPEC.defaults, "down_fail_s": 7.0, **cfg}
         self.state: dict = {}
         self.now = T0 - ib_downtime.INTERVAL_S  # the first tick is at T0
         self.j = None
@@ -149,6 +151,19 @@ def test_long_outage_fails_at_the_sample_that_crosses_the_nccl_timeout(clock):
     # A faster NCCL timeout is a config key away.
     c.cfg["down_fail_s"] = 4.0
     assert [f.code for f in c.tick().findings if f.entity.id == PORT] == ["ib-port-down"]
+
+
+def test_default_fails_a_down_port_within_two_polls(clock):
+    c = clock(down_fail_s=SPEC.defaults["down_fail_s"])
+    c.tick()
+    c.set_port("DOWN", downed=1)
+    c.tick()  # first seen down: one sample may be a glitch
+    assert c.findings() == []
+    c.tick()
+    c.tick()
+    (f,) = c.findings()  # 2 s after it was first seen: the scheduler hears long before NCCL's ~7 s timeout
+    assert (f.code, f.status, f.action) == ("ib-port-down", Status.FAIL, Action.DRAIN)
+    assert f.evidence["down_for_s"] == 2.0
 
 
 def test_restart_mid_outage_keeps_the_outage_start(clock):
