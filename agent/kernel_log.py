@@ -51,30 +51,33 @@ def _gc_paused() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- raw /dev/kmsg
-# Speed (measured with bench/kmsg_parse.py, 1 M records, 2-core machine; see bench/README.md). The parser
-# was a per-line loop (split the text, partition at ';', split the header, isdigit and int() per field):
-# ~1.1 s per 1 M lines. Kept, from what was measured:
+# Speed (bench/kmsg_parse.py: 1 M records, the 2-core development machine; figures in bench/README.md).
+# The parser was a per-line loop (split the text, partition at ';', split the header, isdigit and int()
+# per field, the builder's __init__): ~1.25 s per 1 M lines. Now ~0.87 s; kept, from what was measured:
 # * One regex over the text (findall, a chunk at a time) yields a row per line: header validation and the
-#   cut into prio/seq/usec/message happen in C, ~0.35 s per 1 M lines, against ~0.5 s for split + partition
-#   + split + isdigit in Python. Chunks of ~256k characters keep the rows list small (no 1 M-tuple list),
-#   which measured no slower than one findall over the whole text.
+#   cut into prio/seq/usec/message happen in C, ~0.24 s per 1 M lines, against ~0.5 s for split + partition
+#   + split + isdigit in Python. Chunks of ~64k characters keep the rows list small (no 1 M-tuple list);
+#   one findall over the whole text measured ~10% slower than chunks of 4k-256k.
 # * The record's slots are stored inline (object.__new__ + 8 slot stores, then retyped) rather than through
-#   the builder's generated __init__: ~60 ns a record less, a Python call per record saved.
+#   the builder's generated __init__: ~50 ns a record less.
 # * prio -> (level, facility) by dict lookup for the usual prio strings, not int() and arithmetic.
-# Tried and not kept: split(",", 3) before finding ';' (no faster than partition first), dropping
-# enumerate (noise), one findall over the whole text (no faster; a 1 M-tuple transient list).
-# What is left per record is mostly the record itself and the two int() calls seq and usec need.
+# Tried and not kept: split(",", 3) before finding ';' (no faster than partition first), enumerate vs a
+# counter (no difference), a header lookahead in the regex (15% of the regex time; bounds instead).
+# Of the ~0.6 s left after the regex, ~0.14 s is the two int() calls seq and usec need, and most of the
+# rest is allocating the records (~250 bytes each with their message and ints); hence parse_kmsg_filtered,
+# which builds only the records a caller keeps (~0.45 s per 1 M lines).
 #
 # One match per line, in order (the text's lines are exactly the rows, so a row's index is its line):
-# a well-formed record gives (prio, seq, usec, message); anything else ("", "", "", line), because the
-# header group is optional and (.*) then takes the whole line. The lookahead is the old per-line test:
-# the header (up to the first ';') is ASCII, shorter than 96 characters (keeps int() off absurd digit
-# strings) and followed by ';'; prio, seq and usec are [0-9]+ (what isdigit accepts on ASCII text: not
-# "", "-1", " 5", "1_0", which int() would take); the flags run to that first ';'. Possessive
-# quantifiers: nothing here needs backtracking, and they keep a long bad line linear.
-_KMSG_ROW = re.compile(
-    r"^(?:(?=[\x00-\t\x0b-:<-\x7f]{0,95}+;)([0-9]++),([0-9]++),([0-9]++),[^;\n]*+;)?+(.*+)", re.M)
-_CHUNK = 1 << 18  # characters of text per findall, cut at a line end
+# a record whose header is of the usual size gives (prio, seq, usec, message); any other line gives
+# ("", "", "", line), because the header group is optional and (.*) then takes the whole line. A match
+# is always a well-formed record by the old per-line test: prio, seq and usec are [0-9]+ (what isdigit
+# accepts on ASCII text, so not "", "-1", " 5", "1_0" that int() would take), the flags run to the first
+# ';' in ASCII, and the bounds (10 + 20 + 20 + 30 + 3 separators = 83) keep the header under 96
+# characters (int() refuses > 4300 digits) without a lookahead: that lookahead cost ~15% of the regex
+# time. A well-formed header past these bounds (a 21-digit seq, long flags) goes to _kmsg_line, which is
+# the exact test. Possessive quantifiers: nothing needs backtracking, and a long bad line stays linear.
+_KMSG_ROW = re.compile(r"^(?:([0-9]{1,10}+),([0-9]{1,20}+),([0-9]{1,20}+),[\x00-\t\x0b-:<-\x7f]{0,30}+;)?+(.*+)", re.M)
+_CHUNK = 1 << 16  # characters of text per findall, cut at a line end
 _LEVEL = {str(p): p & 7 for p in range(192)}  # prio = facility * 8 + level; facilities 0..23
 _FACILITY = {str(p): p >> 3 for p in range(192)}
 
@@ -104,9 +107,18 @@ def _kmsg_record(message: str, lineno: int, source: str, prio: str, seq: str, us
     return r
 
 
-def _kmsg_error(line: str, source: str, lineno: int) -> ParseError:
-    head, sep, _ = line.partition(";")
-    return ParseError(_kmsg_complaint(line, sep, head.split(",", 3)), source, lineno)
+def _kmsg_line(line: str, source: str, lineno: int) -> LogRecord | ParseError:
+    """The exact per-line test, for a line _KMSG_ROW did not take as a record: a ParseError, or the record
+    for a well-formed header beyond the regex's bounds."""
+    head, sep, message = line.partition(";")
+    header = head.split(",", 3)  # prio, seq, usec, flags[,more]
+    if sep and len(header) == 4 and head.isascii() and len(head) < 96:
+        prio, seq, usec, _ = header
+        # isdigit on ASCII text is [0-9]+: rejects "", "-1", " 5", "1_0" that int() would take;
+        # the length bound keeps int() off absurd digit strings (it refuses > 4300 digits).
+        if prio.isdigit() and seq.isdigit() and usec.isdigit():
+            return _kmsg_record(message, lineno, source, prio, seq, usec)
+    return ParseError(_kmsg_complaint(line, sep, header), source, lineno)
 
 
 def parse_kmsg_text(text: str, source: str) -> tuple[list[LogRecord], list[ParseError]]:
@@ -124,7 +136,7 @@ def parse_kmsg_text(text: str, source: str) -> tuple[list[LogRecord], list[Parse
     lineno = 0
     with _gc_paused():
         for rows in _kmsg_rows(text):
-            for prio, seq, usec, message in rows:  # the hot loop: ~0.45 s of the ~0.8 s per 1 M lines
+            for prio, seq, usec, message in rows:  # the hot loop
                 lineno += 1
                 if prio:
                     r = new(builder)
@@ -142,8 +154,9 @@ def parse_kmsg_text(text: str, source: str) -> tuple[list[LogRecord], list[Parse
                     r.timestamp = None
                     r.__class__ = record_type
                     append(r)
-                elif message and message[0] != " ":  # not blank, not a continuation line
-                    errors.append(_kmsg_error(message, source, lineno))
+                elif message and message[0] != " ":  # not blank, not a continuation line: the whole line
+                    one = _kmsg_line(message, source, lineno)
+                    (errors if type(one) is ParseError else records).append(one)
     return records, errors
 
 
@@ -161,9 +174,10 @@ def parse_kmsg_filtered(text: str, source: str, keep: Callable[[str], object]) -
     Every line is still validated: malformed records come back in ``errors`` with their lines, and
     ``last_seq`` is the seq of the last well-formed record (kept or not), so a follower can advance its
     cursor past records it did not keep. Records that are returned are identical to parse_kmsg_text's
-    (same line numbers and fields). ``keep`` is called once per well-formed record with its message; it
-    should be cheap, e.g. ``lambda m: "NVRM: " in m or "SXid" in m`` (a plain substring test: ~3x faster
-    here than a compiled alternation's ``.search``), and must accept every message any consumer may need.
+    (same line numbers and fields). ``keep`` is called once per well-formed record with its message, so it
+    should be cheap, e.g. ``lambda m: "NVRM: " in m or "SXid" in m``: per 1 M messages one ``in`` test costs
+    ~0.04 s, six ~0.19 s, a compiled six-way alternation's ``.search`` ~0.3 s. It must accept every message
+    any consumer of the records looks at (the xid check: "NVRM: "); what it rejects is never seen.
     """
     if "\r" in text:
         text = text.replace("\r\n", "\n")
@@ -180,7 +194,13 @@ def parse_kmsg_filtered(text: str, source: str, keep: Callable[[str], object]) -
                     if keep(message):
                         records.append(_kmsg_record(message, lineno, source, prio, seq, usec))
                 elif message and message[0] != " ":
-                    errors.append(_kmsg_error(message, source, lineno))
+                    one = _kmsg_line(message, source, lineno)
+                    if type(one) is ParseError:
+                        errors.append(one)
+                    else:
+                        last = str(one.seq)
+                        if keep(one.message):
+                            records.append(one)
     return KmsgBatch(records, errors, int(last) if last else None)
 
 
