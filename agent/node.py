@@ -118,14 +118,14 @@ class Node:
                 self._nvml_stamp = stamp
                 self._nvml, self._nvml_error = None, None
 
-    def kmsg_follower(self, cursor: Cursor | None) -> KmsgFollower:
+    def kmsg_follower(self, cursor: Cursor | None, keep: Any = None) -> KmsgFollower:
         """The node's one kernel-log follower, resumed at `cursor` (a new follower when the cursor is not where
         the current one stands, e.g. after a restart from persisted state)."""
         current = self._follower
         if current is None or (cursor is not None and current.cursor != cursor):
             if current is not None:
                 current.close()
-            current = self._follower = KmsgFollower(self.kmsg, cursor)
+            current = self._follower = KmsgFollower(self.kmsg, cursor, keep)
         return current
 
     @classmethod

@@ -79,3 +79,6 @@ class KernelConsumer:
     judge: "Callable[[Mapping[str, Any], KernelBatch, Mapping[str, Any], float], Judgement]"
     defaults: Mapping[str, Any] = field(default_factory=dict)
     list_types: Mapping[str, type] = field(default_factory=dict)
+    # Substrings of the messages this consumer reads; the follower builds records only for those (a flood of
+    # unrelated lines then costs a header check each). Empty: every record.
+    interest: tuple[str, ...] = ()

@@ -354,4 +354,5 @@ SXID_CONSUMER = KernelConsumer(
         "fatal_hold_s": 0.0,  # a fatal one: 0 = until the next boot
     },
     list_types={"ignore_sxids": int, "fail_sxids": int},
+    interest=("SXid", "NVSwitch"),  # SXid lines and their Severity/Data continuations; Fabric Manager's wording
 )

@@ -344,4 +344,5 @@ def _judge_batch(state: Mapping[str, Any], batch: Any, cfg: Mapping[str, Any], n
 # The kernel-log half of the same check: same name, so the daemon keeps ONE state and one set of findings for
 # pcie_aer, fed by both the sysfs poll and the followed kernel log (judged one at a time).
 KERNEL_CONSUMER = KernelConsumer(name=CHECK_NAME, summary=SPEC.summary, judge=_judge_batch, defaults=SPEC.defaults,
-                                 list_types=SPEC.list_types)
+                                 list_types=SPEC.list_types,
+                                 interest=("AER", "PCIe Bus Error", "[Hardware Error]:"))

@@ -90,4 +90,5 @@ CONSUMER = KernelConsumer(
         "hold_s": 3600.0,  # an incident below REBOOT stands this long after its last event
     },
     list_types={"ignore_xids": int, "fail_xids": int},
+    interest=("NVRM: ",),  # XIDs and the driver's "GPU at PCI" lines that name the GPU
 )

@@ -9,11 +9,12 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import structlog
 
 from ..errors import ParseError, SourceError
-from ..kernel_log import LogRecord, parse_kmsg_text
+from ..kernel_log import LogRecord, parse_kmsg_filtered, parse_kmsg_text
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
@@ -74,11 +75,14 @@ class KmsgFollower:
     persisted cursor neither repeats nor misses a record.
     """
 
-    def __init__(self, log: KernelLog, cursor: Cursor | None = None):
+    def __init__(self, log: KernelLog, cursor: Cursor | None = None, keep: Callable[[str], object] | None = None):
         self.log = log
         self.cursor = cursor if cursor is not None and cursor.boot_id == log.boot_id else Cursor(log.boot_id, -1)
+        self.keep = keep  # build records only for messages a consumer reads (None: all)
         self.lost = 0
-        self.parse_errors: list[ParseError] = []
+        self.advanced = 0  # records the cursor moved past (kept or not): the daemon's throughput counter
+        self.malformed = 0
+        self.parse_errors: list[ParseError] = []  # the latest few, for the log; `malformed` counts them all
         self._fd: int | None = None
         self._offset = 0
         self._pending = b""
@@ -92,11 +96,20 @@ class KmsgFollower:
         text = self._read_live() if self.log.live else self._read_file()
         if not text:
             return []
-        records, errors = parse_kmsg_text(text, self.log.name)
-        self.parse_errors.extend(errors)
+        if self.keep is None:
+            records, errors = parse_kmsg_text(text, self.log.name)
+            last = records[-1].seq if records else None
+        else:
+            records, errors, last = parse_kmsg_filtered(text, self.log.name, self.keep)
+        if errors:
+            self.malformed += len(errors)
+            # Bounded: a daemon runs for months, and a corrupt log must not grow its memory.
+            self.parse_errors = (self.parse_errors + errors)[-_MAX_LOGGED_PARSE_ERRORS:]
         fresh = [r for r in records if r.seq is not None and r.seq > self.cursor.seq]
-        if fresh:
-            self.cursor = Cursor(self.log.boot_id, fresh[-1].seq)
+        if last is not None and last > self.cursor.seq:
+            # kmsg numbers records consecutively within a boot, so the seq step counts what was read, kept or not.
+            self.advanced += last - (self.cursor.seq if self.cursor.seq >= 0 else _first_seq(text, last) - 1)
+            self.cursor = Cursor(self.log.boot_id, last)
         return fresh
 
     def _read_live(self) -> str:
@@ -120,6 +133,13 @@ class KmsgFollower:
         data = self._pending + data
         complete, _, self._pending = data.rpartition(b"\n")  # a line still being written waits for its newline
         return (complete + b"\n").decode(errors="replace") if complete else ""
+
+
+def _first_seq(text: str, default: int) -> int:
+    try:
+        return int(text.split(",", 2)[1])
+    except (IndexError, ValueError):
+        return default
 
 
 def _open_kmsg(path: Path) -> int:
