@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -105,12 +106,17 @@ def idle(seconds: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "node"
         shutil.copytree(NODES / "h100-hgx-healthy", root, symlinks=True, ignore=shutil.ignore_patterns("tools"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root),
-                                 "--state-dir", str(Path(tmp) / "state"), "--listen", "127.0.0.1:0"],
+                                 "--state-dir", str(Path(tmp) / "state"), "--listen", f"127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             p = psutil.Process(proc.pid)
             time.sleep(5)  # start-up (imports, first samples) is not idle
+            if proc.poll() is not None:
+                raise SystemExit(f"gpuwarden run exited with {proc.returncode}")
             c0, t0 = p.cpu_times(), time.perf_counter()
             rss = []
             while time.perf_counter() - t0 < seconds:
