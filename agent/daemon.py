@@ -30,7 +30,7 @@ KMSG_CHECK = "kmsg"  # the follower itself, reported like a check so "could not 
 
 @dataclass
 class DaemonOptions:
-    kmsg_tick_s: float = 0.02  # longest wait between two kernel-log polls (live /dev/kmsg wakes us earlier)
+    kmsg_tick_s: float = 0.02  # poll interval of a recorded kmsg file (live /dev/kmsg is select()ed: no polling)
     idle_tick_s: float = 1.0  # consumers get an empty batch this often, so time-based rules advance
     policy: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     retest: Callable[[], bool] | None = None  # runs a retest (the quick preflight); True = passed
@@ -53,6 +53,7 @@ class Daemon:
         self._kmsg_records = 0
         self._kmsg_lost = 0
         self._retesting = False
+        self._meta: dict | None = None  # the last persisted meta (kernel-log cursor)
         self._publish()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -144,9 +145,9 @@ class Daemon:
 
     def _wait_for_kmsg(self, follower: Any) -> None:
         fd = getattr(follower, "_fd", None)
-        if fd is not None:  # live /dev/kmsg is pollable: wake as soon as a record arrives
+        if fd is not None:  # live /dev/kmsg is pollable: sleep until a record arrives (or the idle tick)
             try:
-                select.select([fd], [], [], self.opt.kmsg_tick_s)
+                select.select([fd], [], [], self.opt.idle_tick_s)
                 return
             except (OSError, ValueError):
                 pass
@@ -197,11 +198,16 @@ class Daemon:
         return CheckRecord(name, judgement.state, status or fold_status(findings), error, findings, now, duration_s)
 
     def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float) -> None:
+        changed = [rec for rec in updates if _differs(self._records.get(rec.name), rec)]
         for rec in updates:
             self._records[rec.name] = rec
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy)
         intents = _intents(transition) if transition else []
-        new_keys = self.store.commit(updates, meta, record, transition, intents)
+        new_keys: list[str] = []
+        if changed or transition or record != self._record or (meta and meta != self._meta):
+            # Only what moved is written: an idle tick that changed nothing costs no disk write.
+            new_keys = self.store.commit(changed, meta, record, transition, intents)
+            self._meta = meta or self._meta
         self._record = record
         if transition:
             self._transitions += 1
@@ -257,6 +263,12 @@ class Daemon:
     def reload(self, config: Any) -> None:
         with self._lock:
             self.config = config
+
+
+def _differs(old: CheckRecord | None, new: CheckRecord) -> bool:
+    """Whether a check's record changed in what is persisted for meaning (not just its timestamps)."""
+    return old is None or (old.state, old.status, old.error, old.findings) != (new.state, new.status, new.error,
+                                                                             new.findings)
 
 
 def _keep(consumers: list[KernelConsumer]) -> Callable[[str], object] | None:

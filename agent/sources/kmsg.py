@@ -121,7 +121,9 @@ class KmsgFollower:
 
     def _read_file(self) -> str:
         try:
-            size = self.log.path.stat().st_size
+            size = os.stat(self.log.path).st_size
+            if size == self._offset:
+                return ""  # nothing new: the common case of an idle poll costs one stat
             if size < self._offset:  # truncated or replaced: read it again from the start
                 self._offset, self._pending = 0, b""
             with open(self.log.path, "rb") as f:
