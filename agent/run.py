@@ -59,10 +59,14 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     daemon = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
                     LocalAdapter(state_dir / "actions.jsonl"), collector, DaemonOptions(retest=retest))
-    reload_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: daemon.stop_event.set())
-    signal.signal(signal.SIGHUP, lambda *_: reload_requested.set())
+    reload_requested, wake = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        (reload_requested if signum == signal.SIGHUP else daemon.stop_event).set()
+        wake.set()  # act now, not at the next watchdog tick
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     daemon.start()
     log.info("running", node=node.hostname, listen=f"{host}:{port}", state_dir=str(state_dir),
@@ -70,7 +74,11 @@ def run_daemon(args: argparse.Namespace) -> int:
     notify("READY=1\nSTATUS=watching")
     tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, 1.0) if x)
     try:
-        while not daemon.stop_event.wait(tick):
+        while not daemon.stop_event.is_set():
+            wake.wait(tick)
+            wake.clear()
+            if daemon.stop_event.is_set():
+                break
             if reload_requested.is_set():
                 reload_requested.clear()
                 _reload(daemon, specs, args)

@@ -141,3 +141,42 @@ def test_kill_9_mid_incident_loses_and_repeats_nothing(scenario_copy, tmp_path):
         proc.terminate()
         proc.wait(10)
     assert proc.returncode == 0  # SIGTERM is a clean stop
+
+
+def test_ready_reload_and_graceful_stop_under_systemd(scenario_copy, tmp_path):
+    """READY=1 over $NOTIFY_SOCKET, SIGHUP with a broken config keeps the running one, SIGTERM exits 0."""
+    root, state, sock_path = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state", tmp_path / "notify.sock"
+    cfg = tmp_path / "gpuwarden.toml"
+    cfg.write_text("[checks.xid_watch]\nhold_s = 60.0\n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(str(sock_path))
+        server.settimeout(30)
+        proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root),
+                                 "--state-dir", str(state), "--listen", f"127.0.0.1:{free_port()}", "--config",
+                                 str(cfg), "--log-format", "json"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "NOTIFY_SOCKET": str(sock_path)})
+        try:
+            assert server.recv(4096).startswith(b"READY=1")
+            cfg.write_text("[checks.xid_watch]\nhold_s = \"long\"\n")
+            proc.send_signal(signal.SIGHUP)
+            append(root, XID13)  # still watching after the failed reload
+            wait_for(lambda: xid13_count(state) == 1, what="an XID after the reload")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "config reload failed; keeping the running config" in err and "checks.xid_watch.hold_s" in err
+
+
+def test_textfile_output_for_node_exporter(scenario_copy, tmp_path):
+    root, textfile = scenario_copy("gb200-nvl72-healthy"), tmp_path / "gpuwarden.prom"
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root), "--state-dir",
+                             str(tmp_path / "state"), "--listen", f"127.0.0.1:{free_port()}", "--textfile",
+                             str(textfile)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        text = wait_for(lambda: textfile.exists() and "gpuwarden_check_success" in textfile.read_text()
+                        and textfile.read_text(), what="the textfile")
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    assert 'gpuwarden_node_state{state="healthy"} 1.0' in text
