@@ -34,6 +34,7 @@ class DaemonOptions:
     idle_tick_s: float = 1.0  # consumers get an empty batch this often, so time-based rules advance
     policy: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     retest: Callable[[], bool] | None = None  # runs a retest (the quick preflight); True = passed
+    intervals: dict[str, float] = field(default_factory=dict)  # per-check poll interval overrides (tests)
     clock: Callable[[], float] = time.time
 
 
@@ -84,7 +85,8 @@ class Daemon:
                 self._observe(spec.name, None, Status.UNKNOWN, f"sample still running after {spec.timeout_s:g}s", 0.0)
             else:
                 worker = self._sample_once(spec)
-            self.stop_event.wait(max(0.0, spec.interval_s - (time.monotonic() - started)))
+            interval = self.opt.intervals.get(spec.name, spec.interval_s)
+            self.stop_event.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def _sample_once(self, spec: PassiveSpec) -> threading.Thread:
         box: dict[str, Any] = {}

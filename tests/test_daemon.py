@@ -180,3 +180,111 @@ def test_textfile_output_for_node_exporter(scenario_copy, tmp_path):
         proc.terminate()
         proc.wait(20)
     assert 'gpuwarden_node_state{state="healthy"} 1.0' in text
+
+
+# -- every kind of signal through the running daemon -------------------------------------------------------------
+@pytest.fixture
+def fast_daemon(scenario_copy, tmp_path):
+    """All passive checks polled every 0.1 s, thresholds scaled down, on a copy of the H100 node."""
+    root = scenario_copy("h100-hgx-healthy")
+    specs = all_specs()
+    cfg = config.defaults(specs)
+    cfg.checks["ib_downtime"]["down_fail_s"] = 0.3
+    store = Store(tmp_path / "state" / "state.db")
+    d = Daemon(Node.recorded_at(root), list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
+               LocalAdapter(tmp_path / "state" / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, intervals={s.name: 0.1 for s in PASSIVE}))
+    d.start()
+    yield d, root
+    d.stop()
+    store.close()
+
+
+def test_sysfs_change_ib_port_down_cordons(fast_daemon):
+    d, root = fast_daemon
+    wait_for(lambda: d.results().get("ib_downtime") and d.results()["ib_downtime"].status.value == "ok",
+             what="ib_downtime's first look")
+    port = root / "sys/class/infiniband/mlx5_5/ports/1"
+    (port / "state").write_text("1: DOWN\n")
+    (port / "phys_state").write_text("3: Disabled\n")
+    wait_for(lambda: d.record.state is NodeState.CORDONED, what="the port-down cordon")
+    (f,) = d.results()["ib_downtime"].findings
+    assert (f.code, f.entity.id) == ("ib-port-down", "mlx5_5/1")
+    text = metrics_text(d.collector)
+    assert 'gpuwarden_ib_port_up{port="mlx5_5/1"} 0.0' in text
+    assert 'gpuwarden_node_state{state="cordoned"} 1.0' in text
+
+
+def test_nvml_change_nvlink_down_quarantines(fast_daemon):
+    d, root = fast_daemon
+    wait_for(lambda: d.results().get("nvlink_lanes") and d.results()["nvlink_lanes"].status.value == "ok",
+             what="nvlink_lanes' first look")
+    snap = json.loads((root / "nvml.json").read_text())
+    snap["gpus"][3]["nvlinks"][7]["state"] = 0
+    path = root / "nvml.json"
+    path.write_text(json.dumps(snap))
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))  # coarse-mtime filesystems
+    wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="nvlink-down (RESET_GPU) to quarantine")
+    (f,) = d.results()["nvlink_lanes"].findings
+    assert f.code == "nvlink-down" and f.entity.index == 3 and f.entity.link == 7
+    assert [a["action"] for a in d.adapter.actions()] == ["cordon", "drain"]
+
+
+def test_a_hung_sample_is_unknown_and_blocks_nothing(scenario_copy, tmp_path):
+    import threading
+
+    from gpuwarden.agent.passive import Judgement, PassiveSpec
+
+    release = threading.Event()
+    hung = PassiveSpec("hung", "never returns", sample=lambda n, c, s: release.wait(30),
+                       judge=lambda s, x, c, now: Judgement({}), interval_s=0.05, timeout_s=0.2)
+    root = scenario_copy("gb200-nvl72-healthy")
+    specs = [*all_specs(), hung]
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), [hung], list(KERNEL_CONSUMERS), config.defaults(specs), store,
+               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05))
+    d.start()
+    try:
+        # "sample timed out after 0.2s", then on later ticks "sample still running after 0.2s"
+        wait_for(lambda: d.results().get("hung") and "0.2s" in (d.results()["hung"].error or ""),
+                 what="the hung sample to be UNKNOWN")
+        append(root, XID13)  # the kernel-log consumers go on regardless
+        wait_for(lambda: d.results()["xid_watch"].findings, what="the XID while a sample hangs")
+        assert d.results()["hung"].status.value == "unknown"
+    finally:
+        release.set()
+        d.stop()
+        store.close()
+
+
+def ib_finding(state: Path) -> dict | None:
+    checks = {c["check"]: c for c in status(state).get("checks", [])}
+    found = checks.get("ib_downtime", {}).get("findings", [])
+    return found[0] if found else None
+
+
+def test_kill_9_keeps_ib_downtime(scenario_copy, tmp_path):
+    root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
+    proc = start(root, state, free_port())
+    try:
+        wait_for(lambda: any(c["check"] == "ib_downtime" for c in status(state).get("checks", [])))
+        port = root / "sys/class/infiniband/mlx5_1/ports/1"
+        (port / "state").write_text("1: DOWN\n")
+        (port / "phys_state").write_text("2: Polling\n")
+        before = wait_for(lambda: ib_finding(state), what="ib-port-down (2 s)")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        restarted = time.monotonic()
+        proc = start(root, state, free_port())
+        wait_for(lambda: (f := ib_finding(state)) and f["evidence"]["down_for_s"] > before["evidence"]["down_for_s"],
+                 what="the outage to go on counting after the restart")
+        after = ib_finding(state)
+        assert after["code"] == "ib-port-down"
+        # The outage still runs from when it was first seen before the kill: had the restart lost it, the port
+        # would have had to be seen down for another down_fail_s (2 s) before failing again.
+        assert time.monotonic() - restarted < 2.0 or after["evidence"]["down_for_s"] > 4.0
+    finally:
+        proc.terminate()
+        proc.wait(10)
