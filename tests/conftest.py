@@ -57,3 +57,54 @@ def run_spec(node, spec, check_timeout_s: float = 0.0, **overrides):
     cfg.agent["check_timeout_s"] = check_timeout_s
     (result,) = run_checks(node, [spec], cfg)
     return result
+
+
+def exposition(samples) -> str:
+    """Passive-check metric samples rendered as /metrics would serve them (through agent/metrics.families),
+    after checking each name keeps one label set (families() would otherwise drop the odd sample)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpuwarden.agent.metrics import families
+
+    samples = list(samples)
+    labels: dict[str, list[str]] = {}
+    for s in samples:
+        assert sorted(s.labels) == labels.setdefault(s.name, sorted(s.labels)), f"{s.name}: mixed label sets"
+
+    class Collector:
+        def collect(self):
+            return families(samples)
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    return generate_latest(registry).decode()
+
+
+class PassiveClock:
+    """Steps a passive check through time as the daemon does: sample + judge every `interval_s`, the state
+    round-tripped through JSON in between (what persistence does to it)."""
+
+    def __init__(self, spec, root: Path, cfg: dict, start: float, interval_s: float):
+        import json
+
+        from gpuwarden.agent.node import Node
+
+        self._json = json
+        self.spec, self.root, self.cfg, self.state, self.t = spec, root, cfg, {}, start
+        self.interval_s = interval_s
+        self.node = Node.recorded_at(root)
+
+    def tick(self, seconds: float | None = None):
+        from gpuwarden.agent.passive import step
+
+        self.t += self.interval_s if seconds is None else seconds
+        j = step(self.spec, self.node, self.cfg, self.state, self.t)
+        self.state = self._json.loads(self._json.dumps(j.state))
+        assert self.state == j.state
+        return j
+
+    def run(self, seconds: float):
+        j = None
+        for _ in range(int(seconds / self.interval_s)):
+            j = self.tick()
+        return j

@@ -10,11 +10,10 @@ import re
 
 import pynvml
 import pytest
-from conftest import ROOT
+from conftest import PassiveClock, ROOT
 
 from gpuwarden.agent.model import Action, Status
 from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
 from gpuwarden.checks import clock_events
 from gpuwarden.checks.clock_events import REASONS, SPEC
 
@@ -66,25 +65,11 @@ def set_masks(root, masks: dict[int, int], errors: dict[int, dict] | None = None
     os.utime(path, ns=(ns, ns))
 
 
-class Drive:
-    """Steps the check through time like the daemon: sample + judge, state persisted as JSON in between."""
+class Drive(PassiveClock):
+    """Steps the check through time like the daemon (tests/conftest.py PassiveClock)."""
 
     def __init__(self, root, **overrides):
-        self.root, self.cfg, self.state, self.t = root, cfg(**overrides), {}, T0
-        self.node = Node.recorded_at(root)
-
-    def tick(self, seconds: float = clock_events.INTERVAL_S):
-        self.t += seconds
-        j = step(SPEC, self.node, self.cfg, self.state, self.t)
-        self.state = json.loads(json.dumps(j.state))
-        assert self.state == j.state
-        return j
-
-    def run(self, seconds: float):
-        j = None
-        for _ in range(int(seconds / clock_events.INTERVAL_S)):
-            j = self.tick()
-        return j
+        super().__init__(SPEC, root, cfg(**overrides), T0, clock_events.INTERVAL_S)
 
 
 def codes(j, gpu: int | None = None):

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from conftest import record_tool
+from conftest import exposition as render, record_tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
 from gpuwarden.agent.errors import ConfigError, NotApplicable, ParseError
 from gpuwarden.agent.kernel_log import parse_log_text
@@ -368,19 +366,7 @@ def test_sxid_policy_and_plain_record_lists():
 
 # ---------------------------------------------------------------- metrics
 def exposition(metrics):
-    families = {}
-    for m in metrics:
-        fam = families.setdefault(m.name, (GaugeMetricFamily(m.name, m.help, labels=sorted(m.labels)), m))
-        assert sorted(m.labels) == sorted(fam[1].labels), m.name
-        fam[0].add_metric([m.labels[k] for k in sorted(m.labels)], m.value)
-
-    class Collector:
-        def collect(self):
-            return [f for f, _ in families.values()]
-
-    registry = CollectorRegistry()
-    registry.register(Collector())
-    return generate_latest(registry).decode()
+    return render(metrics)
 
 
 def test_metrics_are_lint_clean(scenario_copy):

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+
+from conftest import exposition as render
 
 from gpuwarden.agent.errors import NotApplicable
 from gpuwarden.agent.model import Action, Status
@@ -272,19 +272,7 @@ def test_clock_standing_still_adds_no_interval(scenario_copy):
 
 # ---------------------------------------------------------------- metrics
 def exposition(metrics):
-    families = {}
-    for m in metrics:
-        fam = families.setdefault(m.name, (GaugeMetricFamily(m.name, m.help, labels=sorted(m.labels)), m))
-        assert sorted(m.labels) == sorted(fam[1].labels), m.name  # one label set per family
-        fam[0].add_metric([m.labels[k] for k in sorted(m.labels)], m.value)
-
-    class Collector:
-        def collect(self):
-            return [f for f, _ in families.values()]
-
-    registry = CollectorRegistry()
-    registry.register(Collector())
-    return generate_latest(registry).decode()
+    return render(metrics)
 
 
 def test_metrics_are_lint_clean(scenario_copy):

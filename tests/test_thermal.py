@@ -8,11 +8,10 @@ import os
 import re
 
 import pytest
-from conftest import ROOT
+from conftest import PassiveClock, ROOT
 
 from gpuwarden.agent.model import Action, Entity, Status
 from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
 from gpuwarden.agent.thresholds import sku_table
 from gpuwarden.checks import thermal
 from gpuwarden.checks.thermal import SPEC
@@ -38,25 +37,11 @@ def set_temps(root, temps: dict[int, tuple[int, int | None]], errors: dict[int, 
     os.utime(path, ns=(ns, ns))
 
 
-class Drive:
-    """Steps the check through time like the daemon: sample + judge, state persisted as JSON in between."""
+class Drive(PassiveClock):
+    """Steps the check through time like the daemon (tests/conftest.py PassiveClock)."""
 
     def __init__(self, root, **overrides):
-        self.root, self.cfg, self.state, self.t = root, {**SPEC.defaults, **overrides}, {}, T0
-        self.node = Node.recorded_at(root)
-
-    def tick(self, seconds: float = thermal.INTERVAL_S):
-        self.t += seconds
-        j = step(SPEC, self.node, self.cfg, self.state, self.t)
-        self.state = json.loads(json.dumps(j.state))
-        assert self.state == j.state
-        return j
-
-    def run(self, seconds: float):
-        j = None
-        for _ in range(int(seconds / thermal.INTERVAL_S)):
-            j = self.tick()
-        return j
+        super().__init__(SPEC, root, {**SPEC.defaults, **overrides}, T0, thermal.INTERVAL_S)
 
 
 def faults(j):
