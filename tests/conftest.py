@@ -108,3 +108,17 @@ class PassiveClock:
         for _ in range(int(seconds / self.interval_s)):
             j = self.tick()
         return j
+
+
+def edit_nvml(root: Path, change) -> None:
+    """Rewrite a scenario's nvml.json through `change(data)`. The mtime moves forward a second each time, so the
+    recorded node (which reloads on a new mtime) re-reads it even on filesystems with coarse timestamps."""
+    import json
+    import os
+
+    path = root / "nvml.json"
+    data = json.loads(path.read_text())
+    change(data)
+    stamp = path.stat().st_mtime_ns + 1_000_000_000
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(stamp, stamp))

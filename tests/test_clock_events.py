@@ -3,14 +3,11 @@
 it). The power-brake bitmask is read from a real `nvidia-smi -q` capture of 8x H100 with the brake active."""
 from __future__ import annotations
 
-import itertools
-import json
-import os
 import re
 
 import pynvml
 import pytest
-from conftest import PassiveClock, ROOT
+from conftest import PassiveClock, edit_nvml, ROOT
 
 from gpuwarden.agent.model import Action, Status
 from gpuwarden.agent.node import Node
@@ -28,7 +25,6 @@ SMI_LABELS = {"Idle": "gpu_idle", "Applications Clocks Setting": "applications_c
               "SW Thermal Slowdown": "sw_thermal_slowdown", "Display Clock Setting": "display_clock_setting"}
 IDLE, HW, THERMAL, BRAKE, SW_THERMAL, POWER_CAP = 0x1, 0x8, 0x48, 0x88, 0x20, 0x4
 T0 = 1_760_000_000.0
-_stamp = itertools.count(1)
 
 
 def smi_masks(path) -> list[int]:
@@ -53,16 +49,14 @@ def cfg(**overrides):
 
 
 def set_masks(root, masks: dict[int, int], errors: dict[int, dict] | None = None) -> None:
-    path = root / "nvml.json"
-    data = json.loads(path.read_text())
-    for g in data["gpus"]:
-        if g["index"] in masks:
-            g["clocks_event_reasons"] = masks[g["index"]]
-        if errors and g["index"] in errors:
-            g["errors"] = errors[g["index"]]
-    path.write_text(json.dumps(data))
-    ns = 1_800_000_000_000_000_000 + next(_stamp) * 1_000_000  # a new mtime every write: the node re-reads it
-    os.utime(path, ns=(ns, ns))
+    def change(data):
+        for g in data["gpus"]:
+            if g["index"] in masks:
+                g["clocks_event_reasons"] = masks[g["index"]]
+            if errors and g["index"] in errors:
+                g["errors"] = errors[g["index"]]
+
+    edit_nvml(root, change)
 
 
 class Drive(PassiveClock):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import ROOT
+from conftest import ROOT, edit_nvml
 from gpuwarden.agent import config
 from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
@@ -219,12 +219,7 @@ def test_nvml_change_nvlink_down_quarantines(fast_daemon):
     d, root = fast_daemon
     wait_for(lambda: d.results().get("nvlink_lanes") and d.results()["nvlink_lanes"].status.value == "ok",
              what="nvlink_lanes' first look")
-    snap = json.loads((root / "nvml.json").read_text())
-    snap["gpus"][3]["nvlinks"][7]["state"] = 0
-    path = root / "nvml.json"
-    path.write_text(json.dumps(snap))
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))  # coarse-mtime filesystems
+    edit_nvml(root, lambda snap: snap["gpus"][3]["nvlinks"][7].update(state=0))
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="nvlink-down (RESET_GPU) to quarantine")
     (f,) = d.results()["nvlink_lanes"].findings
     assert f.code == "nvlink-down" and f.entity.index == 3 and f.entity.link == 7

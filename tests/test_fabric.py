@@ -1,14 +1,13 @@
 """fabric (NVML GPU fabric info + Fabric Manager) driven through time on recorded nodes, and the NVSwitch SXid
 consumer on real kernel / Fabric Manager logs, fed through the node's kernel-log follower."""
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pynvml
 import pytest
-from conftest import exposition as render, record_tool
+from conftest import edit_nvml, exposition as render, record_tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,15 +30,6 @@ SXID_CFG = dict(SXID_CONSUMER.defaults)
 T0 = 1_750_000_000.0
 HEALTHY_MASK = 0x1AA  # NVIDIA's mock GB200 profile, and the bundled GB200 scenario
 ZERO = "00000000-0000-0000-0000-000000000000"
-
-
-def edit_nvml(root, change):
-    path = root / "nvml.json"
-    data = json.loads(path.read_text())
-    change(data)
-    stamp = path.stat().st_mtime_ns + 1_000_000_000  # coarse filesystem clocks: make the change visible
-    path.write_text(json.dumps(data))
-    os.utime(path, ns=(stamp, stamp))
 
 
 def set_fabric(root, gpu, **fields):

@@ -2,7 +2,6 @@
 raise error counters, and the state goes through json between steps as the daemon persists it. Link layouts and
 counter values come from real `nvidia-smi nvlink` outputs (fixtures/logs/nvswitch/)."""
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import exposition as render
+from conftest import edit_nvml, exposition as render
 
 from gpuwarden.agent.errors import NotApplicable
 from gpuwarden.agent.model import Action, Status
@@ -22,17 +21,6 @@ from gpuwarden.checks.nvlink_lanes import SPEC as CHECK
 SMI = Path(__file__).resolve().parent.parent / "fixtures" / "logs" / "nvswitch"
 CFG = dict(CHECK.defaults)
 T0 = 1_750_000_000.0
-
-
-def edit_nvml(root, change):
-    """Rewrite the scenario's nvml.json through `change(data)`; the mtime moves forward a second each time so
-    the recorded node re-reads it even on filesystems with coarse timestamps."""
-    path = root / "nvml.json"
-    data = json.loads(path.read_text())
-    change(data)
-    stamp = path.stat().st_mtime_ns + 1_000_000_000
-    path.write_text(json.dumps(data))
-    os.utime(path, ns=(stamp, stamp))
 
 
 def set_link(root, gpu, link, state=None, **counters):

@@ -2,13 +2,10 @@
 by the production interval, and the state goes through JSON between steps (as the daemon persists it)."""
 from __future__ import annotations
 
-import itertools
-import json
-import os
 import re
 
 import pytest
-from conftest import PassiveClock, ROOT
+from conftest import PassiveClock, edit_nvml, ROOT
 
 from gpuwarden.agent.model import Action, Entity, Status
 from gpuwarden.agent.node import Node
@@ -20,21 +17,18 @@ SMI = ROOT / "fixtures/tools/nvidia-smi"
 H100_CAPTURES = sorted(p for p in SMI.glob("gpud__nvidia-smi-q__8xH100-SXM__*.txt")
                        if not p.name.endswith(".source.txt"))
 T0 = 1_760_000_000.0
-_stamp = itertools.count(1)
 
 
 def set_temps(root, temps: dict[int, tuple[int, int | None]], errors: dict[int, dict] | None = None) -> None:
-    path = root / "nvml.json"
-    data = json.loads(path.read_text())
-    for g in data["gpus"]:
-        if g["index"] in temps:
-            core, mem = temps[g["index"]]
-            g["temperature"] = {"gpu": core, "memory": mem}
-        if errors and g["index"] in errors:
-            g["errors"] = errors[g["index"]]
-    path.write_text(json.dumps(data))
-    ns = 1_800_000_000_000_000_000 + next(_stamp) * 1_000_000  # a new mtime every write: the node re-reads it
-    os.utime(path, ns=(ns, ns))
+    def change(data):
+        for g in data["gpus"]:
+            if g["index"] in temps:
+                core, mem = temps[g["index"]]
+                g["temperature"] = {"gpu": core, "memory": mem}
+            if errors and g["index"] in errors:
+                g["errors"] = errors[g["index"]]
+
+    edit_nvml(root, change)
 
 
 class Drive(PassiveClock):
