@@ -199,11 +199,12 @@ class Daemon:
         findings = tuple(judgement.findings)
         return CheckRecord(name, judgement.state, status or fold_status(findings), error, findings, now, duration_s)
 
-    def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float) -> None:
+    def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float, retest: bool | None = None) -> None:
         changed = [rec for rec in updates if _differs(self._records.get(rec.name), rec)]
         for rec in updates:
             self._records[rec.name] = rec
-        record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy)
+        record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
+                                        retest)
         intents = _intents(transition) if transition else []
         new_keys: list[str] = []
         if changed or transition or record != self._record or (meta and meta != self._meta):
@@ -229,17 +230,11 @@ class Daemon:
         try:
             passed = bool(self.opt.retest and self.opt.retest())
         finally:
-            now = self.opt.clock()
             with self._lock:
                 self._retesting = False
-                record, transition = next_state(self._record, self._active(), self._unknown(), now,
-                                                self.opt.policy, retest=passed)
-                intents = _intents(transition) if transition else []
-                self.store.commit((), None, record, transition, intents)
-                self._record = record
-                self._publish()
-            for _key, action, detail in intents:
-                self.adapter.apply(action, detail)
+                # The same path as every observation: the outcome's transition is logged, counted, journalled and
+                # its intents marked done once applied (so a restart does not replay a resume).
+                self._commit([], None, self.opt.clock(), retest=passed)
 
     def _active(self) -> list[Finding]:
         return [f for r in self._records.values() for f in r.findings]

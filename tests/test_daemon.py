@@ -283,3 +283,31 @@ def test_kill_9_keeps_ib_downtime(scenario_copy, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+XID48 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 48, pid=1, name=p, An uncorrectable double bit error"
+
+
+def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
+    """A RESET_GPU-class XID quarantines; once it has expired and all looked clear, the retest passes: resume is
+    applied once and marked done in the journal (so a restart does not replay it)."""
+    root = scenario_copy("gb200-nvl72-healthy")
+    cfg = config.defaults(all_specs())
+    cfg.checks["xid_watch"]["hold_s"] = 0.3
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), cfg, store,
+               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, retest=lambda: True,
+                             policy=dict(DEFAULT_POLICY, retest_after_s=0.2, cordon_clear_s=3600.0)))
+    d.start()
+    try:
+        wait_for(lambda: "xid_watch" in d.results())
+        append(root, XID48)
+        wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine")
+        wait_for(lambda: d.record.state is NodeState.HEALTHY, what="the retest to resume the node")
+        assert [a["action"] for a in d.adapter.actions()] == ["cordon", "drain", "resume"]
+        assert store.intents(pending_only=True) == []
+        assert store.transitions(1)[0].to is NodeState.HEALTHY
+    finally:
+        d.stop()
+        store.close()
