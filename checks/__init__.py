@@ -8,7 +8,7 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
 
 from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, fabric, ib_downtime, ib_port, nccl_allreduce,
-               nvlink_lanes, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid, xid_watch)
+               nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid, xid_watch)
 
 ALL: tuple[CheckSpec, ...] = (
     # quick: reads only, seconds
@@ -22,7 +22,8 @@ ALL: tuple[CheckSpec, ...] = (
 PASSIVE: tuple[PassiveSpec, ...] = (
     ib_downtime.SPEC, clock_events.SPEC, thermal.SPEC, nvlink_lanes.SPEC, pcie_aer.SPEC, fabric.SPEC,
 )
-KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER, pcie_aer.KERNEL_CONSUMER, fabric.SXID_CONSUMER)
+KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER, pcie_aer.KERNEL_CONSUMER,
+                                                nvswitch_sxid.SXID_CONSUMER)
 
 
 def all_specs() -> tuple[CheckSpec | PassiveSpec | KernelConsumer, ...]:

@@ -1,32 +1,23 @@
-"""fabric (NVML GPU fabric info + Fabric Manager) driven through time on recorded nodes, and the NVSwitch SXid
-consumer on real kernel / Fabric Manager logs, fed through the node's kernel-log follower."""
+"""fabric (NVML GPU fabric info + Fabric Manager) driven through time on recorded nodes, and the host process table
+it reads to find a Fabric Manager that runs outside systemd (the GPU Operator's driver container)."""
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import pynvml
 import pytest
-from conftest import edit_nvml, exposition as render, record_tool
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import edit_nvml, exposition, record_tool
 
-from gpuwarden.agent.errors import ConfigError, NotApplicable, ParseError
-from gpuwarden.agent.kernel_log import parse_log_text
+from gpuwarden.agent.errors import ConfigError, NotApplicable, SourceError
 from gpuwarden.agent.model import Action, Status
 from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import KernelBatch, step
+from gpuwarden.agent.passive import step
+from gpuwarden.agent.sources.procs import find_processes
+from gpuwarden.agent.sources.sysfs import Sysfs
 from gpuwarden.checks import fabric
 from gpuwarden.checks.fabric import SPEC as CHECK
-from gpuwarden.checks.fabric import SXID_CONSUMER
 
-ROOT = Path(__file__).resolve().parent.parent
-KERNEL = ROOT / "fixtures" / "logs" / "kernel"
-NVSWITCH = ROOT / "fixtures" / "logs" / "nvswitch"
-DMESG_SXID = KERNEL / "gpud__dmesg__xid79-fallen-off-bus-with-nvswitch-SXid-20034.txt"
-FM_LOG = NVSWITCH / "gpud__nvidia-fabricmanager-log__nvswitch-nonfatal-errors.txt"
 CFG = dict(CHECK.defaults)
-SXID_CFG = dict(SXID_CONSUMER.defaults)
 T0 = 1_750_000_000.0
 HEALTHY_MASK = 0x1AA  # NVIDIA's mock GB200 profile, and the bundled GB200 scenario
 ZERO = "00000000-0000-0000-0000-000000000000"
@@ -158,6 +149,23 @@ def test_a_gpu_in_another_clique_is_the_odd_one_out(scenario_copy):
     assert (f.code, f.entity.kind) == ("fabric-clique-mismatch", "node") and len(f.evidence["domains"]) == 2
 
 
+# ---------------------------------------------------------------- Fabric Manager
+FM_ARGV = ["nv-fabricmanager", "-c", "/usr/share/nvidia/nvswitch/fabricmanager.cfg"]  # the GPU Operator's start
+HOST = [(1, "systemd", ["/sbin/init"]), (2, "kthreadd", [])]  # kthreadd at PID 2: the host's PID namespace
+
+
+def record_processes(root, processes):
+    """Write a process table into a scenario: proc/<pid>/comm (+ cmdline, NUL-separated, when argv is not None).
+    The kernel keeps 15 characters of the name in comm, so "nv-fabricmanager" reads back as "nv-fabricmanage"."""
+    for pid, name, argv in processes:
+        d = root / "proc" / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "comm").write_text(name[:15] + "\n")
+        if argv is not None:
+            (d / "cmdline").write_text("".join(a + "\0" for a in argv))
+    return root
+
+
 def hgx_recent_driver(scenario_copy):
     """The H100 scenario as a recent driver reports it: fabric state completed, zero cluster UUID, clique 0."""
     root = scenario_copy("h100-hgx-healthy")
@@ -170,30 +178,109 @@ def hgx_recent_driver(scenario_copy):
     return root
 
 
-def test_hgx_fabric_manager_state(scenario_copy):
-    root = hgx_recent_driver(scenario_copy)
+def fm_up(j):
+    return [m.value for m in j.metrics if m.name == "gpuwarden_fabric_manager_up"]
+
+
+def test_hgx_fabric_manager_unit(scenario_copy):
+    root = record_processes(hgx_recent_driver(scenario_copy), HOST)  # a host with no nv-fabricmanager process
     record_tool(root, "systemctl-fabricmanager", "active\n", 0)
     d = Driver(root)
     j = d.at(T0)
-    assert j.findings == ()  # eight GPUs with a zero UUID: no NVLink domain, not a mismatch
-    assert [m.value for m in j.metrics if m.name == "gpuwarden_fabric_manager_up"] == [1.0]
+    assert j.findings == () and fm_up(j) == [1.0]  # eight GPUs with a zero UUID: no NVLink domain, not a mismatch
     record_tool(root, "systemctl-fabricmanager", "activating\n", 3)  # a restart: grace of settle_s
-    assert d.at(T0 + 30).findings == ()
+    j = d.at(T0 + 30)
+    assert j.findings == () and fm_up(j) == [0.0]
     (f,) = d.at(T0 + 330).findings
     assert (f.code, f.status, f.action, f.entity.kind) == ("fabric-manager-inactive", Status.FAIL, Action.DRAIN,
                                                            "node")
+    assert f.evidence["inactive_since"] == T0 + 30 and f.evidence["processes"] == []
     record_tool(root, "systemctl-fabricmanager", "active\n", 0)
-    assert d.at(T0 + 360).findings == ()
+    assert d.at(T0 + 360).findings == () and d.state["fm_inactive_since"] is None
     record_tool(root, "systemctl-fabricmanager", "failed\n", 3)  # failed or inactive: no grace
     (f,) = d.at(T0 + 390).findings
     assert f.code == "fabric-manager-inactive" and f.evidence["systemctl"] == "failed"
+    assert "unit is failed and no nv-fabricmanager process on the host" in f.message
     assert Driver(root, {**CFG, "fabric_manager": "off"}).at(T0).findings == ()
 
 
+def test_gpu_operator_fabric_manager_runs_in_the_driver_container(scenario_copy):
+    # No host unit: `systemctl is-active` of a unit that does not exist says "inactive" (exit 3). The driver
+    # container's nv-fabricmanager is a host process all the same.
+    root = record_processes(hgx_recent_driver(scenario_copy), [*HOST, (48213, "nv-fabricmanager", FM_ARGV)])
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    d = Driver(root)
+    j = d.at(T0)
+    assert j.findings == () and fm_up(j) == [1.0] and d.state["fm_inactive_since"] is None
+    shutil.rmtree(root / "proc" / "48213")  # the driver container restarts: FM is gone
+    j = d.at(T0 + 30)
+    (f,) = j.findings
+    assert (f.code, f.status, f.action) == ("fabric-manager-inactive", Status.FAIL, Action.DRAIN) and fm_up(j) == [0.0]
+    assert (f.evidence["systemctl"], f.evidence["processes"]) == ("inactive", [])
+    record_processes(root, [(50117, "nv-fabricmanager", FM_ARGV)])
+    assert d.at(T0 + 60).findings == ()
+
+
+@pytest.mark.parametrize("process, up", [
+    ((48213, "nv-fabricmanager", ["/usr/bin/nv-fabricmanager", "-c", "fabricmanager.cfg"]), True),  # systemd's
+    ((48213, "nv-fabricmanager", None), True),  # a recording with comm only
+    ((48213, "nv-fabricmanager", []), False),  # a zombie: comm left, no cmdline
+    ((48213, "nv-fabricmanager-start.sh", ["/bin/bash", "/usr/bin/nv-fabricmanager-start.sh"]), False),  # same comm
+    ((48213, "nvidia-fabricmanager", ["nvidia-fabricmanager"]), False),
+])
+def test_which_process_is_fabric_manager(scenario_copy, process, up):
+    root = record_processes(hgx_recent_driver(scenario_copy), [*HOST, process])
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    j = Driver(root).at(T0)
+    assert fm_up(j) == [1.0 if up else 0.0]
+    assert [f.code for f in j.findings] == ([] if up else ["fabric-manager-inactive"])
+
+
 def test_fabric_manager_that_cannot_be_looked_at_is_unknown(scenario_copy):
-    root = hgx_recent_driver(scenario_copy)  # no tools/systemctl-fabricmanager.out: no systemctl here
+    root = hgx_recent_driver(scenario_copy)  # no systemctl (no tools/ output), no process table (proc/<pid>)
+    d = Driver(root)
+    j = d.at(T0)
+    (f,) = j.findings
+    assert (f.code, f.status, f.action) == ("fabric-manager-unknown", Status.UNKNOWN, Action.NONE) and fm_up(j) == []
+    assert "not installed" in f.message and "no process table" in f.message
+    assert f.evidence["systemctl"] is None and f.evidence["processes"] is None
+    # The unit inactive, but a process table that is not the host's (an agent in a container without hostPID):
+    # the GPU Operator's FM would be invisible, so still UNKNOWN, and no not-running clock starts.
+    record_processes(root, [(1, "gpuwarden", ["/usr/bin/python3", "-m", "gpuwarden"]), (7, "sleep", ["sleep"])])
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    (f,) = d.at(T0 + 30).findings
+    assert (f.code, f.status) == ("fabric-manager-unknown", Status.UNKNOWN)
+    assert "unit is inactive" in f.message and "hostPID" in f.message and d.state["fm_inactive_since"] is None
+
+
+def test_the_process_table_alone_answers_without_systemctl(scenario_copy):
+    root = record_processes(hgx_recent_driver(scenario_copy), HOST)  # no tools/: systemctl is not installed
     (f,) = Driver(root).at(T0).findings
-    assert (f.code, f.status) == ("fabric-manager-unknown", Status.UNKNOWN) and "not installed" in f.message
+    assert (f.code, f.status) == ("fabric-manager-inactive", Status.FAIL) and "not installed" in f.message
+    record_processes(root, [(48213, "nv-fabricmanager", FM_ARGV)])
+    j = Driver(root).at(T0)
+    assert j.findings == () and fm_up(j) == [1.0]
+
+
+def test_required_watches_fabric_manager_on_any_sku(scenario_copy):
+    gb200 = scenario_copy("gb200-nvl72-healthy")  # not an FM SKU: auto leaves FM alone
+    assert fm_up(Driver(gb200).at(T0)) == []
+    required = {**CFG, "fabric_manager": "required"}
+    (f,) = Driver(gb200, required).at(T0).findings
+    assert (f.code, f.status) == ("fabric-manager-unknown", Status.UNKNOWN)
+    record_processes(gb200, HOST)
+    record_tool(gb200, "systemctl-fabricmanager", "inactive\n", 3)
+    (f,) = Driver(gb200, required).at(T0).findings
+    assert (f.code, f.status) == ("fabric-manager-inactive", Status.FAIL)
+    record_processes(gb200, [(48213, "nv-fabricmanager", FM_ARGV)])
+    j = Driver(gb200, required).at(T0)
+    assert j.findings == () and fm_up(j) == [1.0]
+
+
+def test_off_never_looks(scenario_copy):
+    root = hgx_recent_driver(scenario_copy)  # neither systemctl nor a process table: auto would be UNKNOWN
+    j = Driver(root, {**CFG, "fabric_manager": "off"}).at(T0)
+    assert j.findings == () and fm_up(j) == []
 
 
 def test_applicability(scenario_copy):
@@ -217,161 +304,42 @@ def test_lost_gpu_is_reported_and_the_others_judged(scenario_copy):
     assert codes(Driver(root).at(T0)) == [("fabric-route-unhealthy", 0), ("gpu-lost", 2)]
 
 
-# ---------------------------------------------------------------- SXid parsing
-def test_sxid_lines_of_a_real_dmesg():
-    records, errors = parse_log_text(DMESG_SXID.read_text(), DMESG_SXID.name)
-    assert errors == []
-    events = fabric.sxid_events_from_records(records)
-    assert [(e.switch, e.pci, e.sxid, e.fatal, e.link) for e in events] == [
-        ("nvidia-nvswitch1", "0000:06:00.0", 20034, True, 48),
-        ("nvidia-nvswitch0", "0000:05:00.0", 20034, True, 63),
-        ("nvidia-nvswitch2", "0000:07:00.0", 20034, None, None),
-        ("nvidia-nvswitch0", "0000:05:00.0", 20034, None, None),
-        ("nvidia-nvswitch2", "0000:07:00.0", 20034, True, 37),
-        ("nvidia-nvswitch0", "0000:05:00.0", 20034, True, 62),
-        ("nvidia-nvswitch2", "0000:07:00.0", 20034, None, None),
-        ("nvidia-nvswitch0", "0000:05:00.0", 20034, None, None),
-    ]
-    assert events[0].detail == "LTSSM Fault Up" and events[0].origin == "kernel"
-    assert events[2].detail == "Severity 1 Engine instance 60 Sub-engine instance 00"
-    assert events[3].detail.startswith("Data {0x10000000, 0x10000000,")
-    assert events[0].record.usec == 6781753400584
+
+# ---------------------------------------------------------------- the host process table (agent/sources/procs.py)
+def test_find_processes_by_truncated_comm_and_argv0(tmp_path):
+    record_processes(tmp_path, [*HOST, (300, "nv-fabricmanager", FM_ARGV), (301, "nv-fabricmanager", []),
+                                (302, "nv-fabricmanager-start.sh", ["/bin/bash", "nv-fabricmanager-start.sh"])])
+    (tmp_path / "proc" / "self").mkdir()  # not a PID
+    (p,) = find_processes(Sysfs(tmp_path), "nv-fabricmanager")
+    assert (p.pid, p.comm, p.argv0) == (300, "nv-fabricmanage", "nv-fabricmanager")
+    assert find_processes(Sysfs(tmp_path), "nvlsm") == []
 
 
-def test_nvswitch_noise_is_no_sxid():
-    records, _ = parse_log_text((KERNEL / "gpud__kmsg-raw__noise-nvswitch.log").read_text(), "kmsg")
-    assert any("nvidia-nvswitch" in r.message for r in records)
-    assert fabric.sxid_events_from_records(records) == []
-
-
-def test_fabric_manager_log():
-    records, _ = parse_log_text(FM_LOG.read_text(), FM_LOG.name)
-    (e,) = fabric.sxid_events_from_records(records)
-    assert (e.sxid, e.pci, e.fatal, e.link, e.switch, e.origin) == \
-        (12028, "0000:86:00.0", False, 61, "physical id 3", "fabricmanager")
-    findings, errors = fabric.analyze_text(FM_LOG.read_text(), FM_LOG.name)
-    assert errors == [] and [(f.code, f.status) for f in findings] == [("sxid-12028", Status.WARN)]
-
-
-@pytest.mark.parametrize("line, expected", [
-    ("[73309.599396] nvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20009, Non-fatal, Link 04 RX Short Error Rate",
-     (20009, "0000:06:00.0", False, 4, "RX Short Error Rate")),
-    ("nvidia-nvswitch3: SXid (PCI:0000:C1:00.0): 28006, non-fatal, Link 46 MC TS crumbstore MCTO (First)",
-     (28006, "0000:c1:00.0", False, 46, "MC TS crumbstore MCTO (First)")),
-    ("nvidia-nvswitch0: SXid (PCI:0004:00:00.0): 26006, SOE HALTED",  # no severity, no link
-     (26006, "0004:00:00.0", None, None, "SOE HALTED")),
-    ("nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20009, Non-fatal, Li",  # truncated
-     (20009, "0000:06:00.0", False, None, "Li")),
-    ("kernel: nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 28 sourcetrack timeout error (First)",
-     (24007, "0000:c3:00.0", True, 28, "sourcetrack timeout error (First)")),
-])
-def test_sxid_line_shapes(line, expected):
-    e = fabric.parse_sxid(line)
-    assert (e.sxid, e.pci, e.fatal, e.link, e.detail) == expected
-
-
-@pytest.mark.parametrize("line", [
-    "nvidia-nvswitch2: open (major=510)",
-    "NVRM: Xid (PCI:0000:91:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
-    "nvidia-nvswitch0: SXid (PCI:zz:00:00.0): 1, Fatal",
-    "detected NVSwitch warning 5 on NVSwitch pci bus id 00000000:86:00.0",
-])
-def test_not_sxid(line):
-    assert fabric.parse_sxid(line) is None
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.text(max_size=400) | st.builds(lambda a, b: f"nvidia-nvswitch1: SXid (PCI:{a}): {b}",
-                                         st.text(max_size=30), st.text(max_size=80)))
-def test_fuzz_only_parse_errors_escape(text):
-    try:
-        records, _ = parse_log_text(text, "fuzz")
-        fabric.sxid_events_from_records(records)
-        fabric.judge_kernel_records({}, records, SXID_CFG, T0)
-        fabric.analyze_text(text, "fuzz")
-    except ParseError:
-        pass
-
-
-# ---------------------------------------------------------------- SXid incidents through the follower
-def kmsg_lines(text, first_seq, prio=3):
-    """dmesg text -> raw /dev/kmsg records with consecutive sequence numbers."""
-    records, _ = parse_log_text(text, "x")
-    return "".join(f"{prio},{first_seq + i},{r.usec or 0},-;{r.message}\n" for i, r in enumerate(records))
-
-
-class KernelDriver:
-    def __init__(self, root):
-        self.node, self.state = Node.recorded_at(root), {}
-        self.follower = self.node.kmsg_follower(None)
-        self.follower.poll()  # the records of the boot before the faults
-        self.boot_id = self.node.info.boot_id
-
-    def at(self, now, boot_id=None):
-        batch = KernelBatch(self.follower.poll(), list(self.node.gpus()), boot_id or self.boot_id)
-        j = SXID_CONSUMER.judge(self.state, batch, SXID_CFG, now)
-        self.state = json.loads(json.dumps(j.state))
-        assert self.state == j.state
-        return j
-
-
-def test_fatal_sxids_drain_per_switch_until_the_next_boot(scenario_copy):
-    root = scenario_copy("h100-hgx-healthy")
-    k = KernelDriver(root)
-    assert k.at(T0).findings == ()
-    with open(root / "kmsg", "a") as f:
-        f.write(kmsg_lines(DMESG_SXID.read_text(), 3704))
-    j = k.at(T0 + 1)
-    by_pci = {f.entity.id: f for f in j.findings}
-    assert sorted(by_pci) == ["0000:05:00.0", "0000:06:00.0", "0000:07:00.0"]
-    sw0 = by_pci["0000:05:00.0"]
-    assert (sw0.code, sw0.status, sw0.action, sw0.entity.kind) == ("sxid-20034", Status.FAIL, Action.DRAIN, "nvswitch")
-    assert sw0.evidence["links"] == [63, 62] and sw0.evidence["events"] == 2 and len(sw0.evidence["details"]) == 2
-    assert "link(s) 62, 63" in sw0.message and "nvidia-nvswitch0" in sw0.message
-    assert sw0.evidence["first_seq"] == 3710  # the 7th line of the capture
-    assert {m.labels["pci"]: m.value for m in j.metrics} == {"0000:06:00.0": 1.0, "0000:05:00.0": 2.0,
-                                                             "0000:07:00.0": 1.0}
-    assert len(k.at(T0 + 86400).findings) == 3  # fatal: stands until the boot changes
-    assert k.at(T0 + 86430, boot_id="a-new-boot").findings == ()
-
-
-def test_non_fatal_sxid_warns_and_ages_out(scenario_copy):
-    root = scenario_copy("h100-hgx-healthy")
-    k = KernelDriver(root)
-    with open(root / "kmsg", "a") as f:
-        f.write("4,3704,235958200000,-;nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 12028, Non-fatal, Link 61 "
-                "egress non-posted PRIV error (First)\n")
-    (f,) = k.at(T0).findings
-    assert (f.code, f.status, f.action) == ("sxid-12028", Status.WARN, Action.MONITOR)
-    assert len(k.at(T0 + 3600).findings) == 1
-    assert k.at(T0 + 3601).findings == ()  # hold_s after its last event
-
-
-def test_sxid_policy_and_plain_record_lists():
-    records, _ = parse_log_text(FM_LOG.read_text(), FM_LOG.name)
-    (f,) = fabric.judge_kernel_records({}, records, {**SXID_CFG, "fail_sxids": [12028]}, T0).findings
-    assert (f.status, f.action) == (Status.FAIL, Action.DRAIN)
-    assert fabric.judge_kernel_records({}, records, {**SXID_CFG, "ignore_sxids": [12028]}, T0).findings == ()
+def test_a_process_table_that_cannot_show_the_host_raises(tmp_path):
+    with pytest.raises(SourceError, match="no process table"):
+        find_processes(Sysfs(tmp_path), "nv-fabricmanager")
+    (tmp_path / "proc").write_text("")  # not a directory
+    with pytest.raises(SourceError, match="cannot list"):
+        find_processes(Sysfs(tmp_path), "nv-fabricmanager")
+    (tmp_path / "proc").unlink()
+    record_processes(tmp_path, [(1, "tini", ["/tini"]), (2, "gpuwarden", ["gpuwarden"])])  # a container's own
+    with pytest.raises(SourceError, match="PID 2 is 'gpuwarden', not kthreadd"):
+        find_processes(Sysfs(tmp_path), "nv-fabricmanager")
 
 
 # ---------------------------------------------------------------- metrics
-def exposition(metrics):
-    return render(metrics)
-
-
 def test_metrics_are_lint_clean(scenario_copy):
     root = scenario_copy("gb200-nvl72-healthy")
     set_fabric(root, 1, state=2)
     metrics = list(Driver(root).at(T0).metrics)
-    h100 = hgx_recent_driver(scenario_copy)
+    h100 = record_processes(hgx_recent_driver(scenario_copy), HOST)
     record_tool(h100, "systemctl-fabricmanager", "inactive\n", 3)
     metrics += Driver(h100).at(T0).metrics
-    records, _ = parse_log_text(DMESG_SXID.read_text(), "dmesg")
-    metrics += fabric.judge_kernel_records({}, records, SXID_CFG, T0).metrics
     assert {m.name for m in metrics} == {
         "gpuwarden_gpu_fabric_state", "gpuwarden_gpu_fabric_not_ready_seconds", "gpuwarden_gpu_fabric_clique_info",
-        "gpuwarden_fabric_manager_up", "gpuwarden_nvswitch_sxid_events"}
+        "gpuwarden_fabric_manager_up"}
     text = exposition(metrics)
+    assert "gpuwarden_fabric_manager_up 0.0" in text
     if shutil.which("promtool"):
         lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                               timeout=30)

@@ -1,0 +1,154 @@
+"""NVSwitch SXid errors from the followed kernel log (and Fabric Manager's log): one incident per switch and SXid
+code; fatal ones drain, non-fatal ones warn.
+
+A check of its own, not part of `fabric`: the daemon replaces a check's findings with each judgement, so a poll of
+the fabric must not erase an SXid incident and the other way round.
+
+Source of the severity split: the kernel prints "Fatal" or "Non-fatal"; DCGM's NVSwitch health watch fails on fatal
+and warns on non-fatal errors ("Monitor the NVSwitch. It can still perform workload."), NVSentinel's SXid handler
+does the same (NVIDIA/NVSentinel health-monitors/syslog-health-monitor/pkg/sxid).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
+from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.passive import Judgement, KernelConsumer, MetricSample
+
+SXID_CHECK_NAME = "nvswitch_sxid"
+
+_PCI = r"([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])"
+# "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"; also the "Severity ..." and
+# "Data {...}" detail lines of an event, and SOE messages without severity or link.
+_SXID = re.compile(r"(?:(nvidia-nvswitch\d{1,4}): )?SXid \(PCI:" + _PCI + r"\): (\d{1,6}),? ?(.*)")
+_SEVERITY = re.compile(r"(Fatal|Non-fatal),?\s*(?:Link (\d{1,4})(?!\d)\s*)?(.*)", re.IGNORECASE)
+# Fabric Manager log: "detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus id 00000000:86:00.0
+# physical id 3 port 61"
+_FM = re.compile(r"detected NVSwitch (fatal|non-fatal) error (\d{1,6})(?: on fid \d{1,6})? on NVSwitch pci bus id "
+                 + _PCI + r"(?: physical id (\d{1,4}))?(?: port (\d{1,4}))?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class SxidEvent:
+    sxid: int
+    pci: str  # the NVSwitch, canonical BDF "0000:06:00.0"
+    fatal: bool | None  # None: the line does not say (Severity/Data detail lines, SOE messages)
+    link: int | None  # NVSwitch link (port) number
+    detail: str
+    switch: str | None  # "nvidia-nvswitch1" (kernel) or "physical id 3" (Fabric Manager log)
+    origin: str  # "kernel" | "fabricmanager"
+    record: LogRecord | None = None
+
+
+def _bdf(domain: str, bus: str, dev: str, fn: str) -> str:
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{fn}"
+
+
+def parse_sxid(message: str, record: LogRecord | None = None) -> SxidEvent | None:
+    """The SXid event in one kernel or Fabric Manager log message, or None."""
+    m = _SXID.search(message)
+    if m:
+        rest = m[7].strip()
+        sev = _SEVERITY.match(rest)
+        fatal = link = None
+        if sev:
+            fatal, rest = sev[1].lower() == "fatal", sev[3].strip()
+            link = int(sev[2]) if sev[2] else None
+        return SxidEvent(int(m[6]), _bdf(m[2], m[3], m[4], m[5]), fatal, link, rest, m[1], "kernel", record)
+    m = _FM.search(message)
+    if m:
+        return SxidEvent(int(m[2]), _bdf(m[3], m[4], m[5], m[6]), m[1].lower() == "fatal",
+                         int(m[8]) if m[8] else None, message[m.end():].strip(),
+                         f"physical id {m[7]}" if m[7] else None, "fabricmanager", record)
+    return None
+
+
+def sxid_events_from_records(records: Iterable[LogRecord]) -> list[SxidEvent]:
+    out = []
+    for r in records:
+        if "SXid" in r.message or "NVSwitch" in r.message:  # cheap filter before the regexes
+            event = parse_sxid(r.message, r)
+            if event is not None:
+                out.append(event)
+    return out
+
+
+def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str, Any], now: float) -> Judgement:
+    """SXid incidents, one per NVSwitch and SXid code. `batch` is the daemon's KernelBatch (records, gpus,
+    boot_id) or a plain sequence of LogRecords. A fatal incident stands until the boot changes (or fatal_hold_s
+    after its last event when that is set); a non-fatal one hold_s after its last event."""
+    records = getattr(batch, "records", batch)
+    boot_id = getattr(batch, "boot_id", state.get("boot_id"))
+    same_boot = state.get("boot_id") == boot_id
+    incidents: dict[str, Any] = json.loads(json.dumps(state.get("incidents", {}))) if same_boot else {}
+    ignore = set(cfg["ignore_sxids"])
+    for e in sxid_events_from_records(records):
+        if e.sxid in ignore:
+            continue
+        inc = incidents.setdefault(f"{e.pci}|{e.sxid}", {
+            "pci": e.pci, "sxid": e.sxid, "switch": e.switch, "events": 0, "fatal": 0, "links": [], "details": [],
+            "first_at": now, "first_seq": e.record.seq if e.record else None,
+            "first_message": e.record.message if e.record else e.detail})
+        inc["last_at"], inc["last_seq"] = now, e.record.seq if e.record else None
+        if e.fatal is None:  # a detail line of the event before it ("Severity 1 ...", "Data {...}")
+            if len(inc["details"]) < 10:
+                inc["details"].append(e.detail[:200])
+            continue
+        inc["events"] += 1
+        inc["fatal"] += int(e.fatal)
+        inc["last_detail"] = e.detail[:300]
+        if e.link is not None and e.link not in inc["links"] and len(inc["links"]) < 64:
+            inc["links"].append(e.link)
+    force = set(cfg["fail_sxids"])
+    kept, findings = {}, []
+    for key, inc in incidents.items():
+        fatal = inc["fatal"] > 0 or inc["sxid"] in force
+        hold = cfg["fatal_hold_s"] if fatal else cfg["hold_s"]
+        if hold > 0 and now - inc["last_at"] > hold:
+            continue
+        kept[key] = inc
+        findings.append(_sxid_finding(inc, fatal))
+    metrics = tuple(MetricSample("gpuwarden_nvswitch_sxid_events", "NVSwitch SXid events seen this boot, per "
+                                 "switch and SXid code.", {"pci": i["pci"], "sxid": str(i["sxid"])},
+                                 float(i["events"])) for i in kept.values())
+    return Judgement({"boot_id": boot_id, "incidents": kept}, tuple(findings), metrics)
+
+
+def _sxid_finding(inc: Mapping[str, Any], fatal: bool) -> Finding:
+    links = ", ".join(str(n) for n in sorted(inc["links"])) or "not named"
+    kind = "fatal" if inc["fatal"] else "non-fatal" if inc["events"] else "severity not stated"
+    status, action = (Status.FAIL, Action.DRAIN) if fatal else (Status.WARN, Action.MONITOR)
+    then = "drain, then reset the NVSwitch and its GPUs (or reboot)" if fatal else "watch the switch"
+    switch = f" ({inc['switch']})" if inc.get("switch") else ""
+    last = inc.get("last_detail") or (inc["details"][-1] if inc["details"] else "")
+    return Finding(SXID_CHECK_NAME, f"sxid-{inc['sxid']}", Entity("nvswitch", inc["pci"], pci=inc["pci"]), status,
+                   f"NVSwitch {inc['pci']}{switch}: SXid {inc['sxid']} ({kind}), link(s) {links}: {inc['events']} "
+                   f"event(s), last: \"{last}\"; {then}", action,
+                   {k: inc.get(k) for k in ("sxid", "events", "fatal", "links", "details", "first_at", "last_at",
+                                            "first_seq", "last_seq", "first_message")})
+
+
+def analyze_text(text: str, source: str) -> tuple[list[Finding], list[ParseError]]:
+    """`gpuwarden analyze` for a kernel or Fabric Manager log: the SXid findings the consumer would give."""
+    records, errors = parse_log_text(text, source)
+    return list(judge_kernel_records({}, records, SXID_CONSUMER.defaults, 0.0).findings), errors
+
+
+SXID_CONSUMER = KernelConsumer(
+    name=SXID_CHECK_NAME,
+    summary="NVSwitch SXid errors from the followed kernel log: fatal ones drain, non-fatal ones warn",
+    judge=judge_kernel_records,
+    defaults={
+        "ignore_sxids": [],  # never reported
+        "fail_sxids": [],  # treated as fatal
+        "hold_s": 3600.0,  # a non-fatal incident stands this long after its last event
+        "fatal_hold_s": 0.0,  # a fatal one: 0 = until the next boot
+    },
+    list_types={"ignore_sxids": int, "fail_sxids": int},
+    interest=("SXid", "NVSwitch"),  # SXid lines and their Severity/Data continuations; Fabric Manager's wording
+)
