@@ -12,7 +12,7 @@ from .errors import ConfigError, NvmlError, SourceError
 from .sku import KNOWN_SKUS, sku_from_gpu_name
 from .sources.dcgm import Dcgm
 from .sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
-from .sources.nvml import Gpu, Nvml
+from .sources.nvml import Gpu, Nvml, XidEvents
 from .sources.sysfs import Sysfs
 from .sources.tools import ToolRunner
 
@@ -127,6 +127,11 @@ class Node:
                 current.close()
             current = self._follower = KmsgFollower(self.kmsg, cursor, keep)
         return current
+
+    def xid_events(self) -> XidEvents:
+        """A subscription to NVML's XID events, the daemon's second XID source beside the kernel log (a recorded
+        node serves nvml.json's "xid_events", appended ones included). Raises NvmlError when NVML fails."""
+        return self.nvml.xid_events()
 
     @classmethod
     def recorded_at(cls, root: Path) -> "Node":

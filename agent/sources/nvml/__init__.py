@@ -2,7 +2,8 @@
 
 `Nvml` runs the same reading code over two backends: the real pynvml module (live) or
 `RecordedNvml` (a scenario's nvml.json served through the same pynvml function names and return
-types). Every pynvml.NVMLError becomes an `NvmlError` naming the call and the GPU.
+types). Every pynvml.NVMLError becomes an `NvmlError` naming the call and the GPU. `Nvml.xid_events()`
+subscribes to NVML's XID events (events.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pynvml
 
 from ...errors import NvmlError, SourceError
 from ...model import Entity
+from .events import XidEvents
 from .recorded import RecordedNvml
 
 # NVML error number -> its name without the NVML_ERROR_ prefix, from the installed bindings.
@@ -252,6 +254,12 @@ class Nvml:
         """p2p_status from `gpu` to every other GPU NVML can open, keyed by the peer's index."""
         return {str(peer.index): self.p2p_status(gpu, peer) for peer in self.gpus()
                 if peer.index != gpu.index and peer.handle is not None}
+
+    # -- events ---------------------------------------------------------------------------
+    def xid_events(self) -> XidEvents:
+        """A subscription to NVML's XID events on every GPU that supports them (events.py); not `available`
+        where none does. Raises NvmlError when NVML fails."""
+        return XidEvents(self).subscribe()
 
     # -- recording ------------------------------------------------------------------------
     PER_GPU_READS: tuple[str, ...] = (

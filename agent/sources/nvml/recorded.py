@@ -1,21 +1,25 @@
 """A recorded NVML: serves a scenario's nvml.json through pynvml's own function names and types.
 
 It must not be laxer than the real library: it offers only functions the installed nvidia-ml-py has
-(tests/test_nvml_recorded.py proves it), returns the same ctypes structures, and raises the real
-pynvml.NVMLError subclasses (NotSupported, GPU is lost, ...) where the scenario says so.
+(tests/test_nvml_recorded.py proves it), returns the same ctypes structures (device handles and event sets
+are ctypes pointers, as pynvml's, so code that compares handles by identity fails here as it would live),
+and raises the real pynvml.NVMLError subclasses (NotSupported, GPU is lost, ...) where the scenario says so.
+XID events (the scenario's "xid_events") are served through the same event-set calls as the live library.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pynvml
 
+from ...errors import SourceError
 
-@dataclass(frozen=True)
-class RecordedHandle:
-    index: int
+EVENT_KEYS = {"gpu", "xid"}  # one entry of nvml.json "xid_events" (docs/scenario-format.md)
+_EVENT_POLL_S = 0.02  # how often a waiting recorded event set looks at nvml.json (a sleep, not a spin)
 
 
 def _error(name: str) -> pynvml.NVMLError:
@@ -28,17 +32,27 @@ def _error(name: str) -> pynvml.NVMLError:
 class RecordedNvml:
     """Duck-types the subset of the pynvml module that agent/sources/nvml uses."""
 
-    def __init__(self, snapshot: dict[str, Any], origin: str = "<memory>"):
+    def __init__(self, snapshot: dict[str, Any], origin: str = "<memory>", path: Path | None = None):
         self._snap = snapshot
         self._origin = origin
         self._gpus = snapshot.get("gpus", [])
         self._initialized = False
+        # One opaque device per GPU: handles point at these, as live handles point into NVML's device table.
+        self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in self._gpus]
+        self._index_at = {ctypes.addressof(d): i for i, d in enumerate(self._devices)}
+        # Events: the file is watched for appended "xid_events" (a scenario test injects an XID by editing it).
+        self._path, self._view, self._stamp = path, snapshot, _mtime(path)
+        self._sets: dict[int, _EventSet] = {}
+        self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
 
     @classmethod
     def from_file(cls, path: Path) -> "RecordedNvml":
         from . import load_snapshot  # the loader lives with the snapshot writer
 
-        return cls(load_snapshot(path), str(path))
+        stamp = _mtime(path)  # before reading: a change while reading is seen at the next look
+        nvml = cls(load_snapshot(path), str(path), path)
+        nvml._stamp = stamp
+        return nvml
 
     # -- helpers ------------------------------------------------------------------------------
     def _system(self, call: str, key: str) -> Any:
@@ -53,21 +67,30 @@ class RecordedNvml:
         if not self._initialized:
             raise _error("UNINITIALIZED")
 
-    def _gpu(self, handle: RecordedHandle, call: str) -> dict[str, Any]:
-        self._require_init()
-        if not isinstance(handle, RecordedHandle) or not 0 <= handle.index < len(self._gpus):
+    def _index(self, handle: Any) -> int:
+        """The GPU index a handle points at; INVALID_ARGUMENT for anything that is not one of ours."""
+        address = ctypes.cast(handle, ctypes.c_void_p).value if isinstance(handle, pynvml.c_nvmlDevice_t) else None
+        if address not in self._index_at:
             raise _error("INVALID_ARGUMENT")
-        gpu = self._gpus[handle.index]
+        return self._index_at[address]
+
+    def _gpu(self, handle: Any, call: str, gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        self._require_init()
+        gpus = self._gpus if gpus is None else gpus
+        index = self._index(handle)
+        if index >= len(gpus):
+            raise _error("INVALID_ARGUMENT")
+        gpu = gpus[index]
         errors = gpu.get("errors", {})
         for key in (call, "*"):
             if key in errors:
                 raise _error(errors[key])
         return gpu
 
-    def _field(self, handle: RecordedHandle, call: str, key: str) -> Any:
+    def _field(self, handle: Any, call: str, key: str) -> Any:
         gpu = self._gpu(handle, call)
         if key not in gpu:
-            raise KeyError(f"{self._origin}: GPU {handle.index} has no '{key}' recorded (needed by {call})")
+            raise KeyError(f"{self._origin}: GPU {self._index(handle)} has no '{key}' recorded (needed by {call})")
         return gpu[key]
 
     # -- pynvml functions -----------------------------------------------------------------------
@@ -92,21 +115,24 @@ class RecordedNvml:
             raise _error(self._snap["errors"]["nvmlDeviceGetCount"])
         return len(self._gpus)
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> RecordedHandle:
-        handle = RecordedHandle(int(index))
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self._require_init()
+        if not 0 <= int(index) < len(self._devices):
+            raise _error("INVALID_ARGUMENT")
+        handle = ctypes.pointer(self._devices[int(index)])  # a new pointer object each call, as pynvml returns
         self._gpu(handle, "nvmlDeviceGetHandleByIndex")  # a lost GPU cannot even be opened
         return handle
 
-    def nvmlDeviceGetUUID(self, handle: RecordedHandle) -> str:
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
         return str(self._field(handle, "nvmlDeviceGetUUID", "uuid"))
 
-    def nvmlDeviceGetName(self, handle: RecordedHandle) -> str:
+    def nvmlDeviceGetName(self, handle: Any) -> str:
         return str(self._field(handle, "nvmlDeviceGetName", "name"))
 
-    def nvmlDeviceGetSerial(self, handle: RecordedHandle) -> str:
+    def nvmlDeviceGetSerial(self, handle: Any) -> str:
         return str(self._field(handle, "nvmlDeviceGetSerial", "serial"))
 
-    def nvmlDeviceGetPciInfo_v3(self, handle: RecordedHandle) -> Any:
+    def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
         bus_id = str(self._field(handle, "nvmlDeviceGetPciInfo_v3", "pci_bus_id"))
         info = pynvml.nvmlPciInfo_t()
         info.busId = bus_id.encode()
@@ -115,17 +141,17 @@ class RecordedNvml:
         info.domain, info.bus, info.device = int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
         return info
 
-    def nvmlDeviceGetMemoryInfo(self, handle: RecordedHandle, version: Any = None) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         total = int(self._field(handle, "nvmlDeviceGetMemoryInfo", "memory_total_bytes"))
         mem = pynvml.c_nvmlMemory_t()
         mem.total, mem.free, mem.used = total, total, 0
         return mem
 
-    def nvmlDeviceGetEccMode(self, handle: RecordedHandle) -> list[int]:
+    def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
         mode = self._field(handle, "nvmlDeviceGetEccMode", "ecc_mode")
         return [int(mode["current"]), int(mode["pending"])]
 
-    def nvmlDeviceGetTotalEccErrors(self, handle: RecordedHandle, errorType: int, counterType: int) -> int:
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
         errors = self._field(handle, "nvmlDeviceGetTotalEccErrors", "ecc_errors")
         counter = {pynvml.NVML_VOLATILE_ECC: "volatile", pynvml.NVML_AGGREGATE_ECC: "aggregate"}.get(counterType)
         kind = {pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
@@ -134,28 +160,28 @@ class RecordedNvml:
             raise _error("INVALID_ARGUMENT")
         return int(errors[counter][kind])
 
-    def nvmlDeviceGetRemappedRows(self, device: RecordedHandle) -> tuple[int, int, int, int]:
+    def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
         rows = self._field(device, "nvmlDeviceGetRemappedRows", "remapped_rows")
         return (int(rows["correctable"]), int(rows["uncorrectable"]), int(bool(rows["pending"])),
                 int(bool(rows["failure"])))
 
-    def nvmlDeviceGetRowRemapperHistogram(self, device: RecordedHandle) -> Any:
+    def nvmlDeviceGetRowRemapperHistogram(self, device: Any) -> Any:
         hist = self._field(device, "nvmlDeviceGetRowRemapperHistogram", "row_remapper_histogram")
         values = pynvml.c_nvmlRowRemapperHistogramValues()
         for key in ("max", "high", "partial", "low", "none"):
             setattr(values, key, int(hist[key]))
         return values
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: RecordedHandle) -> int:
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
         return int(self._field(handle, "nvmlDeviceGetCurrentClocksEventReasons", "clocks_event_reasons"))
 
-    def nvmlDeviceGetTemperature(self, handle: RecordedHandle, sensor: int) -> int:
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
         temps = self._field(handle, "nvmlDeviceGetTemperature", "temperature")
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise _error("INVALID_ARGUMENT")
         return int(temps["gpu"])
 
-    def nvmlDeviceGetFieldValues(self, handle: RecordedHandle, fieldIds: list[Any]) -> Any:
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
         temps = self._field(handle, "nvmlDeviceGetFieldValues", "temperature")
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
         for i, field_id in enumerate(fieldIds):
@@ -169,16 +195,16 @@ class RecordedNvml:
                 values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
 
-    def _link(self, handle: RecordedHandle, call: str, link: int) -> dict[str, Any]:
+    def _link(self, handle: Any, call: str, link: int) -> dict[str, Any]:
         for entry in self._field(handle, call, "nvlinks"):
             if int(entry["link"]) == int(link):
                 return entry
         raise _error("INVALID_ARGUMENT")  # what NVML answers for a link the GPU does not have
 
-    def nvmlDeviceGetNvLinkState(self, device: RecordedHandle, link: int) -> int:
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
         return int(self._link(device, "nvmlDeviceGetNvLinkState", link)["state"])
 
-    def nvmlDeviceGetNvLinkErrorCounter(self, device: RecordedHandle, link: int, counter: int) -> int:
+    def nvmlDeviceGetNvLinkErrorCounter(self, device: Any, link: int, counter: int) -> int:
         entry = self._link(device, "nvmlDeviceGetNvLinkErrorCounter", link)
         names = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
                  pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
@@ -186,38 +212,39 @@ class RecordedNvml:
             raise _error("INVALID_ARGUMENT")
         return int(entry["errors"][names[counter]])
 
-    def _pcie(self, handle: RecordedHandle, call: str, key: str) -> int:
+    def _pcie(self, handle: Any, call: str, key: str) -> int:
         return int(self._field(handle, call, "pcie")[key])
 
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: RecordedHandle) -> int:
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
         return self._pcie(handle, "nvmlDeviceGetCurrPcieLinkGeneration", "gen")
 
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: RecordedHandle) -> int:
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
         return self._pcie(handle, "nvmlDeviceGetMaxPcieLinkGeneration", "max_gen")
 
-    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: RecordedHandle) -> int:
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
         return self._pcie(handle, "nvmlDeviceGetCurrPcieLinkWidth", "width")
 
-    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: RecordedHandle) -> int:
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
         return self._pcie(handle, "nvmlDeviceGetMaxPcieLinkWidth", "max_width")
 
-    def nvmlDeviceGetPcieReplayCounter(self, handle: RecordedHandle) -> int:
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
         return self._pcie(handle, "nvmlDeviceGetPcieReplayCounter", "replay")
 
-    def nvmlDeviceGetP2PStatus(self, device1: RecordedHandle, device2: RecordedHandle, p2pIndex: int) -> int:
+    def nvmlDeviceGetP2PStatus(self, device1: Any, device2: Any, p2pIndex: int) -> int:
         matrix = self._field(device1, "nvmlDeviceGetP2PStatus", "p2p")
         self._gpu(device2, "nvmlDeviceGetP2PStatus")  # a lost peer fails the call too
+        peer = self._index(device2)
         names = {pynvml.NVML_P2P_CAPS_INDEX_NVLINK: "nvlink", pynvml.NVML_P2P_CAPS_INDEX_READ: "read",
                  pynvml.NVML_P2P_CAPS_INDEX_WRITE: "write", pynvml.NVML_P2P_CAPS_INDEX_ATOMICS: "atomics"}
-        if p2pIndex not in names or str(device2.index) not in matrix:
+        if p2pIndex not in names or str(peer) not in matrix:
             raise _error("INVALID_ARGUMENT")
-        status = matrix[str(device2.index)][names[p2pIndex]]
+        status = matrix[str(peer)][names[p2pIndex]]
         code = getattr(pynvml, f"NVML_P2P_STATUS_{status}", None)
         if code is None:
-            raise KeyError(f"{self._origin}: GPU {device1.index}: unknown P2P status {status!r}")
+            raise KeyError(f"{self._origin}: GPU {self._index(device1)}: unknown P2P status {status!r}")
         return int(code)
 
-    def nvmlDeviceGetGpuFabricInfoV(self, device: RecordedHandle, gpuFabricInfo: Any) -> int:
+    def nvmlDeviceGetGpuFabricInfoV(self, device: Any, gpuFabricInfo: Any) -> int:
         fabric = self._field(device, "nvmlDeviceGetGpuFabricInfoV", "fabric")
         info = getattr(gpuFabricInfo, "_obj", gpuFabricInfo)  # ctypes.byref(...) or the struct itself
         if int(fabric.get("state", 0)) == 0:
@@ -229,3 +256,109 @@ class RecordedNvml:
         if hasattr(info, "healthMask"):
             info.healthMask = int(fabric.get("health_mask", 0))
         return pynvml.NVML_SUCCESS
+
+    # -- XID events -----------------------------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> Any:
+        self._require_init()
+        if "nvmlEventSetCreate" in self._snap.get("errors", {}):
+            raise _error(self._snap["errors"]["nvmlEventSetCreate"])
+        event_set = _EventSet(self._delivered)
+        self._sets[ctypes.addressof(event_set.raw)] = event_set
+        return ctypes.pointer(event_set.raw)  # pynvml's c_nvmlEventSet_t
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        view = self._events_view()
+        self._gpu(handle, "nvmlDeviceRegisterEvents", view.get("gpus", []))  # a GPU lost since start refuses
+        event_set = self._event_set(eventSet)
+        # A node whose nvml.json has no "xid_events" has no event support; only XID events are ever recorded.
+        # NVML registers none of the asked types when it answers NOT_SUPPORTED, and the set stays usable.
+        if "xid_events" not in view or int(eventTypes) & ~pynvml.nvmlEventTypeXidCriticalError:
+            raise _error("NOT_SUPPORTED")
+        event_set.gpus.add(self._index(handle))
+
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        """The next XID listed for a registered GPU, else the first error that holds, else NVML_ERROR_TIMEOUT
+        once `timeoutms` has passed. Events come before a lost-GPU error: the driver's XID 79 is delivered,
+        then the waits fail (as mock NVML in NVIDIA/k8s-test-infra#746 models the real driver)."""
+        event_set = self._event_set(eventSet)
+        deadline = time.monotonic() + max(0, int(timeoutms)) / 1000
+        while True:
+            view = self._events_view()
+            data = self._next_event(event_set, view)
+            if data is not None:
+                return data
+            errors = view.get("errors", {})
+            if "nvmlEventSetWait_v2" in errors:
+                raise _error(errors["nvmlEventSetWait_v2"])
+            gpus = view.get("gpus", [])
+            for index in sorted(event_set.gpus):
+                gpu_errors = gpus[index].get("errors", {}) if index < len(gpus) else {}
+                if "nvmlEventSetWait_v2" in gpu_errors:
+                    raise _error(gpu_errors["nvmlEventSetWait_v2"])
+                if gpu_errors.get("*") == "GPU_IS_LOST":
+                    raise _error("GPU_IS_LOST")  # nvml.h: the wait fails while a GPU of the set is off the bus
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _error("TIMEOUT")
+            time.sleep(min(left, _EVENT_POLL_S))
+
+    def nvmlEventSetFree(self, eventSet: Any) -> None:
+        self._event_set(eventSet)
+        del self._sets[ctypes.cast(eventSet, ctypes.c_void_p).value]
+
+    def _event_set(self, pointer: Any) -> "_EventSet":
+        self._require_init()
+        address = ctypes.cast(pointer, ctypes.c_void_p).value if isinstance(pointer, pynvml.c_nvmlEventSet_t) else None
+        if address not in self._sets:
+            raise _error("INVALID_ARGUMENT")  # not a set of ours, or one already freed
+        return self._sets[address]
+
+    def _events_view(self) -> dict[str, Any]:
+        """nvml.json as it is now (re-read when its mtime moves). A file caught half-written keeps the last good
+        view until the next look; a file that stays malformed is reported by every other NVML read of the node."""
+        if self._path is not None:
+            stamp = _mtime(self._path)
+            if stamp != self._stamp:
+                from . import load_snapshot
+
+                try:
+                    self._view, self._stamp = load_snapshot(self._path), stamp
+                except SourceError:
+                    pass
+        return self._view
+
+    def _next_event(self, event_set: "_EventSet", view: dict[str, Any]) -> Any:
+        events = view.get("xid_events") or []
+        if not isinstance(events, list):
+            raise ValueError(f"{self._origin}: 'xid_events' must be a list")
+        while event_set.position < len(events):
+            entry = events[event_set.position]
+            where = f"{self._origin}: xid_events[{event_set.position}]"
+            if not isinstance(entry, dict) or set(entry) != EVENT_KEYS:
+                raise ValueError(f"{where}: want exactly the keys {sorted(EVENT_KEYS)}, got {entry!r}")
+            gpu, xid = entry["gpu"], entry["xid"]
+            if not isinstance(gpu, int) or not 0 <= gpu < len(self._devices) or not isinstance(xid, int) or xid < 0:
+                raise ValueError(f"{where}: 'gpu' must be a GPU index of this file and 'xid' a number, got {entry!r}")
+            event_set.position += 1
+            self._delivered = max(self._delivered, event_set.position)
+            if gpu in event_set.gpus:  # NVML delivers only what a set registered for
+                data = pynvml.c_nvmlEventData_t()
+                data.device = ctypes.pointer(self._devices[gpu])
+                data.eventType = pynvml.nvmlEventTypeXidCriticalError
+                data.eventData = xid
+                return data
+        return None
+
+
+@dataclass
+class _EventSet:
+    position: int  # index of the next "xid_events" entry to look at
+    gpus: set[int] = field(default_factory=set)
+    raw: Any = field(default_factory=pynvml.struct_c_nvmlEventSet_t)  # what the returned pointer points at
+
+
+def _mtime(path: Path | None) -> int | None:
+    try:
+        return path.stat().st_mtime_ns if path is not None else None
+    except OSError:
+        return None
