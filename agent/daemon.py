@@ -6,8 +6,8 @@ blocks the other checks; a scrape of /metrics reads only memory.
 """
 from __future__ import annotations
 
+import math
 import re
-import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,8 +30,8 @@ KMSG_CHECK = "kmsg"  # the follower itself, reported like a check so "could not 
 
 @dataclass
 class DaemonOptions:
-    kmsg_tick_s: float = 0.02  # poll interval of a recorded kmsg file (live /dev/kmsg is select()ed: no polling)
-    idle_tick_s: float = 1.0  # consumers get an empty batch this often, so time-based rules advance
+    kmsg_tick_s: float = 0.02  # poll interval of a kernel log that can be neither select()ed nor inotify-watched
+    idle_tick_s: float = 30.0  # consumers get an empty batch this often, so time-based rules (hold_s) advance
     policy: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     retest: Callable[[], bool] | None = None  # runs a retest (the quick preflight); True = passed
     intervals: dict[str, float] = field(default_factory=dict)  # per-check poll interval overrides (tests)
@@ -50,6 +50,10 @@ class Daemon:
         self._record = store.node() or NodeRecord(since=self.opt.clock())
         self._records: dict[str, CheckRecord] = {r.name: r for r in store.checks()}
         self._samples: dict[str, tuple] = {}
+        self._inflight: dict[str, _InFlight] = {}  # samples running now, for the watchdog
+        self._durable = {s.name: s.durable for s in passive if s.durable is not None}
+        self._unflushed: set[str] = set()  # checks whose in-memory state is ahead of the store (not durably)
+        self._last_judged: dict[str, tuple[Any, float]] = {}  # the last judged sample of a check with `quiet`
         self._transitions = 0
         self._kmsg_records = 0
         self._kmsg_lost = 0
@@ -62,13 +66,28 @@ class Daemon:
         self.adapter.replay_pending(self.store)  # intents a crash left half-done are applied again (idempotent)
         for spec in self.passive:
             self._spawn(f"poll-{spec.name}", self._poll_loop, spec)
+        if self.passive:
+            self._spawn("watchdog", self._watchdog_loop)
         if self.consumers:
             self._spawn("kmsg", self._kmsg_loop)
+            self._spawn("nvml-xid", self._nvml_xid_loop)  # NVML's XID events, where the node has them
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops every loop; waits at most `timeout_s` in all (a poll thread stuck in a hung driver call is a
+        daemon thread and is left behind)."""
         self.stop_event.set()
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.flush()
+
+    def flush(self) -> None:
+        """Writes the state changes that were kept in memory (outside a check's durable part)."""
+        with self._lock:
+            pending = [self._records[n] for n in sorted(self._unflushed) if n in self._records]
+            if pending:
+                self.store.commit(pending)
+            self._unflushed.clear()
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -77,62 +96,109 @@ class Daemon:
 
     # -- passive checks ---------------------------------------------------------------------------------------
     def _poll_loop(self, spec: PassiveSpec) -> None:
-        worker: threading.Thread | None = None
-        while not self.stop_event.is_set():
-            started = time.monotonic()
-            if worker is not None and worker.is_alive():
-                # The previous sample is still stuck (a driver call that never returns): say so, do not pile up.
-                self._observe(spec.name, None, Status.UNKNOWN, f"sample still running after {spec.timeout_s:g}s", 0.0)
-            else:
-                worker = self._sample_once(spec)
-            interval = self.opt.intervals.get(spec.name, spec.interval_s)
-            self.stop_event.wait(max(0.0, interval - (time.monotonic() - started)))
+        # The sample runs in this thread: a worker thread per tick cost more CPU than the checks themselves at
+        # idle. A sample that hangs (a driver call that never returns) holds only this thread; the watchdog
+        # reports it UNKNOWN meanwhile, so nothing else waits on it.
+        interval = self.opt.intervals.get(spec.name, spec.interval_s)
+        probe = None
+        try:
+            while not self.stop_event.is_set():
+                started = time.monotonic()
+                if spec.change_probe is not None:
+                    probe = probe or spec.change_probe(self.node)
+                    if self._quiet(spec, started) and not probe.changed():
+                        self._wait_aligned(interval)
+                        continue
+                    probe.rearm()
+                self._sample_once(spec, started)
+                self._wait_aligned(interval)
+        finally:
+            if probe is not None:
+                probe.close()
 
-    def _sample_once(self, spec: PassiveSpec) -> threading.Thread:
-        box: dict[str, Any] = {}
+    def _wait_aligned(self, interval: float) -> None:
+        # Every loop wakes on multiples of its interval on the one monotonic clock, so the checks due at the same
+        # moment run in one burst: on an idle machine a wake-up finds the caches cold, and one burst pays for that
+        # once instead of once per check.
+        now = time.monotonic()
+        self.stop_event.wait((math.floor(now / interval) + 1) * interval - now)
+
+    def _sample_once(self, spec: PassiveSpec, started: float) -> None:
         cfg = self.config.for_check(spec.name)
         with self._lock:
             state = dict(self._records.get(spec.name, CheckRecord(spec.name)).state)
-
-        def target() -> None:
+            self._inflight[spec.name] = _InFlight(started + spec.timeout_s, spec.timeout_s)
+        try:
+            sample, error = spec.sample(self.node, cfg, state), None
+        except BaseException as exc:  # noqa: BLE001 - becomes UNKNOWN / SKIPPED with the reason
+            sample, error = None, exc
+        took = time.monotonic() - started
+        with self._lock:
+            flight = self._inflight.pop(spec.name)
+            if flight.reported:
+                # The watchdog already said UNKNOWN; what a sample that late read is stale: not judged.
+                log.warning("late sample discarded", check=spec.name, took_s=round(took, 3))
+                return
+            if error is not None:
+                status = Status.SKIPPED if isinstance(error, (NotApplicable, ToolMissing)) else Status.UNKNOWN
+                reason = (str(error) if isinstance(error, GpuwardenError)
+                          else f"internal error: {type(error).__name__}: {error}")
+                self._observe(spec.name, None, status, reason, took)
+                return
+            # Judged against the state as it is now, not as it was when the sample began: a kernel-log consumer
+            # of the same name (pcie_aer) may have moved it meanwhile.
+            record = self._records.get(spec.name, CheckRecord(spec.name))
+            current = record.state
+            if self._unchanged_and_quiet(spec, record, sample, started):
+                return
             try:
-                box["sample"] = spec.sample(self.node, cfg, state)
-            except BaseException as exc:  # noqa: BLE001 - becomes UNKNOWN / SKIPPED with the reason
-                box["error"] = exc
+                judgement = spec.judge(current, sample, cfg, self.opt.clock())
+            except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
+                log.error("judge failed", check=spec.name, error=repr(exc))
+                self._observe(spec.name, None, Status.UNKNOWN, f"internal error: {type(exc).__name__}: {exc}", took)
+            else:
+                self._observe(spec.name, judgement, None, None, took)
 
-        t0 = time.monotonic()
-        worker = threading.Thread(target=target, name=f"sample-{spec.name}", daemon=True)
-        worker.start()
-        worker.join(spec.timeout_s)
-        took = time.monotonic() - t0
-        if worker.is_alive():
-            self._observe(spec.name, None, Status.UNKNOWN, f"sample timed out after {spec.timeout_s:g}s", took)
-        elif "error" in box:
-            exc = box["error"]
-            status = Status.SKIPPED if isinstance(exc, (NotApplicable, ToolMissing)) else Status.UNKNOWN
-            reason = str(exc) if isinstance(exc, GpuwardenError) else f"internal error: {type(exc).__name__}: {exc}"
-            self._observe(spec.name, None, status, reason, took)
-        else:
-            now = self.opt.clock()
+    def _quiet(self, spec: PassiveSpec, now: float) -> bool:
+        """Whether the check's state is quiet (PassiveSpec.quiet), without findings, judged < quiet_rejudge_s ago."""
+        last = self._last_judged.get(spec.name)
+        if spec.quiet is None or last is None or now - last[1] >= spec.quiet_rejudge_s:
+            return False
+        with self._lock:
+            record = self._records.get(spec.name)
+            return (record is not None and record.status is Status.OK and not record.findings
+                    and spec.quiet(record.state))
+
+    def _unchanged_and_quiet(self, spec: PassiveSpec, record: CheckRecord, sample: Any, started: float) -> bool:
+        """Whether this sample can go unjudged: equal to the last judged one while quiet. Otherwise it becomes the
+        new reference."""
+        last = self._last_judged.get(spec.name)
+        if last is not None and last[0] == sample and self._quiet(spec, started):
+            return True
+        if spec.quiet is not None:
+            self._last_judged[spec.name] = (sample, started)
+        return False
+
+    def _watchdog_loop(self) -> None:
+        """Reports a sample that overran its timeout as UNKNOWN while it is still running. It wakes every shortest
+        timeout, so an overrun is reported at most two timeouts after the sample began."""
+        period = max(0.01, min(s.timeout_s for s in self.passive))
+        while not self.stop_event.is_set():
+            self._wait_aligned(period)
+            now = time.monotonic()
             with self._lock:
-                # Judge against the state as it is now, not as it was when the sample began: a kernel-log
-                # consumer of the same name (pcie_aer) may have moved it meanwhile.
-                current = self._records.get(spec.name, CheckRecord(spec.name)).state
-                try:
-                    judgement = spec.judge(current, box["sample"], cfg, now)
-                except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
-                    log.error("judge failed", check=spec.name, error=repr(exc))
-                    self._observe(spec.name, None, Status.UNKNOWN, f"internal error: {type(exc).__name__}: {exc}",
-                                  took)
-                else:
-                    self._observe(spec.name, judgement, None, None, took)
-        return worker
+                for name, flight in self._inflight.items():
+                    if not flight.reported and now >= flight.deadline:
+                        flight.reported = True
+                        self._observe(name, None, Status.UNKNOWN,
+                                      f"sample timed out after {flight.timeout_s:g}s (still running)",
+                                      now - flight.deadline + flight.timeout_s)
 
     # -- kernel log ----------------------------------------------------------------------------------------------
     def _kmsg_loop(self) -> None:
         cursor = self.store.meta("kmsg_cursor")
         follower = self.node.kmsg_follower(Cursor(**cursor) if cursor else None, _keep(self.consumers))
-        last_idle = 0.0
+        next_idle = 0.0
         while not self.stop_event.is_set():
             try:
                 records = follower.poll()
@@ -140,20 +206,13 @@ class Daemon:
             except GpuwardenError as exc:
                 records, error = [], str(exc)
             now_mono = time.monotonic()
-            if records or error or now_mono - last_idle >= self.opt.idle_tick_s:
-                last_idle = now_mono
+            tick = self.opt.idle_tick_s
+            if records or error or now_mono >= next_idle:
                 self._feed(records, follower, error)
-            self._wait_for_kmsg(follower)
-
-    def _wait_for_kmsg(self, follower: Any) -> None:
-        fd = getattr(follower, "_fd", None)
-        if fd is not None:  # live /dev/kmsg is pollable: sleep until a record arrives (or the idle tick)
-            try:
-                select.select([fd], [], [], self.opt.idle_tick_s)
-                return
-            except (OSError, ValueError):
-                pass
-        self.stop_event.wait(self.opt.kmsg_tick_s)
+                next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
+            # Sleep until a record may have arrived (select on /dev/kmsg, inotify on a recorded file), at the
+            # latest until the next idle tick: an idle kernel log costs no wake-up beyond that tick.
+            follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s)
 
     def _feed(self, records: list, follower: Any, error: str | None) -> None:
         now = self.opt.clock()
@@ -181,6 +240,66 @@ class Daemon:
                                                 err or (error and f"kernel log: {error}"), 0.0, now))
             self._commit(updates, meta, now)
 
+    def _nvml_xid_loop(self) -> None:
+        """NVML's XID events, the second XID source (docs/daemon.md): each batch goes to the kernel-log consumers,
+        which count an XID once whichever sources saw it. Where the node has no events it says so once and ends.
+        An NVML error makes xid_watch UNKNOWN (kept in its state, so kernel-log ticks do not hide it) and the
+        subscription is rebuilt after a backoff (without a GPU that fell off the bus); incidents are kept."""
+
+        def feed(xids: list, error: str | None) -> None:
+            now = self.opt.clock()
+            try:
+                gpus = list(self.node.gpus())
+            except GpuwardenError:
+                gpus = []
+            batch = KernelBatch([], gpus, self.node.kmsg.boot_id, nvml_xids=xids, source="nvml", nvml_error=error)
+            with self._lock:
+                updates = []
+                for consumer in self.consumers:
+                    state = self._records.get(consumer.name, CheckRecord(consumer.name)).state
+                    try:
+                        judgement = consumer.judge(state, batch, self.config.for_check(consumer.name), now)
+                        updates.append(self._record_for(consumer.name, judgement, None, None, 0.0, now))
+                    except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
+                        updates.append(self._record_for(consumer.name, None, Status.UNKNOWN,
+                                                        f"internal error: {type(exc).__name__}: {exc}", 0.0, now))
+                # No cursor meta: NVML has no backlog to resume from, it delivers only what happens from now on.
+                self._commit(updates, None, now)
+
+        tick = self.opt.idle_tick_s  # the wait's timeout: idle, the thread wakes once a tick, never spins
+        events, backoff = None, 5 * tick
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    if events is None or events.closed:
+                        # The same subscription object is re-subscribed: it knows which events it handed over.
+                        events = self.node.xid_events() if events is None else events.subscribe()
+                        if not events.available:
+                            log.info("NVML XID events not available; XIDs come from the kernel log alone",
+                                     reason=events.reason)
+                            feed([], None)  # clears an NVML error an earlier run left in the state
+                            return
+                        if events.unsubscribed:
+                            log.warning("NVML XID events: GPUs not subscribed",
+                                        gpus={i: str(e) for i, e in events.unsubscribed.items()})
+                        feed([], None)
+                    xids = events.wait(tick)
+                    backoff = 5 * tick
+                    if xids:
+                        feed(xids, None)
+                except Exception as exc:  # noqa: BLE001 - an NvmlError or a bug: say why, retry, never end
+                    reason = str(exc) if isinstance(exc, GpuwardenError) else (
+                        f"internal error: {type(exc).__name__}: {exc}")
+                    log.warning("NVML XID events failed", error=reason, retry_in_s=backoff)
+                    feed([], reason)
+                    if events is not None:
+                        events.close()
+                    self.stop_event.wait(backoff)
+                    backoff = min(2 * backoff, 60 * tick)
+        finally:
+            if events is not None:
+                events.close()
+
     # -- one observation --------------------------------------------------------------------------------------------
     def _observe(self, name: str, judgement: Judgement | None, status: Status | None, error: str | None,
                  duration_s: float) -> None:
@@ -200,8 +319,14 @@ class Daemon:
         return CheckRecord(name, judgement.state, status or fold_status(findings), error, findings, now, duration_s)
 
     def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float, retest: bool | None = None) -> None:
-        changed = [rec for rec in updates if _differs(self._records.get(rec.name), rec)]
+        changed: list[CheckRecord] = []
         for rec in updates:
+            old = self._records.get(rec.name)
+            if _differs(old, rec, self._durable.get(rec.name)):
+                changed.append(rec)
+                self._unflushed.discard(rec.name)
+            elif old is not None and old.state != rec.state:
+                self._unflushed.add(rec.name)  # a change only outside the durable part: written later
             self._records[rec.name] = rec
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
                                         retest)
@@ -262,10 +387,21 @@ class Daemon:
             self.config = config
 
 
-def _differs(old: CheckRecord | None, new: CheckRecord) -> bool:
-    """Whether a check's record changed in what is persisted for meaning (not just its timestamps)."""
-    return old is None or (old.state, old.status, old.error, old.findings) != (new.state, new.status, new.error,
-                                                                             new.findings)
+@dataclass
+class _InFlight:
+    deadline: float  # time.monotonic() by which the sample should have returned
+    timeout_s: float
+    reported: bool = False  # the watchdog has reported it UNKNOWN: its late result is discarded
+
+
+def _differs(old: CheckRecord | None, new: CheckRecord, durable: Callable[[Any], Any] | None = None) -> bool:
+    """Whether a check's record changed in what must be written now: its status, error, findings, or the durable
+    part of its state (all of it unless the check says otherwise). Timestamps alone never count."""
+    if old is None or (old.status, old.error, old.findings) != (new.status, new.error, new.findings):
+        return True
+    if durable is None:
+        return old.state != new.state
+    return durable(old.state) != durable(new.state)
 
 
 def _keep(consumers: list[KernelConsumer]) -> Callable[[str], object] | None:

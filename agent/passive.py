@@ -13,7 +13,7 @@ windows, downtime accumulators and log cursors are never lost or counted twice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from .model import Finding
 
@@ -52,6 +52,29 @@ class PassiveSpec:
     # "event": sampled by its own thread as fast as the source delivers (the kernel-log follower), not on
     # a timer; interval_s is then the longest wait between two samples.
     mode: str = "poll"
+    # The part of the state that must reach the disk as soon as it changes (None: all of it). A change only
+    # outside it (a "last looked at" time while all is quiet) is kept in memory and written with the next
+    # durable change or at stop: an idle poll then costs no disk write, and a kill -9 loses only that part.
+    durable: "Callable[[Mapping[str, Any]], Any] | None" = None
+    # Whether a state is quiet: given a sample equal to the last one, judging it again would only move time
+    # forward (no finding can appear or clear). The daemon then skips the judgement and its commit, and judges
+    # at the latest every `quiet_rejudge_s` (time-decaying metrics, such as downtime in a sliding window, are at
+    # most that stale). None: every sample is judged. For once-a-second polls, where judging is most of the cost.
+    quiet: "Callable[[Mapping[str, Any]], bool] | None" = None
+    quiet_rejudge_s: float = 30.0
+    # While quiet, a cheaper look than a sample: `change_probe(node)` returns a ChangeProbe; when it sees no
+    # change since it was last armed, the daemon skips the sample too (until quiet_rejudge_s).
+    change_probe: "Callable[[Node], ChangeProbe] | None" = None
+
+
+class ChangeProbe(Protocol):
+    def rearm(self) -> None:
+        """Take the reference: called just before each full sample (so a change during the sample shows next)."""
+
+    def changed(self) -> bool:
+        """Whether anything the sample reads may differ from the reference (any error counts as a change)."""
+
+    def close(self) -> None: ...
 
 
 def step(spec: PassiveSpec, node: "Node", cfg: Mapping[str, Any], state: Mapping[str, Any], now: float) -> Judgement:
@@ -62,11 +85,18 @@ def step(spec: PassiveSpec, node: "Node", cfg: Mapping[str, Any], state: Mapping
 @dataclass(frozen=True)
 class KernelBatch:
     """What a kernel-log consumer is given per tick: the new records, the node's GPUs as last enumerated (for
-    naming entities), and the boot they belong to (state from an earlier boot is stale)."""
+    naming entities), and the boot they belong to (state from an earlier boot is stale).
+
+    The daemon's NVML XID source hands over batches of its own (`source="nvml"`, no records): the XIDs NVML
+    delivered (agent/sources/nvml/events.py NvmlXid) and why NVML could not be watched, if so (None: it is
+    watched, or not available on this node). A kernel-log batch says nothing about NVML."""
 
     records: list[Any]
     gpus: list[Any]
     boot_id: str | None
+    nvml_xids: list[Any] = field(default_factory=list)
+    source: str = "kmsg"  # "kmsg" | "nvml"
+    nvml_error: str | None = None
 
 
 @dataclass(frozen=True)

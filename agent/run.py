@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import sys
@@ -10,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from prometheus_client import start_http_server
 
 from . import config as config_mod
 from . import logs
 from .adapters.local import LocalAdapter
 from .daemon import Daemon, DaemonOptions
 from .errors import ConfigError, GpuwardenError
+from .http_endpoint import MetricsEndpoint
 from .metrics import DaemonCollector, registry_for, write_textfile
 from .model import EXIT_PASS
 from .store import Store
@@ -24,6 +25,7 @@ from .systemd import notify, watchdog_interval_s
 
 log = structlog.get_logger("gpuwarden")
 TEXTFILE_EVERY_S = 15.0
+IDLE_WAKE_S = 60.0  # the main loop's wake-up without a watchdog or textfile to serve (signals wake it at once)
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -67,12 +69,17 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server = MetricsEndpoint(host, port, registry)
+    server.start()
     daemon.start()
+    # What start-up built (modules, config, catalogues) lives as long as the agent: freezing it keeps the
+    # periodic garbage collections from walking it again and again (CPython's gc.freeze, meant for this).
+    gc.freeze()
     log.info("running", node=node.hostname, listen=f"{host}:{port}", state_dir=str(state_dir),
              passive=[s.name for s in PASSIVE], kernel=[c.name for c in KERNEL_CONSUMERS])
     notify("READY=1\nSTATUS=watching")
-    tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, 1.0) if x)
+    # Woken by a signal at once; otherwise only as often as the watchdog or the textfile needs.
+    tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, IDLE_WAKE_S) if x)
     try:
         while not daemon.stop_event.is_set():
             wake.wait(tick)
@@ -88,7 +95,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     finally:
         notify("STOPPING=1")
         daemon.stop()
-        server.shutdown()
+        server.stop()
         store.close()
         log.info("stopped")
     return EXIT_PASS

@@ -79,7 +79,7 @@ def advance(gpu_state: Mapping[str, Any], mask: int, now: float, cfg: Mapping[st
             on[reason] = on.get(reason, 0.0) + dt
         bucket["on"] = on
     # A clock that steps back re-anchors here (that interval credits nothing) rather than stalling the window.
-    return {"last_t": now, "buckets": buckets[-BUCKETS - 1:]}
+    return {"last_t": now, "last_mask": mask, "buckets": buckets[-BUCKETS - 1:]}
 
 
 def window_totals(gpu_state: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
@@ -155,6 +155,11 @@ def judge(state: Mapping[str, Any], sample: ClockSample, cfg: Mapping[str, Any],
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
 
 
+def quiet(state: Mapping[str, Any]) -> bool:
+    """No judged reason active at the last reading: the same readings again only add unthrottled time."""
+    return not any(active_reasons(int(g.get("last_mask", 0))) for g in state.get("gpus", {}).values())
+
+
 SPEC = PassiveSpec(
     name=CHECK_NAME,
     summary="Clock-event reasons per GPU: time fraction in HW slowdown, HW thermal, power brake, SW thermal",
@@ -174,4 +179,8 @@ SPEC = PassiveSpec(
         "sw_thermal_warn_ratio": 0.1,  # the GPU regulating itself works as designed: WARN only
     },
     timeout_s=10.0,
+    quiet=quiet,
+    # Below max_gap_s: the judgement after a skipped stretch credits it to the reasons of the (identical) sample,
+    # which is right only while that stretch counts as observed.
+    quiet_rejudge_s=25.0,
 )

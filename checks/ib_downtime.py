@@ -9,7 +9,8 @@ from typing import Any, Mapping
 from gpuwarden.agent.errors import NotApplicable
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.checks.ib_port import IB_CLASS, PortReading, read_ports
+from gpuwarden.agent.sources.sysfs import FileSetProbe
+from gpuwarden.checks.ib_port import IB_CLASS, PortReading, downtime_files, read_ports
 
 CHECK_NAME = "ib_downtime"
 INTERVAL_S = 1.0
@@ -26,7 +27,7 @@ class DowntimeSample:
 
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> DowntimeSample:
-    ports, unreadable = read_ports(node.sysfs)
+    ports, unreadable = read_ports(node.sysfs, detail=False)
     if not ports and not unreadable and not state.get("ports"):
         raise NotApplicable(f"no InfiniBand/RoCE port under {node.sysfs.path(IB_CLASS)}")
     return DowntimeSample(tuple(ports), tuple(replace(f, check=CHECK_NAME) for f in unreadable))
@@ -152,6 +153,19 @@ def judge(state: Mapping[str, Any], sample: DowntimeSample, cfg: Mapping[str, An
     return Judgement({"version": 1, "ports": ports}, tuple(findings), tuple(metrics))
 
 
+def durable(state: Mapping[str, Any]) -> dict[str, Any]:
+    """All of the state but the last-look time of a port that is up: while every port is up and quiet that time
+    is all a poll changes, and losing it to a kill -9 only loosens the cap on charged hidden flaps. The time of
+    a port that is down is kept, because it bounds the outage charged across a restart (MAX_GAP_S)."""
+    return {name: {k: v for k, v in port.items() if k != "t" or not port["up"]}
+            for name, port in state.get("ports", {}).items()}
+
+
+def quiet(state: Mapping[str, Any]) -> bool:
+    """Every port up: with the same readings (state, link_downed) another look changes nothing but time."""
+    return all(port["up"] for port in state.get("ports", {}).values())
+
+
 SPEC = PassiveSpec(
     name=CHECK_NAME,
     summary="IB/RoCE port cumulative downtime (state polled every second plus link_downed) in a sliding window",
@@ -170,4 +184,8 @@ SPEC = PassiveSpec(
     },
     list_types={"ignore_ports": str},
     timeout_s=5.0,
+    durable=durable,
+    quiet=quiet,
+    quiet_rejudge_s=10.0,  # a new port, or a gauge decaying in the window, shows within 10 s
+    change_probe=lambda node: FileSetProbe(node.sysfs, downtime_files),
 )

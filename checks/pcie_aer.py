@@ -13,6 +13,7 @@ from gpuwarden.agent.kernel_log import LogRecord
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.node import driver_gpu_uuid, nvidia_pci_gpus
 from gpuwarden.agent.passive import KernelConsumer, Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.sources.sysfs import FileSetProbe
 
 CHECK_NAME = "pcie_aer"
 PCI = "/sys/bus/pci/devices"
@@ -79,6 +80,12 @@ def device_map(node: Any, bdfs: Iterable[str]) -> dict[str, dict[str, Any]]:
         behind = sorted(named[b] for b, path in paths.items() if b != bdf and bdf in path[:-1])
         out[bdf] = {"entity": entity.to_dict(), "hca": hcas.get(bdf), "behind": behind}
     return out
+
+
+def aer_files(sysfs: Any) -> list[str]:
+    """Every aer_dev_* file the sample reads (for the daemon's change probe)."""
+    return [f"{PCI}/{b}/{f}" for b in sysfs.listdir(PCI) if sysfs.exists(f"{PCI}/{b}/aer_dev_fatal")
+            for f, _ in FILES.values()]
 
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> AerSample:
@@ -334,6 +341,10 @@ SPEC = PassiveSpec(
     },
     list_types={"ignore_pci": str},
     timeout_s=10.0,
+    # Without findings nothing is pending that time alone could raise: equal counters judged again change nothing.
+    quiet=lambda state: True,
+    quiet_rejudge_s=300.0,
+    change_probe=lambda node: FileSetProbe(node.sysfs, aer_files),
 )
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import os
+import select
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,6 +17,7 @@ import structlog
 
 from ..errors import ParseError, SourceError
 from ..kernel_log import LogRecord, parse_kmsg_filtered, parse_kmsg_text
+from .inotify import DirWatch, open_watch
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
@@ -84,6 +87,8 @@ class KmsgFollower:
         self.malformed = 0
         self.parse_errors: list[ParseError] = []  # the latest few, for the log; `malformed` counts them all
         self._fd: int | None = None
+        self._watch: DirWatch | None = None
+        self._watch_tried = False
         self._offset = 0
         self._pending = b""
 
@@ -91,6 +96,31 @@ class KmsgFollower:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def wait(self, timeout_s: float, poll_tick_s: float) -> None:
+        """Sleep until the log may hold new records, at most `timeout_s`. Live /dev/kmsg is select()ed; a
+        recorded file is watched through inotify; only where neither works is it polled every `poll_tick_s`."""
+        waitable: int | DirWatch | None = self._fd
+        if not self.log.live:
+            if not self._watch_tried:
+                self._watch_tried = True
+                self._watch = open_watch(self.log.path.parent)
+                if self._watch is not None:
+                    return  # a write between the last read and the watch raised no event: read once more first
+            waitable = self._watch
+        if waitable is not None:
+            try:
+                ready, _, _ = select.select([waitable], [], [], timeout_s)
+            except (OSError, ValueError):
+                ready = None  # a closed or broken descriptor: fall back to the timed poll below
+            else:
+                if ready and isinstance(waitable, DirWatch):
+                    waitable.drain()  # before the next poll reads the file, so no write is missed
+                return
+        time.sleep(min(timeout_s, poll_tick_s))
 
     def poll(self) -> list[LogRecord]:
         text = self._read_live() if self.log.live else self._read_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from ..errors import SourceError
 
@@ -32,12 +33,28 @@ class Sysfs:
         """The file's text without the trailing newline sysfs adds (captures sometimes lack it)."""
         p = self._str(kernel_path)
         try:
-            with open(p, errors="replace") as f:
-                return f.read().strip()
+            # os-level reads: a text-mode open() costs three times as much, and the daemon polls these every second.
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                chunks = [os.read(fd, 65536)]
+                while chunks[-1]:  # sysfs attributes fit one read; a recorded /proc file may not
+                    chunks.append(os.read(fd, 65536))
+            finally:
+                os.close(fd)
+            return b"".join(chunks).decode(errors="replace").strip()
         except FileNotFoundError:
             raise SourceError(f"{p}: missing") from None
         except OSError as exc:
             raise SourceError(f"{p}: cannot read: {exc.strerror or exc}") from None
+
+    def open_fd(self, kernel_path: str) -> int:
+        """A descriptor kept open for re-reading with os.pread(fd, n, 0): sysfs regenerates an attribute on every
+        read at offset 0, without the path lookup an open() costs (and a removed device's file then fails)."""
+        p = self._str(kernel_path)
+        try:
+            return os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceError(f"{p}: cannot open: {exc.strerror or exc}") from None
 
     def read_int(self, kernel_path: str) -> int:
         text = self.read(kernel_path)
@@ -62,3 +79,39 @@ class Sysfs:
             return os.path.basename(os.readlink(self._str(kernel_path)))
         except OSError:
             return None
+
+
+class FileSetProbe:
+    """A daemon ChangeProbe over sysfs files: the set is listed at each rearm() (just before a full sample), kept
+    open, and re-read with pread by changed(). Most polls find nothing new, and this look costs a tenth of a
+    sample: no listing, no path lookups, no parsing. A file that appears is seen at the next full sample; one
+    whose device is removed fails its read (ENODEV): a change."""
+
+    def __init__(self, sysfs: Sysfs, list_files: Callable[[Sysfs], list[str]]):
+        self.sysfs, self.list_files = sysfs, list_files
+        self._fds: list[int] = []
+        self._reference: list[bytes] | None = None
+
+    def rearm(self) -> None:
+        self.close()
+        try:
+            self._fds = [self.sysfs.open_fd(p) for p in self.list_files(self.sysfs)]
+            self._reference = self._read()
+        except (SourceError, OSError):
+            self._reference = None  # no reference: every look is a change, so every poll samples in full
+
+    def changed(self) -> bool:
+        if self._reference is None:
+            return True
+        try:
+            return self._read() != self._reference
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self._reference = [], None
+
+    def _read(self) -> list[bytes]:
+        return [os.pread(fd, 4096, 0) for fd in self._fds]

@@ -1,0 +1,153 @@
+"""What keeps the daemon cheap at idle without making it blind: the kernel-log follower sleeps until the file is
+written, a quiet check is not sampled while its change probe sees nothing new (and not judged while its sample is
+unchanged), a state change outside a check's durable part is written at stop, not at every poll."""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from gpuwarden.agent import config
+from gpuwarden.agent.adapters.local import LocalAdapter
+from gpuwarden.agent.daemon import Daemon, DaemonOptions
+from gpuwarden.agent.metrics import DaemonCollector
+from gpuwarden.agent.node import Node
+from gpuwarden.agent.passive import Judgement, PassiveSpec
+from gpuwarden.agent.sources.kmsg import KernelLog, KmsgFollower
+from gpuwarden.agent.sources.sysfs import FileSetProbe, Sysfs
+from gpuwarden.agent.store import Store
+from gpuwarden.checks import all_specs, ib_downtime
+from test_daemon import wait_for
+
+RECORD = "6,{seq},{usec},-;gpuwarden test line {seq}\n"
+
+
+def test_follower_sleeps_until_the_recorded_log_is_written(tmp_path):
+    path = tmp_path / "kmsg"
+    path.write_text(RECORD.format(seq=1, usec=1000))
+    follower = KmsgFollower(KernelLog(path, live=False, boot_id="b"))
+    assert [r.seq for r in follower.poll()] == [1]
+    follower.wait(30.0, 30.0)  # arms the inotify watch and returns at once, so nothing written meanwhile is missed
+    woke = threading.Event()
+
+    def sleeper():
+        follower.wait(30.0, 30.0)
+        woke.set()
+
+    t = threading.Thread(target=sleeper, daemon=True)
+    t.start()
+    assert not woke.wait(0.3), "a quiet log must not wake the follower"
+    with open(path, "a") as f:
+        f.write(RECORD.format(seq=2, usec=2000))
+    assert woke.wait(10.0), "an append must wake the follower long before its 30 s timeout"
+    assert [r.seq for r in follower.poll()] == [2]
+    follower.close()
+
+
+def test_file_set_probe_sees_rewrites_and_unreadable_files(tmp_path):
+    sysfs = Sysfs(tmp_path)
+    port = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
+    (port / "counters").mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "counters/link_downed").write_text("0\n")
+    probe = FileSetProbe(sysfs, lambda s: ["/sys/class/infiniband/mlx5_0/ports/1/state",
+                                           "/sys/class/infiniband/mlx5_0/ports/1/counters/link_downed"])
+    probe.rearm()
+    assert not probe.changed()
+    (port / "counters/link_downed").write_text("1\n")  # a flap between two polls
+    assert probe.changed()
+    probe.rearm()
+    assert not probe.changed()
+    probe.close()
+    missing = FileSetProbe(sysfs, lambda s: ["/sys/class/infiniband/mlx5_9/ports/1/state"])
+    missing.rearm()
+    assert missing.changed(), "a file that cannot be opened leaves no reference: every look is a change"
+
+
+class Counting:
+    """Wraps a spec's sample and judge to count calls."""
+
+    def __init__(self, spec: PassiveSpec):
+        self.samples = self.judgements = 0
+        self.spec = replace(spec, sample=self._sample, judge=self._judge)
+        self._inner = spec
+
+    def _sample(self, *args):
+        self.samples += 1
+        return self._inner.sample(*args)
+
+    def _judge(self, *args):
+        self.judgements += 1
+        return self._inner.judge(*args)
+
+
+def one_check_daemon(root: Path, tmp_path: Path, spec: PassiveSpec, cfg=None) -> tuple[Daemon, Store]:
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), [spec], [], cfg or config.defaults(all_specs()), store,
+               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(intervals={spec.name: 0.02}))
+    return d, store
+
+
+def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy, tmp_path):
+    root = scenario_copy("h100-hgx-healthy")
+    counting = Counting(ib_downtime.SPEC)
+    cfg = config.defaults(all_specs())
+    cfg.checks["ib_downtime"]["down_fail_s"] = 0.1
+    d, store = one_check_daemon(root, tmp_path, counting.spec, cfg)
+    commits = []
+    inner_commit = store.commit
+    store.commit = lambda *a, **k: commits.append(1) or inner_commit(*a, **k)
+    d.start()
+    try:
+        wait_for(lambda: d.results().get("ib_downtime") and d.results()["ib_downtime"].status.value == "ok",
+                 what="the first look")
+        threading.Event().wait(0.5)  # ~25 polls at 0.02 s
+        samples, writes = counting.samples, len(commits)
+        threading.Event().wait(0.5)
+        # All ports up and nothing written to their files: the probe answers, no sample, no judgement, no write
+        # (a full look comes back every quiet_rejudge_s = 10 s).
+        assert counting.samples == samples and len(commits) == writes
+        (root / "sys/class/infiniband/mlx5_5/ports/1/state").write_text("1: DOWN\n")
+        wait_for(lambda: [f.code for f in d.results()["ib_downtime"].findings] == ["ib-port-down"],
+                 what="the port-down finding")
+        assert counting.samples > samples
+    finally:
+        d.stop()
+        store.close()
+
+
+def test_an_unchanged_sample_of_a_quiet_check_is_not_judged_until_rejudge(scenario_copy, tmp_path):
+    root = scenario_copy("h100-hgx-healthy")
+    counting = Counting(replace(ib_downtime.SPEC, change_probe=None, quiet_rejudge_s=0.3))
+    d, store = one_check_daemon(root, tmp_path, counting.spec)
+    d.start()
+    try:
+        wait_for(lambda: counting.judgements >= 1, what="the first judgement")
+        threading.Event().wait(1.0)
+        # Sampled every 0.02 s (~50 samples), judged only when quiet_rejudge_s ran out (~3 times).
+        assert counting.samples >= 10 * counting.judgements
+        assert 2 <= counting.judgements <= 10
+    finally:
+        d.stop()
+        store.close()
+
+
+def test_a_change_outside_the_durable_part_is_written_at_stop(scenario_copy, tmp_path):
+    ticks = iter(range(1, 10_000))
+    spec = PassiveSpec("ticker", "counts its looks", sample=lambda n, c, s: next(ticks),
+                       judge=lambda s, x, c, now: Judgement({"looks": x, "mode": "steady"}), interval_s=0.02,
+                       durable=lambda state: state.get("mode"))
+    d, store = one_check_daemon(scenario_copy("h100-hgx-healthy"), tmp_path, spec)
+    d.start()
+    try:
+        wait_for(lambda: d.results().get("ticker") and d.results()["ticker"].state["looks"] >= 20, what="20 looks")
+        persisted = {c.name: c for c in store.checks()}["ticker"].state
+        assert persisted["looks"] < d.results()["ticker"].state["looks"], "only the first look was written"
+    finally:
+        d.stop()
+    final = {c.name: c for c in store.checks()}["ticker"].state
+    assert final == d.results()["ticker"].state  # stop() wrote what was held in memory
+    assert json.loads(json.dumps(final))["mode"] == "steady"
+    store.close()
