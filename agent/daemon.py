@@ -7,7 +7,9 @@ blocks the other checks; a scrape of /metrics reads only memory.
 from __future__ import annotations
 
 import math
+import os
 import re
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from .passive import Judgement, KernelBatch, KernelConsumer, PassiveSpec
 from .sources.kmsg import Cursor
 from .state import DEFAULT_POLICY, NodeRecord, Transition, next_state, wants_retest
 from .store import CheckRecord, Store
+from .systemd import name_this_thread
 
 log = structlog.get_logger("gpuwarden.daemon")
 KMSG_CHECK = "kmsg"  # the follower itself, reported like a check so "could not read the log" is visible
@@ -45,6 +48,10 @@ class Daemon:
         self.config, self.store, self.adapter, self.collector = config, store, adapter, collector
         self.opt = options or DaemonOptions()
         self.stop_event = threading.Event()
+        # Loops sleep in select() on this pipe, which stop() makes readable: one system call per sleep, where an
+        # Event's timed wait runs a dozen lines of Condition bookkeeping (and a wake-up on an idle machine finds
+        # every cache cold, so each line counts).
+        self._stop_r, self._stop_w = os.pipe()
         self._lock = threading.RLock()  # in-memory results + the node record: one observation at a time
         self._threads: list[threading.Thread] = []
         self._record = store.node() or NodeRecord(since=self.opt.clock())
@@ -54,6 +61,8 @@ class Daemon:
         self._durable = {s.name: s.durable for s in passive if s.durable is not None}
         self._unflushed: set[str] = set()  # checks whose in-memory state is ahead of the store (not durably)
         self._last_judged: dict[str, tuple[Any, float]] = {}  # the last judged sample of a check with `quiet`
+        self._quiet_specs = {s.name: s.quiet for s in passive if s.quiet is not None}
+        self._quiet_records: dict[str, bool] = {}  # whether each such check's current record is quiet
         self._transitions = 0
         self._kmsg_records = 0
         self._kmsg_lost = 0
@@ -76,10 +85,21 @@ class Daemon:
         """Stops every loop; waits at most `timeout_s` in all (a poll thread stuck in a hung driver call is a
         daemon thread and is left behind)."""
         self.stop_event.set()
+        if self._stop_w >= 0:
+            os.write(self._stop_w, b"x")  # never read: every sleep from now on returns at once
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads) and self._stop_w >= 0:
+            os.close(self._stop_r)
+            os.close(self._stop_w)
+            self._stop_r = self._stop_w = -1
         self.flush()
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleeps `seconds`, or until stop()."""
+        if not self.stop_event.is_set():
+            select.select([self._stop_r], [], [], max(0.0, seconds))
 
     def flush(self) -> None:
         """Writes the state changes that were kept in memory (outside a check's durable part)."""
@@ -90,7 +110,11 @@ class Daemon:
             self._unflushed.clear()
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        def run() -> None:
+            name_this_thread(f"gw-{name.removeprefix('poll-')}")
+            target(*args)
+
+        t = threading.Thread(target=run, name=name, daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -121,7 +145,7 @@ class Daemon:
         # moment run in one burst: on an idle machine a wake-up finds the caches cold, and one burst pays for that
         # once instead of once per check.
         now = time.monotonic()
-        self.stop_event.wait((math.floor(now / interval) + 1) * interval - now)
+        self._sleep((math.floor(now / interval) + 1) * interval - now)
 
     def _sample_once(self, spec: PassiveSpec, started: float) -> None:
         cfg = self.config.for_check(spec.name)
@@ -160,14 +184,11 @@ class Daemon:
                 self._observe(spec.name, judgement, None, None, took)
 
     def _quiet(self, spec: PassiveSpec, now: float) -> bool:
-        """Whether the check's state is quiet (PassiveSpec.quiet), without findings, judged < quiet_rejudge_s ago."""
+        """Whether the check's state is quiet (PassiveSpec.quiet), without findings, judged < quiet_rejudge_s ago.
+        The verdict on the record is taken when the record changes (_commit), not at every poll."""
         last = self._last_judged.get(spec.name)
-        if spec.quiet is None or last is None or now - last[1] >= spec.quiet_rejudge_s:
-            return False
-        with self._lock:
-            record = self._records.get(spec.name)
-            return (record is not None and record.status is Status.OK and not record.findings
-                    and spec.quiet(record.state))
+        return (last is not None and now - last[1] < spec.quiet_rejudge_s
+                and self._quiet_records.get(spec.name, False))
 
     def _unchanged_and_quiet(self, spec: PassiveSpec, record: CheckRecord, sample: Any, started: float) -> bool:
         """Whether this sample can go unjudged: equal to the last judged one while quiet. Otherwise it becomes the
@@ -212,7 +233,7 @@ class Daemon:
                 next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
             # Sleep until a record may have arrived (select on /dev/kmsg, inotify on a recorded file), at the
             # latest until the next idle tick: an idle kernel log costs no wake-up beyond that tick.
-            follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s)
+            follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s, wake_fd=self._stop_r)
 
     def _feed(self, records: list, follower: Any, error: str | None) -> None:
         now = self.opt.clock()
@@ -221,24 +242,29 @@ class Daemon:
         except GpuwardenError:
             gpus = []  # XIDs still count, named by the PCI address the driver printed
         batch = KernelBatch(records, gpus, follower.cursor.boot_id)
-        judgements: list[tuple[str, Judgement | None, str | None]] = []
         with self._lock:
-            for consumer in self.consumers:
-                state = self._records.get(consumer.name, CheckRecord(consumer.name)).state
-                try:
-                    judgements.append((consumer.name, consumer.judge(state, batch, self.config.for_check(consumer.name),
-                                                                     now), None))
-                except Exception as exc:  # noqa: BLE001
-                    judgements.append((consumer.name, None, f"internal error: {type(exc).__name__}: {exc}"))
             self._kmsg_records = follower.advanced
             self._kmsg_lost = follower.lost
             meta = {"kmsg_cursor": {"boot_id": follower.cursor.boot_id, "seq": follower.cursor.seq}}
             kmsg_status = Status.UNKNOWN if error else Status.OK
-            updates = [self._record_for(KMSG_CHECK, Judgement({}), kmsg_status, error, 0.0, now)]
-            for name, judgement, err in judgements:
-                updates.append(self._record_for(name, judgement, Status.UNKNOWN if err else None,
-                                                err or (error and f"kernel log: {error}"), 0.0, now))
+            updates = [self._record_for(KMSG_CHECK, Judgement({}), kmsg_status, error, 0.0, now),
+                       *self._judge_consumers(batch, now, error and f"kernel log: {error}")]
             self._commit(updates, meta, now)
+
+    def _judge_consumers(self, batch: KernelBatch, now: float, source_error: str | None = None) -> list[CheckRecord]:
+        """Every kernel-log consumer's record after `batch` (call with the lock held). A consumer whose judge
+        raises is UNKNOWN with the reason; `source_error` (the log could not be read) is carried as the error."""
+        updates = []
+        for consumer in self.consumers:
+            state = self._records.get(consumer.name, CheckRecord(consumer.name)).state
+            try:
+                judgement = consumer.judge(state, batch, self.config.for_check(consumer.name), now)
+            except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
+                updates.append(self._record_for(consumer.name, None, Status.UNKNOWN,
+                                                f"internal error: {type(exc).__name__}: {exc}", 0.0, now))
+            else:
+                updates.append(self._record_for(consumer.name, judgement, None, source_error, 0.0, now))
+        return updates
 
     def _nvml_xid_loop(self) -> None:
         """NVML's XID events, the second XID source (docs/daemon.md): each batch goes to the kernel-log consumers,
@@ -254,20 +280,14 @@ class Daemon:
                 gpus = []
             batch = KernelBatch([], gpus, self.node.kmsg.boot_id, nvml_xids=xids, source="nvml", nvml_error=error)
             with self._lock:
-                updates = []
-                for consumer in self.consumers:
-                    state = self._records.get(consumer.name, CheckRecord(consumer.name)).state
-                    try:
-                        judgement = consumer.judge(state, batch, self.config.for_check(consumer.name), now)
-                        updates.append(self._record_for(consumer.name, judgement, None, None, 0.0, now))
-                    except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
-                        updates.append(self._record_for(consumer.name, None, Status.UNKNOWN,
-                                                        f"internal error: {type(exc).__name__}: {exc}", 0.0, now))
                 # No cursor meta: NVML has no backlog to resume from, it delivers only what happens from now on.
-                self._commit(updates, None, now)
+                self._commit(self._judge_consumers(batch, now), None, now)
 
-        tick = self.opt.idle_tick_s  # the wait's timeout: idle, the thread wakes once a tick, never spins
-        events, backoff = None, 5 * tick
+        # The wait's timeout: idle, the thread wakes once per wait and never spins; short, because a wait inside
+        # NVML cannot be interrupted and stop() waits for it.
+        tick = min(self.opt.idle_tick_s, 2.0)
+        first_backoff, max_backoff = min(5 * tick, 5.0), min(60 * tick, 60.0)
+        events, backoff = None, first_backoff
         try:
             while not self.stop_event.is_set():
                 try:
@@ -284,7 +304,7 @@ class Daemon:
                                         gpus={i: str(e) for i, e in events.unsubscribed.items()})
                         feed([], None)
                     xids = events.wait(tick)
-                    backoff = 5 * tick
+                    backoff = first_backoff
                     if xids:
                         feed(xids, None)
                 except Exception as exc:  # noqa: BLE001 - an NvmlError or a bug: say why, retry, never end
@@ -294,8 +314,8 @@ class Daemon:
                     feed([], reason)
                     if events is not None:
                         events.close()
-                    self.stop_event.wait(backoff)
-                    backoff = min(2 * backoff, 60 * tick)
+                    self._sleep(backoff)
+                    backoff = min(2 * backoff, max_backoff)
         finally:
             if events is not None:
                 events.close()
@@ -328,6 +348,9 @@ class Daemon:
             elif old is not None and old.state != rec.state:
                 self._unflushed.add(rec.name)  # a change only outside the durable part: written later
             self._records[rec.name] = rec
+            quiet = self._quiet_specs.get(rec.name)
+            if quiet is not None:
+                self._quiet_records[rec.name] = rec.status is Status.OK and not rec.findings and quiet(rec.state)
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
                                         retest)
         intents = _intents(transition) if transition else []

@@ -16,6 +16,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import structlog
 from prometheus_client import make_wsgi_app
 
+from .systemd import name_this_thread
+
 log = structlog.get_logger("gpuwarden.http")
 _IDLE_POLL_S = 3600.0  # serve_forever's select timeout: a wake-up an hour when nobody scrapes
 
@@ -34,12 +36,15 @@ class MetricsEndpoint:
         family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("Server", (_Server,), {"address_family": family})
         self._server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": _IDLE_POLL_S},
-                                        name="metrics-http", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
 
     @property
     def port(self) -> int:
         return int(self._server.server_address[1])
+
+    def _serve(self) -> None:
+        name_this_thread("gw-metrics-http")
+        self._server.serve_forever(poll_interval=_IDLE_POLL_S)
 
     def start(self) -> None:
         self._thread.start()

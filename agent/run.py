@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import select
 import signal
 import sys
 import threading
@@ -21,7 +23,7 @@ from .http_endpoint import MetricsEndpoint
 from .metrics import DaemonCollector, registry_for, write_textfile
 from .model import EXIT_PASS
 from .store import Store
-from .systemd import notify, watchdog_interval_s
+from .systemd import name_this_thread, notify, watchdog_interval_s
 
 log = structlog.get_logger("gpuwarden")
 TEXTFILE_EVERY_S = 15.0
@@ -48,6 +50,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     host, port = _listen(args.listen or cfg.agent["listen"])
     textfile = args.textfile or (Path(cfg.agent["textfile"]) if cfg.agent["textfile"] else None)
     node = _node(args.root)
+    name_this_thread("gpuwarden")  # the main thread's name is the process's in ps/top (else "python3")
     store = Store(state_dir / "state.db")
     collector = DaemonCollector()
     registry = registry_for(collector)
@@ -61,14 +64,19 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     daemon = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
                     LocalAdapter(state_dir / "actions.jsonl"), collector, DaemonOptions(retest=retest))
-    reload_requested, wake = threading.Event(), threading.Event()
+    reload_requested = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
         (reload_requested if signum == signal.SIGHUP else daemon.stop_event).set()
-        wake.set()  # act now, not at the next watchdog tick
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
+    # The kernel may deliver a signal to any thread, and Python runs its handler only when the main thread runs:
+    # the main thread sleeps in select() on the wakeup pipe, which the interpreter writes on every signal.
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
     server = MetricsEndpoint(host, port, registry)
     server.start()
     daemon.start()
@@ -82,8 +90,8 @@ def run_daemon(args: argparse.Namespace) -> int:
     tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, IDLE_WAKE_S) if x)
     try:
         while not daemon.stop_event.is_set():
-            wake.wait(tick)
-            wake.clear()
+            if select.select([wake_r], [], [], tick)[0]:
+                _drain(wake_r)  # the handlers have run by now (on_signal): act on what they set
             if daemon.stop_event.is_set():
                 break
             if reload_requested.is_set():
@@ -94,11 +102,22 @@ def run_daemon(args: argparse.Namespace) -> int:
             notify(f"WATCHDOG=1\nSTATUS=node {daemon.record.state.value}")
     finally:
         notify("STOPPING=1")
+        signal.set_wakeup_fd(-1)
         daemon.stop()
         server.stop()
         store.close()
+        for fd in (wake_r, wake_w):
+            os.close(fd)
         log.info("stopped")
     return EXIT_PASS
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:

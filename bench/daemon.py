@@ -117,12 +117,12 @@ def idle(seconds: float) -> None:
             time.sleep(5)  # start-up (imports, first samples) is not idle
             if proc.poll() is not None:
                 raise SystemExit(f"gpuwarden run exited with {proc.returncode}")
-            c0, t0 = p.cpu_times(), time.perf_counter()
+            c0, t0, s0 = p.cpu_times(), time.perf_counter(), thread_runtimes(proc.pid)
             rss = []
             while time.perf_counter() - t0 < seconds:
                 rss.append(p.memory_info().rss)
                 time.sleep(1)
-            c1, t1 = p.cpu_times(), time.perf_counter()
+            c1, t1, s1 = p.cpu_times(), time.perf_counter(), thread_runtimes(proc.pid)
         finally:
             proc.terminate()
             proc.wait(10)
@@ -130,6 +130,25 @@ def idle(seconds: float) -> None:
     print(f"idle over {t1 - t0:.0f} s (h100-hgx-healthy, {len(PASSIVE)} passive checks at production intervals): "
           f"CPU {cpu:.3f} % of one core; RSS median {statistics.median(rss) / 2**20:.1f} MB, "
           f"max {max(rss) / 2**20:.1f} MB")
+    per_thread = {name: ns - s0.get(name, 0) for name, ns in s1.items()}
+    print("  per thread (schedstat run time, % of one core): " + ", ".join(
+        f"{name} {ns / 1e9 / (t1 - t0) * 100:.3f}" for name, ns in sorted(per_thread.items(), key=lambda kv: -kv[1])
+        if ns > 0))
+
+
+def thread_runtimes(pid: int) -> dict[str, int]:
+    """Nanoseconds each of the process's threads has run, by thread name (the daemon names its threads gw-*;
+    /proc/<pid>/task/<tid>/schedstat is exact where cpu_times() counts 10 ms ticks)."""
+    out: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[name] = out.get(name, 0) + int(f.read().split()[0])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return out
 
 
 def flood(lines: int) -> None:

@@ -42,7 +42,7 @@ WHY = {  # what the reason means, and what to do when it is frequent enough to F
                             "operating temperature)", "cooling is marginal"),
 }
 BUCKETS = 30  # per GPU: the window is kept as this many buckets of time-weighted seconds (bounded state)
-INTERVAL_S = 5.0
+INTERVAL_S = 10.0  # 30 readings per 300 s window; a reason held a tenth of the window is still ~3 readings
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,9 @@ SPEC = PassiveSpec(
         # A HW slowdown cuts clocks by half or more, so a GPU in it a fifth of the time loses >= 10 % of its
         # throughput, and a synchronous job runs at the pace of its slowest GPU.
         "hw_fail_ratio": 0.2,
-        # Just above one sample at the default interval and window (5 s / 300 s = 1.7 %): a single glitch does
+        # Just above one reading at the default interval and window (10 s / 300 s = 3.3 %): a single glitch does
         # not warn, a repeat does.
-        "hw_warn_ratio": 0.02,
+        "hw_warn_ratio": 0.04,
         "sw_thermal_warn_ratio": 0.1,  # the GPU regulating itself works as designed: WARN only
     },
     timeout_s=10.0,

@@ -186,6 +186,9 @@ SPEC = PassiveSpec(
     timeout_s=5.0,
     durable=durable,
     quiet=quiet,
-    quiet_rejudge_s=10.0,  # a new port, or a gauge decaying in the window, shows within 10 s
-    change_probe=lambda node: FileSetProbe(node.sysfs, downtime_files),
+    quiet_rejudge_s=60.0,  # a new port, or a gauge decaying in the window, shows within a minute
+    # The state files every second; link_downed (flaps between polls, charged flap_charge_s each) every 5th: a
+    # flap counted a few seconds late changes no window total, and the 1 s look is most of the idle cost.
+    change_probe=lambda node: FileSetProbe(node.sysfs, downtime_files, slow=lambda p: p.endswith("/link_downed"),
+                                           slow_every=5),
 )

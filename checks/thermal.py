@@ -149,6 +149,12 @@ def judge(state: Mapping[str, Any], sample: ThermalSample, cfg: Mapping[str, Any
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
 
 
+def durable(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The runs of conditions, not the time of the last reading: while nothing holds, that time is all a reading
+    changes, and losing it to a kill -9 only means a run that starts after the restart starts afresh."""
+    return {gpu: g.get("runs", {}) for gpu, g in state.get("gpus", {}).items()}
+
+
 SPEC = PassiveSpec(
     name=CHECK_NAME,
     summary="GPU core and HBM temperatures against their limits, and the HBM gradient against the node's GPUs",
@@ -165,4 +171,5 @@ SPEC = PassiveSpec(
         "sustain_s": 60.0,  # a condition must hold this long (every reading) before it is a finding
     },
     timeout_s=10.0,
+    durable=durable,
 )

@@ -107,7 +107,7 @@ def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy
         samples, writes = counting.samples, len(commits)
         threading.Event().wait(0.5)
         # All ports up and nothing written to their files: the probe answers, no sample, no judgement, no write
-        # (a full look comes back every quiet_rejudge_s = 10 s).
+        # (a full look comes back every quiet_rejudge_s = 60 s).
         assert counting.samples == samples and len(commits) == writes
         (root / "sys/class/infiniband/mlx5_5/ports/1/state").write_text("1: DOWN\n")
         wait_for(lambda: [f.code for f in d.results()["ib_downtime"].findings] == ["ib-port-down"],
@@ -151,3 +151,21 @@ def test_a_change_outside_the_durable_part_is_written_at_stop(scenario_copy, tmp
     assert final == d.results()["ticker"].state  # stop() wrote what was held in memory
     assert json.loads(json.dumps(final))["mode"] == "steady"
     store.close()
+
+
+def test_slow_files_are_looked_at_every_nth_look(tmp_path):
+    sysfs = Sysfs(tmp_path)
+    port = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
+    (port / "counters").mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "counters/link_downed").write_text("0\n")
+    probe = FileSetProbe(sysfs, lambda s: ["/sys/class/infiniband/mlx5_0/ports/1/state",
+                                           "/sys/class/infiniband/mlx5_0/ports/1/counters/link_downed"],
+                         slow=lambda p: p.endswith("link_downed"), slow_every=3)
+    probe.rearm()
+    (port / "counters/link_downed").write_text("1\n")
+    assert [probe.changed() for _ in range(3)] == [False, False, True]  # the counter at the 3rd look
+    probe.rearm()
+    (port / "state").write_text("1: DOWN\n")
+    assert probe.changed()  # the state at once
+    probe.close()

@@ -100,9 +100,10 @@ class KmsgFollower:
             self._watch.close()
             self._watch = None
 
-    def wait(self, timeout_s: float, poll_tick_s: float) -> None:
-        """Sleep until the log may hold new records, at most `timeout_s`. Live /dev/kmsg is select()ed; a
-        recorded file is watched through inotify; only where neither works is it polled every `poll_tick_s`."""
+    def wait(self, timeout_s: float, poll_tick_s: float, wake_fd: int | None = None) -> None:
+        """Sleep until the log may hold new records, at most `timeout_s`, or until `wake_fd` is readable. Live
+        /dev/kmsg is select()ed; a recorded file is watched through inotify; only where neither works is it
+        polled every `poll_tick_s`."""
         waitable: int | DirWatch | None = self._fd
         if not self.log.live:
             if not self._watch_tried:
@@ -113,14 +114,17 @@ class KmsgFollower:
             waitable = self._watch
         if waitable is not None:
             try:
-                ready, _, _ = select.select([waitable], [], [], timeout_s)
+                ready, _, _ = select.select([waitable] + ([] if wake_fd is None else [wake_fd]), [], [], timeout_s)
             except (OSError, ValueError):
                 ready = None  # a closed or broken descriptor: fall back to the timed poll below
             else:
-                if ready and isinstance(waitable, DirWatch):
+                if waitable in ready and isinstance(waitable, DirWatch):
                     waitable.drain()  # before the next poll reads the file, so no write is missed
                 return
-        time.sleep(min(timeout_s, poll_tick_s))
+        if wake_fd is None:
+            time.sleep(min(timeout_s, poll_tick_s))
+        else:
+            select.select([wake_fd], [], [], min(timeout_s, poll_tick_s))
 
     def poll(self) -> list[LogRecord]:
         text = self._read_live() if self.log.live else self._read_file()

@@ -85,33 +85,46 @@ class FileSetProbe:
     """A daemon ChangeProbe over sysfs files: the set is listed at each rearm() (just before a full sample), kept
     open, and re-read with pread by changed(). Most polls find nothing new, and this look costs a tenth of a
     sample: no listing, no path lookups, no parsing. A file that appears is seen at the next full sample; one
-    whose device is removed fails its read (ENODEV): a change."""
+    whose device is removed fails its read (ENODEV): a change.
 
-    def __init__(self, sysfs: Sysfs, list_files: Callable[[Sysfs], list[str]]):
+    `slow` files are re-read only every `slow_every`-th look: counters whose increase may be noticed a few
+    seconds late (the link_downed count of flaps between polls), beside state that must be seen at once."""
+
+    def __init__(self, sysfs: Sysfs, list_files: Callable[[Sysfs], list[str]],
+                 slow: Callable[[str], bool] | None = None, slow_every: int = 1):
         self.sysfs, self.list_files = sysfs, list_files
-        self._fds: list[int] = []
-        self._reference: list[bytes] | None = None
+        self.slow, self.slow_every = slow, max(1, slow_every)
+        self._fast: list[int] = []
+        self._slow: list[int] = []
+        self._reference: tuple[list[bytes], list[bytes]] | None = None
+        self._looks = 0
 
     def rearm(self) -> None:
         self.close()
         try:
-            self._fds = [self.sysfs.open_fd(p) for p in self.list_files(self.sysfs)]
-            self._reference = self._read()
+            for path in self.list_files(self.sysfs):
+                (self._slow if self.slow is not None and self.slow(path) else self._fast).append(
+                    self.sysfs.open_fd(path))
+            self._reference = (_pread_all(self._fast), _pread_all(self._slow))
         except (SourceError, OSError):
             self._reference = None  # no reference: every look is a change, so every poll samples in full
 
     def changed(self) -> bool:
         if self._reference is None:
             return True
+        self._looks += 1
         try:
-            return self._read() != self._reference
+            if _pread_all(self._fast) != self._reference[0]:
+                return True
+            return self._looks % self.slow_every == 0 and _pread_all(self._slow) != self._reference[1]
         except OSError:
             return True
 
     def close(self) -> None:
-        for fd in self._fds:
+        for fd in (*self._fast, *self._slow):
             os.close(fd)
-        self._fds, self._reference = [], None
+        self._fast, self._slow, self._reference = [], [], None
 
-    def _read(self) -> list[bytes]:
-        return [os.pread(fd, 4096, 0) for fd in self._fds]
+
+def _pread_all(fds: list[int]) -> list[bytes]:
+    return [os.pread(fd, 4096, 0) for fd in fds]
