@@ -38,6 +38,7 @@ class DaemonOptions:
     policy: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     retest: Callable[[], bool] | None = None  # runs a retest (the quick preflight); True = passed
     intervals: dict[str, float] = field(default_factory=dict)  # per-check poll interval overrides (tests)
+    skipped_retry_s: float = 60.0  # a check that is not applicable on this node is asked again this often
     clock: Callable[[], float] = time.time
 
 
@@ -135,7 +136,11 @@ class Daemon:
                         continue
                     probe.rearm()
                 self._sample_once(spec, started)
-                self._wait_aligned(interval)
+                record = self._records.get(spec.name)
+                # Not applicable here (no IB port, no AER statistics): asked again only now and then, in case a
+                # driver loads late, rather than at the check's own pace.
+                skipped = record is not None and record.status is Status.SKIPPED
+                self._wait_aligned(max(interval, self.opt.skipped_retry_s) if skipped else interval)
         finally:
             if probe is not None:
                 probe.close()

@@ -5,7 +5,7 @@
   idle      CPU (% of one core) and RSS of `gpuwarden run` on the 8-GPU, 9-port H100 scenario
   flood     kernel-log throughput: N records appended at once, time until the daemon has consumed them all
 
-Run: .venv/bin/python bench/daemon.py latency|idle|flood [--runs N] [--seconds S] [--lines N]
+Run: .venv/bin/python bench/daemon.py latency|idle|flood [--runs N] [--seconds S] [--lines N] [--live]
 """
 from __future__ import annotations
 
@@ -102,14 +102,16 @@ def latency(runs: int) -> None:
               f"max {max(ib):.2f} s")
 
 
-def idle(seconds: float) -> None:
+def idle(seconds: float, live: bool) -> None:
+    """`live`: the machine's own /dev/kmsg, sysfs and NVML instead of the recorded H100 node."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "node"
         shutil.copytree(NODES / "h100-hgx-healthy", root, symlinks=True, ignore=shutil.ignore_patterns("tools"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root),
+        where = [] if live else ["--root", str(root)]
+        proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", *where,
                                  "--state-dir", str(Path(tmp) / "state"), "--listen", f"127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -127,7 +129,8 @@ def idle(seconds: float) -> None:
             proc.terminate()
             proc.wait(10)
     cpu = (c1.user + c1.system - c0.user - c0.system) / (t1 - t0) * 100
-    print(f"idle over {t1 - t0:.0f} s (h100-hgx-healthy, {len(PASSIVE)} passive checks at production intervals): "
+    print(f"idle over {t1 - t0:.0f} s ({'live, this machine' if live else 'h100-hgx-healthy'}, {len(PASSIVE)} passive "
+          "checks at production intervals): "
           f"CPU {cpu:.3f} % of one core; RSS median {statistics.median(rss) / 2**20:.1f} MB, "
           f"max {max(rss) / 2**20:.1f} MB")
     per_thread = {name: ns - s0.get(name, 0) for name, ns in s1.items()}
@@ -188,9 +191,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--lines", type=int, default=1_000_000)
+    ap.add_argument("--live", action="store_true", help="idle: this machine's own kernel log, sysfs and NVML")
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    {"latency": lambda: latency(args.runs), "idle": lambda: idle(args.seconds),
+    {"latency": lambda: latency(args.runs), "idle": lambda: idle(args.seconds, args.live),
      "flood": lambda: flood(args.lines)}[args.what]()
 
 

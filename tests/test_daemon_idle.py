@@ -169,3 +169,29 @@ def test_slow_files_are_looked_at_every_nth_look(tmp_path):
     (port / "state").write_text("1: DOWN\n")
     assert probe.changed()  # the state at once
     probe.close()
+
+
+def test_a_check_that_does_not_apply_is_asked_again_only_now_and_then(scenario_copy, tmp_path):
+    from gpuwarden.agent.errors import NotApplicable
+
+    asked = []
+
+    def sample(node, cfg, state):
+        asked.append(1)
+        raise NotApplicable("no InfiniBand port here")
+
+    spec = PassiveSpec("absent", "never applies", sample=sample, judge=lambda s, x, c, now: Judgement({}),
+                       interval_s=0.02)
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(scenario_copy("h100-hgx-healthy")), [spec], [], config.defaults(all_specs()), store,
+               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(intervals={"absent": 0.02}, skipped_retry_s=30.0))
+    d.start()
+    try:
+        wait_for(lambda: d.results().get("absent"), what="the first look")
+        threading.Event().wait(0.5)  # 25 intervals of 0.02 s
+        assert d.results()["absent"].status.value == "skipped" and "no InfiniBand" in d.results()["absent"].error
+        assert len(asked) == 1  # the next question is due only at skipped_retry_s
+    finally:
+        d.stop()
+        store.close()
