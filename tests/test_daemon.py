@@ -311,3 +311,69 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
     finally:
         d.stop()
         store.close()
+
+
+def test_every_passive_check_fires_through_the_daemon(scenario_copy, tmp_path):
+    """One recorded GB200 tray, every passive check and kernel-log consumer running at a fast pace, one fault
+    injected per check through the file it reads (kmsg, sysfs, nvml.json): each check's finding appears, the node
+    state climbs the ladder, and /metrics carries each fault."""
+    root = scenario_copy("gb200-nvl72-healthy")
+    cfg = config.defaults(all_specs())
+    cfg.checks["ib_downtime"]["down_fail_s"] = 0.3
+    cfg.checks["clock_events"].update(min_window_s=0.3)
+    cfg.checks["thermal"].update(sustain_s=0.0, gpu_max_c=80.0)
+    cfg.checks["fabric"].update(settle_s=0.0)
+    store = Store(tmp_path / "state" / "state.db")
+    d = Daemon(Node.recorded_at(root), list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
+               LocalAdapter(tmp_path / "state" / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, intervals={s.name: 0.1 for s in PASSIVE}))
+    d.start()
+
+    def codes(check: str) -> set[str]:
+        rec = d.results().get(check)
+        return {f.code for f in rec.findings} if rec else set()
+
+    try:
+        wait_for(lambda: all(d.results().get(s.name) for s in PASSIVE), what="every check's first look")
+        assert d.record.state is NodeState.HEALTHY, d.results()
+        faults = [  # (check, expected code, injection)
+            ("clock_events", "hw-power-brake-slowdown",
+             lambda: edit_nvml(root, lambda s: s["gpus"][1].update(clocks_event_reasons=0x88))),
+            ("thermal", "gpu-over-temperature",
+             lambda: edit_nvml(root, lambda s: s["gpus"][2]["temperature"].update(gpu=91))),
+            ("fabric", "fabric-not-ready",
+             lambda: edit_nvml(root, lambda s: s["gpus"][3]["fabric"].update(state=2))),
+            ("nvlink_lanes", "nvlink-down",
+             lambda: edit_nvml(root, lambda s: s["gpus"][0]["nvlinks"][5].update(state=0))),
+            ("ib_downtime", "ib-port-down",
+             lambda: (root / "sys/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")),
+            ("pcie_aer", "pcie-aer-uncorrectable",
+             lambda: _bump_aer_fatal(root / "sys/bus/pci/devices/0009:01:00.0/aer_dev_fatal")),
+            ("nvswitch_sxid", "sxid-20034",
+             lambda: append(root, "3,{seq},{usec},-;nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, "
+                                  "Link 48 LTSSM Fault Up")),
+            ("xid_watch", "79", lambda: append(root, XID79)),
+        ]
+        for check, code, inject in faults:
+            inject()
+            wait_for(lambda c=check, k=code: k in codes(c), what=f"{check}: {code}")
+        assert d.record.state in (NodeState.QUARANTINED, NodeState.RETIRED)
+        text = metrics_text(d.collector)
+        finding_lines = [line for line in text.splitlines() if line.startswith("gpuwarden_finding{")]
+        for check, code, _ in faults:
+            assert any(f'check="{check}"' in line and f'code="{code}"' in line for line in finding_lines), check
+        assert 'gpuwarden_ib_port_up{port="mlx5_1/1"} 0.0' in text
+        assert 'gpuwarden_node_state{state="healthy"} 0.0' in text
+    finally:
+        d.stop()
+        store.close()
+
+
+def _bump_aer_fatal(path: Path) -> None:
+    """One uncorrectable (fatal) error on a device: its first counter and TOTAL_ERR_FATAL go up by one."""
+    lines = path.read_text().splitlines()
+    out = [f"{lines[0].rsplit(' ', 1)[0]} {int(lines[0].rsplit(' ', 1)[1]) + 1}"]
+    for line in lines[1:]:
+        name, value = line.rsplit(" ", 1)
+        out.append(f"{name} {int(value) + 1}" if name == "TOTAL_ERR_FATAL" else line)
+    path.write_text("\n".join(out) + "\n")
