@@ -1,0 +1,137 @@
+"""The daemon's passive-check loops (a mixin of agent.daemon.Daemon): one thread per check samples at the check's
+interval, on ticks aligned across checks; one watchdog reports a sample that overran its timeout. While a check
+is quiet, an unchanged sample is not judged and a change probe may stand in for the sample (docs/daemon.md).
+"""
+from __future__ import annotations
+
+import math
+import select
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from .errors import GpuwardenError, NotApplicable, ToolMissing
+from .model import Status
+from .passive import PassiveSpec
+from .store import CheckRecord
+
+log = structlog.get_logger("gpuwarden.daemon")
+
+
+class PollLoops:
+    """Needs from the daemon: node, config, opt, stop_event, _stop_r, _lock, _records, _inflight, _last_judged,
+    _quiet_records and _observe()."""
+
+    def _poll_loop(self, spec: PassiveSpec) -> None:
+        # The sample runs in this thread: a worker thread per tick cost more CPU than the checks themselves at
+        # idle. A sample that hangs (a driver call that never returns) holds only this thread; the watchdog
+        # reports it UNKNOWN meanwhile, so nothing else waits on it.
+        interval = self.opt.intervals.get(spec.name, spec.interval_s)
+        probe = None
+        try:
+            while not self.stop_event.is_set():
+                started = time.monotonic()
+                if spec.change_probe is not None:
+                    probe = probe or spec.change_probe(self.node)
+                    if self._quiet(spec, started) and not probe.changed():
+                        self._wait_aligned(interval)
+                        continue
+                    probe.rearm()
+                self._sample_once(spec, started)
+                record = self._records.get(spec.name)
+                # Not applicable here (no IB port, no AER statistics): asked again only now and then, in case a
+                # driver loads late, rather than at the check's own pace.
+                skipped = record is not None and record.status is Status.SKIPPED
+                self._wait_aligned(max(interval, self.opt.skipped_retry_s) if skipped else interval)
+        finally:
+            if probe is not None:
+                probe.close()
+
+    def _wait_aligned(self, interval: float) -> None:
+        # Every loop wakes on multiples of its interval on the one monotonic clock, so the checks due at the same
+        # moment run in one burst: on an idle machine a wake-up finds the caches cold, and one burst pays for that
+        # once instead of once per check.
+        now = time.monotonic()
+        self._sleep((math.floor(now / interval) + 1) * interval - now)
+
+    def _sample_once(self, spec: PassiveSpec, started: float) -> None:
+        cfg = self.config.for_check(spec.name)
+        with self._lock:
+            state = dict(self._records.get(spec.name, CheckRecord(spec.name)).state)
+            self._inflight[spec.name] = InFlight(started + spec.timeout_s, spec.timeout_s)
+        try:
+            sample, error = spec.sample(self.node, cfg, state), None
+        except BaseException as exc:  # noqa: BLE001 - becomes UNKNOWN / SKIPPED with the reason
+            sample, error = None, exc
+        took = time.monotonic() - started
+        with self._lock:
+            flight = self._inflight.pop(spec.name)
+            if flight.reported:
+                # The watchdog already said UNKNOWN; what a sample that late read is stale: not judged.
+                log.warning("late sample discarded", check=spec.name, took_s=round(took, 3))
+                return
+            if error is not None:
+                status = Status.SKIPPED if isinstance(error, (NotApplicable, ToolMissing)) else Status.UNKNOWN
+                reason = (str(error) if isinstance(error, GpuwardenError)
+                          else f"internal error: {type(error).__name__}: {error}")
+                self._observe(spec.name, None, status, reason, took)
+                return
+            # Judged against the state as it is now, not as it was when the sample began: a kernel-log consumer
+            # of the same name (pcie_aer) may have moved it meanwhile.
+            record = self._records.get(spec.name, CheckRecord(spec.name))
+            current = record.state
+            if self._unchanged_and_quiet(spec, record, sample, started):
+                return
+            try:
+                judgement = spec.judge(current, sample, cfg, self.opt.clock())
+            except Exception as exc:  # noqa: BLE001 - a bug in a judge must not stop the daemon
+                log.error("judge failed", check=spec.name, error=repr(exc))
+                self._observe(spec.name, None, Status.UNKNOWN, f"internal error: {type(exc).__name__}: {exc}", took)
+            else:
+                self._observe(spec.name, judgement, None, None, took)
+
+    def _quiet(self, spec: PassiveSpec, now: float) -> bool:
+        """Whether the check's state is quiet (PassiveSpec.quiet), without findings, judged < quiet_rejudge_s ago.
+        The verdict on the record is taken when the record changes (_commit), not at every poll."""
+        last = self._last_judged.get(spec.name)
+        return (last is not None and now - last[1] < spec.quiet_rejudge_s
+                and self._quiet_records.get(spec.name, False))
+
+    def _unchanged_and_quiet(self, spec: PassiveSpec, record: CheckRecord, sample: Any, started: float) -> bool:
+        """Whether this sample can go unjudged: equal to the last judged one while quiet. Otherwise it becomes the
+        new reference."""
+        last = self._last_judged.get(spec.name)
+        if last is not None and last[0] == sample and self._quiet(spec, started):
+            return True
+        if spec.quiet is not None:
+            self._last_judged[spec.name] = (sample, started)
+        return False
+
+    def _watchdog_loop(self) -> None:
+        """Reports a sample that overran its timeout as UNKNOWN while it is still running. It wakes every shortest
+        timeout, so an overrun is reported at most two timeouts after the sample began."""
+        period = max(0.01, min(s.timeout_s for s in self.passive))
+        while not self.stop_event.is_set():
+            self._wait_aligned(period)
+            now = time.monotonic()
+            with self._lock:
+                for name, flight in self._inflight.items():
+                    if not flight.reported and now >= flight.deadline:
+                        flight.reported = True
+                        self._observe(name, None, Status.UNKNOWN,
+                                      f"sample timed out after {flight.timeout_s:g}s (still running)",
+                                      now - flight.deadline + flight.timeout_s)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleeps `seconds`, or until stop()."""
+        if not self.stop_event.is_set():
+            select.select([self._stop_r], [], [], max(0.0, seconds))
+
+
+@dataclass
+class InFlight:
+    deadline: float  # time.monotonic() by which the sample should have returned
+    timeout_s: float
+    reported: bool = False  # the watchdog has reported it UNKNOWN: its late result is discarded
