@@ -66,6 +66,9 @@ class DirWatch:
             os.close(self.fd)
             self.fd = -1
 
+    def __del__(self) -> None:  # an owner dropped without close() (a recorded NVML replaced on reload)
+        self.close()
+
 
 def open_watch(folder: Path) -> DirWatch | None:
     """A watch on `folder`'s entries, or None (with the reason logged) when inotify cannot be used here."""

@@ -9,6 +9,7 @@ XID events (the scenario's "xid_events") are served through the same event-set c
 from __future__ import annotations
 
 import ctypes
+import select
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import pynvml
 
 from ...errors import SourceError
+from ..inotify import DirWatch, open_watch
 
 EVENT_KEYS = {"gpu", "xid"}  # one entry of nvml.json "xid_events" (docs/scenario-format.md)
 _EVENT_POLL_S = 0.02  # how often a waiting recorded event set looks at nvml.json (a sleep, not a spin)
@@ -44,6 +46,8 @@ class RecordedNvml:
         self._path, self._view, self._stamp = path, snapshot, _mtime(path)
         self._sets: dict[int, _EventSet] = {}
         self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
+        self._watch: DirWatch | None = None  # inotify on nvml.json's folder, while a wait sleeps
+        self._watch_tried = False
 
     @classmethod
     def from_file(cls, path: Path) -> "RecordedNvml":
@@ -300,11 +304,27 @@ class RecordedNvml:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _error("TIMEOUT")
-            time.sleep(min(left, _EVENT_POLL_S))
+            self._sleep_until_rewritten(left)
+
+    def _sleep_until_rewritten(self, seconds: float) -> None:
+        """Sleeps until nvml.json's folder changes (inotify), at most `seconds`; polls where it cannot watch. The
+        watch is only a wake-up: the caller re-reads the file either way, so a spurious wake costs one stat."""
+        if self._watch is None and self._path is not None and not self._watch_tried:
+            self._watch_tried = True
+            self._watch = open_watch(Path(self._path).parent)
+            return  # armed now: look once more before sleeping, so a write just before is not missed
+        if self._watch is None:
+            time.sleep(min(seconds, _EVENT_POLL_S))
+            return
+        if select.select([self._watch], [], [], seconds)[0]:
+            self._watch.drain()
 
     def nvmlEventSetFree(self, eventSet: Any) -> None:
         self._event_set(eventSet)
         del self._sets[ctypes.cast(eventSet, ctypes.c_void_p).value]
+        if not self._sets and self._watch is not None:  # no set left to wait on: give the descriptor back
+            self._watch.close()
+            self._watch, self._watch_tried = None, False
 
     def _event_set(self, pointer: Any) -> "_EventSet":
         self._require_init()
