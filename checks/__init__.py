@@ -7,8 +7,9 @@ from __future__ import annotations
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
 
-from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, fabric, ib_downtime, ib_port, nccl_allreduce,
-               nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid, xid_watch)
+from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, ecc_watch, fabric, ib_downtime, ib_port,
+               nccl_allreduce, nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid,
+               xid_watch)
 
 ALL: tuple[CheckSpec, ...] = (
     # quick: reads only, seconds
@@ -20,7 +21,7 @@ ALL: tuple[CheckSpec, ...] = (
 
 # gpuwarden run: polled passive checks, and the consumers of the followed kernel log.
 PASSIVE: tuple[PassiveSpec, ...] = (
-    ib_downtime.SPEC, clock_events.SPEC, thermal.SPEC, nvlink_lanes.SPEC, pcie_aer.SPEC, fabric.SPEC,
+    ib_downtime.SPEC, clock_events.SPEC, thermal.SPEC, nvlink_lanes.SPEC, pcie_aer.SPEC, fabric.SPEC, ecc_watch.SPEC,
 )
 KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER, pcie_aer.KERNEL_CONSUMER,
                                                 nvswitch_sxid.SXID_CONSUMER)

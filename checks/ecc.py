@@ -68,7 +68,8 @@ def decide(entity: Entity, r: EccReading, policy: Mapping[str, Any]) -> list[Fin
     return out
 
 
-def _read(node: Any, gpu: Any) -> EccReading:
+def read_gpu(node: Any, gpu: Any) -> EccReading:
+    """One GPU's ECC mode, counts, remapped rows and histogram (the last two None before Ampere)."""
     nvml = node.nvml
     remapped = histogram = None
     try:
@@ -81,7 +82,7 @@ def _read(node: Any, gpu: Any) -> EccReading:
 
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
-    readings, problems = read_each_gpu(node, CHECK_NAME, lambda gpu: _read(node, gpu))
+    readings, problems = read_each_gpu(node, CHECK_NAME, lambda gpu: read_gpu(node, gpu))
     yield from problems
     for gpu, reading in readings:
         yield from decide(gpu.entity, reading, cfg)

@@ -352,6 +352,8 @@ def test_every_passive_check_fires_through_the_daemon(scenario_copy, tmp_path):
             ("nvswitch_sxid", "sxid-20034",
              lambda: append(root, "3,{seq},{usec},-;nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, "
                                   "Link 48 LTSSM Fault Up")),
+            ("ecc_watch", "ecc-uncorrectable",
+             lambda: edit_nvml(root, lambda s: s["gpus"][2]["ecc_errors"]["volatile"].update(uncorrected=1))),
             ("xid_watch", "79", lambda: append(root, XID79)),
         ]
         for check, code, inject in faults:
