@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     rec = sub.add_parser("record", help="write a scenario (recorded node) from this machine")
     rec.add_argument("--out", type=Path, required=True, help="folder to write")
     rec.add_argument("--root", type=Path, help="re-record an existing scenario instead of this machine")
+    rec.add_argument("--with-tools", action="store_true",
+                     help="also run the full-level checks' tools (DCGM diag, NCCL, nvbandwidth, ib_write_bw, burn-in) "
+                          "and record their outputs: minutes, loads the GPUs and the network")
+    rec.add_argument("--config", type=Path, help="TOML config: the tools' options and timeouts (default "
+                                                   "/etc/gpuwarden/gpuwarden.toml if present)")
+    rec.add_argument("--budget", type=float, metavar="SECONDS",
+                     help="with --with-tools: checks not started in time are not recorded")
     _log_flags(rec)
 
     run = sub.add_parser("run", help="the daemon: passive checks, node state, Prometheus endpoint")
@@ -128,10 +135,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import all_specs
+
     from .record import record
 
-    logs.setup(args.log_format or "auto", args.log_level or "info")
-    problems = record(_node(args.root), args.out)
+    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
+    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+    problems = record(_node(args.root), args.out, cfg, with_tools=args.with_tools, budget_s=args.budget or None)
     for problem in problems:
         log.warning("could not record", problem=problem)
     log.info("recorded", out=str(args.out), problems=len(problems))

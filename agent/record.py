@@ -6,12 +6,17 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from .errors import NvmlError, SourceError
+from . import config as config_mod
+from .errors import ConfigError, NvmlError, SourceError
 from .node import Node
-from .sources.nvml import SNAPSHOT_FORMAT
+from .record_tools import capture_always, capture_full
+from .sources.nvml import SNAPSHOT_FORMAT, XidEvents
+from .sources.procs import COMM_LEN
 from .sources.sysfs import Sysfs
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -25,8 +30,17 @@ PCI_FILES = ("vendor", "device", "class", "subsystem_vendor", "subsystem_device"
 IB_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
 
 
-def record(node: Node, out: Path) -> list[str]:
-    """Write the scenario; returns the problems met (a part that could not be read is noted, not fatal)."""
+def record(node: Node, out: Path, cfg: Any = None, with_tools: bool = False,
+           budget_s: float | None = None) -> list[str]:
+    """Write the scenario; returns the problems met (a part that could not be read is noted, not fatal). `cfg` (the
+    agent's config: defaults when None) sets the tools' argv and timeouts; `with_tools` also runs the full-level
+    checks' tools (minutes, loads the GPUs), within `budget_s` when given."""
+    if node.root is not None and Path(out).resolve() == Path(node.root).resolve():
+        raise ConfigError(f"{out}: is the scenario being re-recorded; write to another folder")
+    if cfg is None:
+        from gpuwarden.checks import all_specs
+
+        cfg = config_mod.defaults(all_specs())
     out.mkdir(parents=True, exist_ok=True)
     problems: list[str] = []
     info = node.info
@@ -40,6 +54,8 @@ def record(node: Node, out: Path) -> list[str]:
         # Keep the failure itself: replaying the bundle then fails the same way the node did.
         problems.append(f"nvml: {exc}")
         snapshot = {"format": SNAPSHOT_FORMAT, "errors": {exc.call: exc.code}, "gpus": []}
+    else:
+        _xid_event_support(node, snapshot)
     (out / "nvml.json").write_text(json.dumps(snapshot, indent=2) + "\n")
     (out / "node.toml").write_text(info.to_toml())
     try:
@@ -47,6 +63,69 @@ def record(node: Node, out: Path) -> list[str]:
     except SourceError as exc:
         problems.append(f"kmsg: {exc}")
     problems += _copy_sys(node.sysfs, Sysfs(out))
+    problems += _copy_processes(node.sysfs, Sysfs(out))
+    if with_tools:  # every output then comes from this run: an absent one is a tool that was missing
+        shutil.rmtree(out / "tools", ignore_errors=True)
+    problems += capture_always(node, out, cfg)
+    if with_tools:  # after nvml.json: its NVLink counters are the "before" of peer_p2p's copies
+        problems += capture_full(node, out, cfg, budget_s)
+    return problems
+
+
+def _xid_event_support(node: Node, snapshot: dict[str, Any]) -> None:
+    """nvml.json's "xid_events" key says the node has NVML XID events: subscribe once and close at once. Live there
+    is no backlog, so the list is empty; a recorded node keeps its list. GPUs that refused registration keep their
+    answer, and so does a failing nvmlEventSetCreate."""
+    events = XidEvents(node.nvml)
+    failed: NvmlError | None = None
+    try:
+        events.subscribe()
+    except NvmlError as exc:
+        failed = exc
+    finally:
+        events.close()
+    if not events.available and failed is None:
+        return  # no event support: no key
+    if failed is not None and failed.call == "nvmlEventSetCreate":
+        snapshot.setdefault("errors", {})[failed.call] = failed.code
+    entries = {gpu.get("index"): gpu for gpu in snapshot["gpus"]}
+    for index, exc in events.unsubscribed.items():
+        entry = entries.get(index)
+        if entry is not None and "*" not in entry.get("errors", {}):  # a lost GPU refuses every call already
+            entry.setdefault("errors", {})[exc.call] = exc.code
+    listed: list[Any] = []
+    if node.root is not None:
+        listed = json.loads((Path(node.root) / "nvml.json").read_text()).get("xid_events", [])
+    snapshot["xid_events"] = listed
+
+
+def _copy_processes(src: Sysfs, dst: Sysfs) -> list[str]:
+    """The process table as far as `fabric` reads it (docs/scenario-format.md, proc/<pid>): PID 1 and 2 (kthreadd
+    marks the host's table) and every process whose comm is Fabric Manager's, with its cmdline."""
+    from gpuwarden.checks.fabric_manager import FM_PROCESS  # checks import agent: import at use
+
+    fm_comms = (FM_PROCESS, FM_PROCESS[:COMM_LEN])
+    problems: list[str] = []
+    try:
+        pids = [e for e in src.listdir("/proc") if e.isdigit()]
+    except SourceError as exc:
+        return [str(exc)]
+    for pid in pids:
+        base = f"/proc/{pid}"
+        try:
+            comm = src.read(f"{base}/comm")
+        except SourceError:
+            continue  # exited since the listing
+        if pid in ("1", "2") or comm in fm_comms:
+            _copy_file(src, dst, f"{base}/comm", problems)
+        if comm in fm_comms:
+            try:  # raw: arguments end in NULs, and a zombie's cmdline is empty
+                data = src.path(f"{base}/cmdline").read_bytes()
+            except OSError:
+                continue
+            target = dst.path(f"{base}/cmdline")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
     return problems
 
 

@@ -20,7 +20,8 @@ from .parse_nvidia_smi_topo import DISTANCE_NAMES, PCIE_DISTANCE, TopoMatrix, pa
 CHECK_NAME = "pcie_link"
 PCI_DEVICES = "/sys/bus/pci/devices"
 VENDORS = {"0x10de": "NVIDIA", "0x15b3": "Mellanox"}
-TOPO_TOOL = "nvidia-smi-topo-m"
+TOPO_TOOL = "nvidia-smi-topo-m"  # the recorded tool's name (tools/nvidia-smi-topo-m.out)
+TOPO_ARGV = ("nvidia-smi", "topo", "-m")
 NVML_GPU_IDLE = 0x1  # nvmlClocksEventReasonGpuIdle
 _SPEED = re.compile(r"^\s*([\d.]+)\s*GT/s")
 _GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6, 128.0: 7}
@@ -246,7 +247,7 @@ def _affinity(node: Any, cfg: Mapping[str, Any], entity_of: Callable[[int], Enti
         raise ConfigError(f"checks.{CHECK_NAME}.gpu_nic_max_distance: {worst!r} is not one of "
                           f"{', '.join(PCIE_DISTANCE)} or off")
     try:
-        out = node.tools.run(TOPO_TOOL, ["nvidia-smi", "topo", "-m"], cfg["topo_timeout_s"])
+        out = node.tools.run(TOPO_TOOL, list(TOPO_ARGV), cfg["topo_timeout_s"])
         if out.returncode != 0:
             last = next((ln.strip() for ln in reversed(out.output.splitlines()) if ln.strip()), "no output")
             raise ToolError(f"nvidia-smi topo -m exited {out.returncode}: {last}")
