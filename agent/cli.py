@@ -9,6 +9,7 @@ Exit codes of `preflight` and `analyze` (usable as Slurm HealthCheckProgram / Pr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -162,11 +163,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_checks(args: argparse.Namespace) -> int:
-    from gpuwarden.checks import ALL
+    """Every check with its config table: preflight's (level quick|full), then the daemon's passive checks (their
+    poll interval) and kernel-log consumers (fed as records arrive)."""
+    from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE
 
-    for spec in ALL:
-        keys = ", ".join(f"{k}={v!r}" for k, v in spec.defaults.items()) or "-"
-        print(f"{spec.name:<10} {spec.level:<6} {spec.summary}\n{'':<17} [checks.{spec.name}] {keys}")
+    rows = [(s.name, s.level, s.summary, s.defaults) for s in ALL]
+    rows += [(s.name, f"{s.interval_s:g}s", s.summary, s.defaults) for s in PASSIVE]
+    polled = {s.name for s in PASSIVE}  # pcie_aer is both: one row, one table
+    rows += [(c.name, "kmsg", c.summary, c.defaults) for c in KERNEL_CONSUMERS if c.name not in polled]
+    width = max(len(r[0]) for r in rows)
+    for name, when, summary, defaults in rows:
+        keys = ", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "-"
+        print(f"{name:<{width}} {when:<5} {summary}\n{'':<{width + 7}}[checks.{name}] {keys}")
     return 0
 
 
@@ -181,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNDECIDED
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gpuwarden checks | head`): no traceback, and no second error when Python
+        # flushes stdout at exit. 141 = 128 + SIGPIPE, what a shell reports for a command killed by it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -182,3 +182,20 @@ def test_analyze_on_an_unreadable_format_is_undecided(tmp_path):
     proc = gpuwarden("analyze", "--json", str(path))
     assert proc.returncode == 2
     assert "not a format gpuwarden reads" in json.loads(proc.stdout)["results"][0]["error"]
+
+
+def test_checks_lists_preflight_passive_and_kernel_log_checks_with_their_tables():
+    from gpuwarden.agent.cli import main
+    from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE
+
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["checks"]) == 0
+    text = out.getvalue()
+    for spec in (*ALL, *PASSIVE, *KERNEL_CONSUMERS):
+        assert f"[checks.{spec.name}]" in text, spec.name
+    assert text.count("[checks.pcie_aer]") == 1  # its poll and its kernel-log half share one table
+    assert "ib_downtime" in text and " 1s " in text and " kmsg " in text
