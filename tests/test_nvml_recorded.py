@@ -160,3 +160,19 @@ def test_only_the_nvml_source_imports_pynvml():
 def test_canonical_bdf():
     assert canonical_bdf("00000008:01:00.0") == "0008:01:00.0"
     assert canonical_bdf("00000000:1B:00.0") == "0000:1b:00.0"
+
+
+def test_a_handle_stays_valid_when_the_recording_is_read_again():
+    """A recorded node re-reads nvml.json into a new backend while other threads hold the last one's handles
+    (a poll mid-sample when a test edits the file): those handles still name the same GPU, as live ones do."""
+    from conftest import ROOT
+
+    from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
+
+    path = ROOT / "fixtures/nodes/h100-hgx-healthy/nvml.json"
+    first, second = RecordedNvml.from_file(path), RecordedNvml.from_file(path)
+    first.nvmlInit()
+    second.nvmlInit()
+    handle = first.nvmlDeviceGetHandleByIndex(3)
+    assert second.nvmlDeviceGetUUID(handle) == first.nvmlDeviceGetUUID(handle)
+    assert second.nvmlDeviceGetNvLinkState(handle, 0) == first.nvmlDeviceGetNvLinkState(handle, 0)

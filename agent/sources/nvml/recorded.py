@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import select
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,17 @@ def _error(name: str) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
+_DEVICES: list[Any] = []
+_DEVICES_LOCK = threading.Lock()
+
+
+def _device_table(count: int) -> list[Any]:
+    with _DEVICES_LOCK:
+        while len(_DEVICES) < count:
+            _DEVICES.append(pynvml.struct_c_nvmlDevice_t())
+        return _DEVICES[:count]
+
+
 class RecordedNvml:
     """Duck-types the subset of the pynvml module that agent/sources/nvml uses."""
 
@@ -39,8 +51,10 @@ class RecordedNvml:
         self._origin = origin
         self._gpus = snapshot.get("gpus", [])
         self._initialized = False
-        # One opaque device per GPU: handles point at these, as live handles point into NVML's device table.
-        self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in self._gpus]
+        # One opaque device per GPU index, shared by every instance: handles point at these, as live handles point
+        # into NVML's device table. Shared, because a recorded node re-reads nvml.json into a new instance while
+        # other threads still hold handles of the last one (live handles likewise outlive nothing but the GPU).
+        self._devices = _device_table(len(self._gpus))
         self._index_at = {ctypes.addressof(d): i for i, d in enumerate(self._devices)}
         # Events: the file is watched for appended "xid_events" (a scenario test injects an XID by editing it).
         self._path, self._view, self._stamp = path, snapshot, _mtime(path)
