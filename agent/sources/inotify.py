@@ -13,7 +13,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
+import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -85,3 +88,43 @@ def open_watch(folder: Path) -> DirWatch | None:
         os.close(fd)
         return None
     return DirWatch(fd, Path(folder))
+
+
+class FolderWaiter:
+    """Sleeps until something in a folder is written, at most a timeout: on an inotify watch where one can be had,
+    else a timed poll. The first wait arms the watch and returns at once, because a write made before the watch
+    existed raised no event: the caller reads once more before it sleeps. After a wake-up the caller re-reads
+    what it follows either way, so a spurious wake costs one look."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._watch: DirWatch | None = None
+        self._armed = False
+
+    def wait(self, timeout_s: float, poll_tick_s: float, wake_fd: int | None = None) -> None:
+        """At most `timeout_s` (`poll_tick_s` without a watch); returns early when `wake_fd` is readable."""
+        if not self._armed:
+            self._armed = True
+            self._watch = open_watch(self.folder)
+            if self._watch is not None:
+                return
+        fds: list[Any] = [] if wake_fd is None else [wake_fd]
+        timeout = min(timeout_s, poll_tick_s)
+        if self._watch is not None:
+            fds.append(self._watch)
+            timeout = timeout_s
+        if not fds:
+            time.sleep(max(0.0, timeout))
+            return
+        try:
+            ready = select.select(fds, [], [], max(0.0, timeout))[0]
+        except (OSError, ValueError):  # a descriptor closed under us: poll rather than spin
+            time.sleep(max(0.0, min(timeout_s, poll_tick_s)))
+            return
+        if self._watch is not None and self._watch in ready:
+            self._watch.drain()  # before the caller reads, so no later write is missed
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        self._watch, self._armed = None, False

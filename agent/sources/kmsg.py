@@ -17,7 +17,7 @@ import structlog
 
 from ..errors import ParseError, SourceError
 from ..kernel_log import LogRecord, parse_kmsg_filtered, parse_kmsg_text
-from .inotify import DirWatch, open_watch
+from .inotify import FolderWaiter
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
@@ -87,8 +87,7 @@ class KmsgFollower:
         self.malformed = 0
         self.parse_errors: list[ParseError] = []  # the latest few, for the log; `malformed` counts them all
         self._fd: int | None = None
-        self._watch: DirWatch | None = None
-        self._watch_tried = False
+        self._waiter = FolderWaiter(self.log.path.parent)  # a recorded log: wake when its file is written
         self._offset = 0
         self._pending = b""
 
@@ -96,35 +95,20 @@ class KmsgFollower:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        self._waiter.close()
 
     def wait(self, timeout_s: float, poll_tick_s: float, wake_fd: int | None = None) -> None:
         """Sleep until the log may hold new records, at most `timeout_s`, or until `wake_fd` is readable. Live
         /dev/kmsg is select()ed; a recorded file is watched through inotify; only where neither works is it
         polled every `poll_tick_s`."""
-        waitable: int | DirWatch | None = self._fd
         if not self.log.live:
-            if not self._watch_tried:
-                self._watch_tried = True
-                self._watch = open_watch(self.log.path.parent)
-                if self._watch is not None:
-                    return  # a write between the last read and the watch raised no event: read once more first
-            waitable = self._watch
-        if waitable is not None:
-            try:
-                ready, _, _ = select.select([waitable] + ([] if wake_fd is None else [wake_fd]), [], [], timeout_s)
-            except (OSError, ValueError):
-                ready = None  # a closed or broken descriptor: fall back to the timed poll below
-            else:
-                if waitable in ready and isinstance(waitable, DirWatch):
-                    waitable.drain()  # before the next poll reads the file, so no write is missed
-                return
-        if wake_fd is None:
+            self._waiter.wait(timeout_s, poll_tick_s, wake_fd)
+            return
+        fds = [fd for fd in (self._fd, wake_fd) if fd is not None]
+        try:
+            select.select(fds, [], [], timeout_s if self._fd is not None else min(timeout_s, poll_tick_s))
+        except (OSError, ValueError):  # a closed or broken descriptor: poll rather than spin
             time.sleep(min(timeout_s, poll_tick_s))
-        else:
-            select.select([wake_fd], [], [], min(timeout_s, poll_tick_s))
 
     def poll(self) -> list[LogRecord]:
         text = self._read_live() if self.log.live else self._read_file()

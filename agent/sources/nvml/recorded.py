@@ -9,7 +9,6 @@ XID events (the scenario's "xid_events") are served through the same event-set c
 from __future__ import annotations
 
 import ctypes
-import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import pynvml
 
 from ...errors import SourceError
-from ..inotify import DirWatch, open_watch
+from ..inotify import FolderWaiter
 
 EVENT_KEYS = {"gpu", "xid"}  # one entry of nvml.json "xid_events" (docs/scenario-format.md)
 _EVENT_POLL_S = 0.02  # how often a waiting recorded event set looks at nvml.json (a sleep, not a spin)
@@ -60,8 +59,8 @@ class RecordedNvml:
         self._path, self._view, self._stamp = path, snapshot, _mtime(path)
         self._sets: dict[int, _EventSet] = {}
         self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
-        self._watch: DirWatch | None = None  # inotify on nvml.json's folder, while a wait sleeps
-        self._watch_tried = False
+        # Wakes a waiting event set when nvml.json's folder is written (a test appends an XID to the file).
+        self._waiter = FolderWaiter(Path(path).parent) if path is not None else None
 
     @classmethod
     def from_file(cls, path: Path) -> "RecordedNvml":
@@ -321,24 +320,17 @@ class RecordedNvml:
             self._sleep_until_rewritten(left)
 
     def _sleep_until_rewritten(self, seconds: float) -> None:
-        """Sleeps until nvml.json's folder changes (inotify), at most `seconds`; polls where it cannot watch. The
-        watch is only a wake-up: the caller re-reads the file either way, so a spurious wake costs one stat."""
-        if self._watch is None and self._path is not None and not self._watch_tried:
-            self._watch_tried = True
-            self._watch = open_watch(Path(self._path).parent)
-            return  # armed now: look once more before sleeping, so a write just before is not missed
-        if self._watch is None:
+        """Sleeps until nvml.json's folder is written (inotify), at most `seconds`; polls where it cannot watch."""
+        if self._waiter is None:
             time.sleep(min(seconds, _EVENT_POLL_S))
-            return
-        if select.select([self._watch], [], [], seconds)[0]:
-            self._watch.drain()
+        else:
+            self._waiter.wait(seconds, _EVENT_POLL_S)
 
     def nvmlEventSetFree(self, eventSet: Any) -> None:
         self._event_set(eventSet)
         del self._sets[ctypes.cast(eventSet, ctypes.c_void_p).value]
-        if not self._sets and self._watch is not None:  # no set left to wait on: give the descriptor back
-            self._watch.close()
-            self._watch, self._watch_tried = None, False
+        if not self._sets and self._waiter is not None:  # no set left to wait on: give the descriptor back
+            self._waiter.close()
 
     def _event_set(self, pointer: Any) -> "_EventSet":
         self._require_init()
