@@ -75,38 +75,40 @@ def read_ports(sysfs: Any, detail: bool = True) -> tuple[list[PortReading], list
     link_layer are empty, rate None): what the once-a-second downtime poll needs, at a third of the reads."""
     ports: list[PortReading] = []
     unreadable: list[Finding] = []
-    for hca in sysfs.listdir(IB_CLASS):
+    for hca, name, base in port_dirs(sysfs):
         pci = sysfs.link_target_name(f"{IB_CLASS}/{hca}/device")
-        for num in sysfs.listdir(f"{IB_CLASS}/{hca}/ports"):
-            base, name = f"{IB_CLASS}/{hca}/ports/{num}", f"{hca}/{num}"
-            phys, rate, layer = "", None, ""
-            try:
-                state = _after_colon(sysfs.read(f"{base}/state"))
-                if detail:
-                    phys = _after_colon(sysfs.read(f"{base}/phys_state"))
-                    rate = parse_rate(sysfs.read(f"{base}/rate"))
-                    layer = sysfs.read(f"{base}/link_layer") if sysfs.exists(f"{base}/link_layer") else "InfiniBand"
-            except SourceError as err:
-                unreadable.append(Finding(CHECK_NAME, "ib-port-unreadable", Entity("ib_port", name, pci=pci),
-                                          Status.UNKNOWN, f"{name}: could not read port state: {err}"))
-                continue
-            try:
-                downed: int | None = sysfs.read_int(f"{base}/counters/link_downed")
-            except SourceError:
-                downed = None  # evidence only (absent on some RoCE ports); the state file decides
-            ports.append(PortReading(name, pci, state, phys, rate, layer, downed))
+        phys, rate, layer = "", None, ""
+        try:
+            state = _after_colon(sysfs.read(f"{base}/state"))
+            if detail:
+                phys = _after_colon(sysfs.read(f"{base}/phys_state"))
+                rate = parse_rate(sysfs.read(f"{base}/rate"))
+                layer = sysfs.read(f"{base}/link_layer") if sysfs.exists(f"{base}/link_layer") else "InfiniBand"
+        except SourceError as err:
+            unreadable.append(Finding(CHECK_NAME, "ib-port-unreadable", Entity("ib_port", name, pci=pci),
+                                      Status.UNKNOWN, f"{name}: could not read port state: {err}"))
+            continue
+        try:
+            downed: int | None = sysfs.read_int(f"{base}/counters/link_downed")
+        except SourceError:
+            downed = None  # evidence only (absent on some RoCE ports); the state file decides
+        ports.append(PortReading(name, pci, state, phys, rate, layer, downed))
     return ports, unreadable
+
+
+def port_dirs(sysfs: Any) -> list[tuple[str, str, str]]:
+    """(HCA, "hca/port" name, sysfs folder) of every port, in order."""
+    return [(hca, f"{hca}/{num}", f"{IB_CLASS}/{hca}/ports/{num}") for hca in sysfs.listdir(IB_CLASS)
+            for num in sysfs.listdir(f"{IB_CLASS}/{hca}/ports")]
 
 
 def downtime_files(sysfs: Any) -> list[str]:
     """The files the once-a-second downtime poll reads: each port's state and counters/link_downed."""
     out = []
-    for hca in sysfs.listdir(IB_CLASS):
-        for num in sysfs.listdir(f"{IB_CLASS}/{hca}/ports"):
-            base = f"{IB_CLASS}/{hca}/ports/{num}"
-            out.append(f"{base}/state")
-            if sysfs.exists(f"{base}/counters/link_downed"):
-                out.append(f"{base}/counters/link_downed")
+    for _, _, base in port_dirs(sysfs):
+        out.append(f"{base}/state")
+        if sysfs.exists(f"{base}/counters/link_downed"):
+            out.append(f"{base}/counters/link_downed")
     return out
 
 

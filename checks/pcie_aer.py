@@ -82,15 +82,19 @@ def device_map(node: Any, bdfs: Iterable[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def aer_devices(sysfs: Any) -> list[str]:
+    """The PCI devices with AER statistics (kernel >= 4.19 and AER on)."""
+    return [b for b in sysfs.listdir(PCI) if sysfs.exists(f"{PCI}/{b}/aer_dev_fatal")]
+
+
 def aer_files(sysfs: Any) -> list[str]:
     """Every aer_dev_* file the sample reads (for the daemon's change probe)."""
-    return [f"{PCI}/{b}/{f}" for b in sysfs.listdir(PCI) if sysfs.exists(f"{PCI}/{b}/aer_dev_fatal")
-            for f, _ in FILES.values()]
+    return [f"{PCI}/{b}/{f}" for b in aer_devices(sysfs) for f, _ in FILES.values()]
 
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> AerSample:
     ignored = set(cfg["ignore_pci"])
-    bdfs = [b for b in node.sysfs.listdir(PCI) if node.sysfs.exists(f"{PCI}/{b}/aer_dev_fatal")]
+    bdfs = aer_devices(node.sysfs)
     if not bdfs:
         raise NotApplicable(f"no aer_dev_* statistics under {node.sysfs.path(PCI)} (kernel < 4.19 or no AER)")
     totals: dict[str, dict[str, int]] = {}
