@@ -122,3 +122,16 @@ def edit_nvml(root: Path, change) -> None:
     stamp = path.stat().st_mtime_ns + 1_000_000_000
     path.write_text(json.dumps(data))
     os.utime(path, ns=(stamp, stamp))
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    """Polls `predicate` until it is truthy (and returns its value), else fails naming `what`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

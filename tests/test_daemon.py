@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import ROOT, edit_nvml
+from conftest import ROOT, edit_nvml, wait_for
 from gpuwarden.agent import config
 from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
@@ -37,16 +37,6 @@ def append(root: Path, template: str, n: int = 1) -> None:
     with open(root / "kmsg", "a") as f:
         for i in range(1, n + 1):
             f.write(template.format(seq=seq + i, usec=(seq + i) * 1000) + "\n")
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from gpuwarden.agent.sources.kmsg import KernelLog, KmsgFollower
 from gpuwarden.agent.sources.sysfs import FileSetProbe, Sysfs
 from gpuwarden.agent.store import Store
 from gpuwarden.checks import all_specs, ib_downtime
-from test_daemon import wait_for
+from conftest import wait_for
 
 RECORD = "6,{seq},{usec},-;gpuwarden test line {seq}\n"
 
@@ -45,14 +45,21 @@ def test_follower_sleeps_until_the_recorded_log_is_written(tmp_path):
     follower.close()
 
 
-def test_file_set_probe_sees_rewrites_and_unreadable_files(tmp_path):
-    sysfs = Sysfs(tmp_path)
-    port = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
+PORT_FILES = ["/sys/class/infiniband/mlx5_0/ports/1/state", "/sys/class/infiniband/mlx5_0/ports/1/counters/link_downed"]
+
+
+def one_port(root: Path) -> Path:
+    """An ACTIVE IB port with no flap yet under `root`, as sysfs shows it."""
+    port = root / "sys/class/infiniband/mlx5_0/ports/1"
     (port / "counters").mkdir(parents=True)
     (port / "state").write_text("4: ACTIVE\n")
     (port / "counters/link_downed").write_text("0\n")
-    probe = FileSetProbe(sysfs, lambda s: ["/sys/class/infiniband/mlx5_0/ports/1/state",
-                                           "/sys/class/infiniband/mlx5_0/ports/1/counters/link_downed"])
+    return port
+
+
+def test_file_set_probe_sees_rewrites_and_unreadable_files(tmp_path):
+    port = one_port(tmp_path)
+    probe = FileSetProbe(Sysfs(tmp_path), lambda s: PORT_FILES)
     probe.rearm()
     assert not probe.changed()
     (port / "counters/link_downed").write_text("1\n")  # a flap between two polls
@@ -60,7 +67,7 @@ def test_file_set_probe_sees_rewrites_and_unreadable_files(tmp_path):
     probe.rearm()
     assert not probe.changed()
     probe.close()
-    missing = FileSetProbe(sysfs, lambda s: ["/sys/class/infiniband/mlx5_9/ports/1/state"])
+    missing = FileSetProbe(Sysfs(tmp_path), lambda s: ["/sys/class/infiniband/mlx5_9/ports/1/state"])
     missing.rearm()
     assert missing.changed(), "a file that cannot be opened leaves no reference: every look is a change"
 
@@ -82,11 +89,11 @@ class Counting:
         return self._inner.judge(*args)
 
 
-def one_check_daemon(root: Path, tmp_path: Path, spec: PassiveSpec, cfg=None) -> tuple[Daemon, Store]:
+def one_check_daemon(root: Path, tmp_path: Path, spec: PassiveSpec, cfg=None, **options) -> tuple[Daemon, Store]:
     store = Store(tmp_path / "state.db")
     d = Daemon(Node.recorded_at(root), [spec], [], cfg or config.defaults(all_specs()), store,
                LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
-               DaemonOptions(intervals={spec.name: 0.02}))
+               DaemonOptions(intervals={spec.name: 0.02}, **options))
     return d, store
 
 
@@ -154,14 +161,9 @@ def test_a_change_outside_the_durable_part_is_written_at_stop(scenario_copy, tmp
 
 
 def test_slow_files_are_looked_at_every_nth_look(tmp_path):
-    sysfs = Sysfs(tmp_path)
-    port = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
-    (port / "counters").mkdir(parents=True)
-    (port / "state").write_text("4: ACTIVE\n")
-    (port / "counters/link_downed").write_text("0\n")
-    probe = FileSetProbe(sysfs, lambda s: ["/sys/class/infiniband/mlx5_0/ports/1/state",
-                                           "/sys/class/infiniband/mlx5_0/ports/1/counters/link_downed"],
-                         slow=lambda p: p.endswith("link_downed"), slow_every=3)
+    port = one_port(tmp_path)
+    probe = FileSetProbe(Sysfs(tmp_path), lambda s: PORT_FILES, slow=lambda p: p.endswith("link_downed"),
+                         slow_every=3)
     probe.rearm()
     (port / "counters/link_downed").write_text("1\n")
     assert [probe.changed() for _ in range(3)] == [False, False, True]  # the counter at the 3rd look
@@ -182,10 +184,7 @@ def test_a_check_that_does_not_apply_is_asked_again_only_now_and_then(scenario_c
 
     spec = PassiveSpec("absent", "never applies", sample=sample, judge=lambda s, x, c, now: Judgement({}),
                        interval_s=0.02)
-    store = Store(tmp_path / "state.db")
-    d = Daemon(Node.recorded_at(scenario_copy("h100-hgx-healthy")), [spec], [], config.defaults(all_specs()), store,
-               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
-               DaemonOptions(intervals={"absent": 0.02}, skipped_retry_s=30.0))
+    d, store = one_check_daemon(scenario_copy("h100-hgx-healthy"), tmp_path, spec, skipped_retry_s=30.0)
     d.start()
     try:
         wait_for(lambda: d.results().get("absent"), what="the first look")

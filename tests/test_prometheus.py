@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from test_daemon import XID79, append, free_port, start, wait_for
+from conftest import wait_for
+from test_daemon import XID79, append, free_port, start
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
                                 reason="prometheus/promtool not installed (.ci/run installs the Debian package)")

@@ -14,7 +14,7 @@ import pynvml
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import ROOT, edit_nvml
+from conftest import ROOT, edit_nvml, wait_for
 from gpuwarden.agent import config
 from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
@@ -313,14 +313,6 @@ def test_an_nvml_error_is_unknown_until_nvml_answers_again():
 
 
 # -- the daemon on a recorded node -------------------------------------------------------------------------------
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def append_kmsg(root: Path, message: str) -> None:
