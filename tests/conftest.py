@@ -135,3 +135,14 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def promtool_lint(text: str) -> None:
+    """`promtool check metrics` finds nothing in an exposition (skipped where the Debian prometheus package is not
+    installed; .ci/run installs it)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("promtool"):
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr

@@ -1,11 +1,10 @@
 """ecc_watch driven through time on recorded nodes: the `ecc` judgement every minute, and the counts as metrics."""
 from __future__ import annotations
 
-import subprocess
 import shutil
 
 import pytest
-from conftest import PassiveClock, edit_nvml, exposition
+from conftest import PassiveClock, edit_nvml, exposition, promtool_lint
 
 from gpuwarden.agent.model import Action, Status
 from gpuwarden.checks import PASSIVE, ecc_watch
@@ -75,6 +74,4 @@ def test_an_nvml_error_on_one_gpu_is_unknown_for_that_gpu_only(scenario_copy):
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian prometheus) not installed")
 def test_metrics_are_lint_clean(scenario_copy):
-    text = exposition(drive(scenario_copy("gb200-nvl72-faulty")).tick().metrics)
-    out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_lint(exposition(drive(scenario_copy("gb200-nvl72-faulty")).tick().metrics))

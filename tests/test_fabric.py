@@ -2,11 +2,10 @@
 it reads to find a Fabric Manager that runs outside systemd (the GPU Operator's driver container)."""
 import json
 import shutil
-import subprocess
 
 import pynvml
 import pytest
-from conftest import edit_nvml, exposition, record_tool
+from conftest import edit_nvml, exposition, promtool_lint, record_tool
 
 from gpuwarden.agent.errors import ConfigError, NotApplicable, SourceError
 from gpuwarden.agent.model import Action, Status
@@ -340,7 +339,4 @@ def test_metrics_are_lint_clean(scenario_copy):
         "gpuwarden_fabric_manager_up"}
     text = exposition(metrics)
     assert "gpuwarden_fabric_manager_up 0.0" in text
-    if shutil.which("promtool"):
-        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
-                              timeout=30)
-        assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
+    promtool_lint(text)

@@ -3,13 +3,11 @@ raise error counters, and the state goes through json between steps as the daemo
 counter values come from real `nvidia-smi nvlink` outputs (fixtures/logs/nvswitch/)."""
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import edit_nvml, exposition as render
+from conftest import edit_nvml, exposition as render, promtool_lint
 
 from gpuwarden.agent.errors import NotApplicable
 from gpuwarden.agent.model import Action, Status
@@ -273,7 +271,4 @@ def test_metrics_are_lint_clean(scenario_copy):
     assert names == {"gpuwarden_nvlink_up", "gpuwarden_nvlink_errors", "gpuwarden_nvlink_error_rate_per_minute"}
     assert all(m.kind == "gauge" and re.fullmatch(r"[a-z_]+", k) for m in j.metrics for k in m.labels)
     text = exposition(j.metrics)
-    if shutil.which("promtool"):
-        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
-                              timeout=30)
-        assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
+    promtool_lint(text)

@@ -1,12 +1,10 @@
 """nvswitch_sxid: NVSwitch SXid errors parsed from real kernel and Fabric Manager logs, and the incidents the
 consumer keeps when fed through the node's kernel-log follower."""
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import exposition
+from conftest import exposition, promtool_lint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -177,7 +175,4 @@ def test_metrics_are_lint_clean():
     assert {m.name for m in metrics} == {"gpuwarden_nvswitch_sxid_events"}
     text = exposition(metrics)
     assert 'gpuwarden_nvswitch_sxid_events{pci="0000:05:00.0",sxid="20034"} 2.0' in text
-    if shutil.which("promtool"):
-        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
-                              timeout=30)
-        assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
+    promtool_lint(text)
