@@ -1,5 +1,5 @@
-"""`gpuwarden analyze FILE…`: the post-mortem tool. Detects what each saved file is (today: a kernel log
-in any of dmesg / journalctl / syslog / raw kmsg forms) and reports the findings the live check would."""
+"""`gpuwarden analyze FILE…`: the post-mortem tool. Detects what each saved file is (a kernel log in any of dmesg /
+journalctl / syslog / raw kmsg forms, or a tool's output) and reports the findings the checks' own decisions give."""
 from __future__ import annotations
 
 import time
@@ -15,10 +15,14 @@ Analyzer = Callable[[str, str], "tuple[str, list[Finding], list[ParseError]]"]
 
 
 def _kernel_log(text: str, source: str) -> tuple[str, list[Finding], list[ParseError]]:
-    from gpuwarden.checks.xid import analyze_text  # checks import agent: import at use, not at load
+    """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
+    them (one parse of the text, each check's findings under its own name)."""
+    from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
+    from .kernel_log import parse_log_text
 
-    findings, errors = analyze_text(text, source)
-    return "xid", findings, errors
+    records, errors = parse_log_text(text, source)
+    findings = xid.judge_records(records) + nvswitch_sxid.judge_records(records)
+    return "kernel_log", findings, errors
 
 
 def detect(text: str) -> tuple[str, Analyzer]:

@@ -40,4 +40,6 @@ class CheckSpec:
     # burn-in does not skew an NCCL bandwidth figure.
     resources: tuple[str, ...] = ()
     analyzers: tuple[Analyzer, ...] = ()  # saved-output formats this check's decision code can read
+    # Keys read from another concern's table, so an operator sets them once: {"ignore_ports": "ib_port"}.
+    shared_keys: Mapping[str, str] = field(default_factory=dict)
 

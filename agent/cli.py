@@ -163,18 +163,29 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_checks(args: argparse.Namespace) -> int:
-    """Every check with its config table: preflight's (level quick|full), then the daemon's passive checks (their
-    poll interval) and kernel-log consumers (fed as records arrive)."""
-    from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE
+    """Every check once, with where it runs (preflight level quick|full; the daemon's poll interval or "kmsg" for
+    the followed kernel log) and its one config table, which every form of the check reads."""
+    from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE, all_specs
 
-    rows = [(s.name, s.level, s.summary, s.defaults) for s in ALL]
-    rows += [(s.name, f"{s.interval_s:g}s", s.summary, s.defaults) for s in PASSIVE]
-    polled = {s.name for s in PASSIVE}  # pcie_aer is both: one row, one table
-    rows += [(c.name, "kmsg", c.summary, c.defaults) for c in KERNEL_CONSUMERS if c.name not in polled]
-    width = max(len(r[0]) for r in rows)
-    for name, when, summary, defaults in rows:
-        keys = ", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "-"
-        print(f"{name:<{width}} {when:<5} {summary}\n{'':<{width + 7}}[checks.{name}] {keys}")
+    tables = config_mod.defaults(all_specs())
+    modes: dict[str, list[str]] = {}
+    summaries: dict[str, str] = {}
+    for spec in ALL:
+        modes.setdefault(spec.name, []).append(spec.level)
+        summaries.setdefault(spec.name, spec.summary)
+    for p in PASSIVE:
+        modes.setdefault(p.name, []).append(f"{p.interval_s:g}s")
+        summaries.setdefault(p.name, p.summary)
+    for c in KERNEL_CONSUMERS:
+        if c.name not in {p.name for p in PASSIVE}:
+            modes.setdefault(c.name, []).append("kmsg")
+        summaries.setdefault(c.name, c.summary)
+    width = max(len(name) for name in modes)
+    for name, where in modes.items():
+        keys = ", ".join(f"{k}={v!r}" for k, v in tables.checks[name].items()) or "-"
+        borrowed = ", ".join(f"{k} (from [checks.{owner}])" for k, owner in tables.shared.get(name, {}).items())
+        print(f"{name:<{width}} {'+'.join(where):<10} {summaries[name]}\n{'':<{width + 12}}[checks.{name}] {keys}"
+              + (f"; reads {borrowed}" if borrowed else ""))
     return 0
 
 

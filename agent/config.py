@@ -39,15 +39,38 @@ class Config:
     files: list[str] = field(default_factory=list)
     list_types: dict[str, type] = field(default_factory=dict)  # "checks.xid.ignore_xids" -> int
 
+    # Keys a check reads from another concern's table: {"rdma_loopback": {"ignore_ports": "ib_port"}}.
+    shared: dict[str, dict[str, str]] = field(default_factory=dict)
+
     def for_check(self, name: str) -> dict[str, Any]:
-        return self.checks.get(name, {})
+        table = self.checks.get(name, {})
+        borrowed = self.shared.get(name)
+        if not borrowed:
+            return table
+        return {**table, **{key: self.checks[owner][key] for key, owner in borrowed.items()}}
 
 
-def defaults(specs: Iterable[CheckSpec]) -> Config:
+def defaults(specs: Iterable[Any]) -> Config:
+    """One table per concern: the preflight check, its daemon form and its kernel-log form share a name, and so
+    a table (the union of their keys; a key both declare must have one default)."""
     specs = list(specs)
-    list_types = {"agent.checks": str} | {f"checks.{s.name}.{k}": t for s in specs for k, t in s.list_types.items()}
-    return Config(copy.deepcopy(AGENT_DEFAULTS), {s.name: copy.deepcopy(dict(s.defaults)) for s in specs},
-                  list_types=list_types)
+    tables: dict[str, dict[str, Any]] = {}
+    list_types: dict[str, type] = {"agent.checks": str}
+    shared: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        table = tables.setdefault(spec.name, {})
+        for key, value in spec.defaults.items():
+            if key in table and table[key] != value:
+                raise ValueError(f"checks.{spec.name}.{key}: two defaults ({table[key]!r}, {value!r})")
+            table[key] = copy.deepcopy(value)
+        list_types |= {f"checks.{spec.name}.{k}": t for k, t in spec.list_types.items()}
+        if getattr(spec, "shared_keys", None):
+            shared.setdefault(spec.name, {}).update(spec.shared_keys)
+    for name, borrowed in shared.items():
+        for key, owner in borrowed.items():
+            if key not in tables.get(owner, {}):
+                raise ValueError(f"checks.{name} reads '{key}' from [checks.{owner}], which has no such key")
+    return Config(copy.deepcopy(AGENT_DEFAULTS), tables, list_types=list_types, shared=shared)
 
 
 def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = False) -> Config:

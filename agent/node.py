@@ -1,6 +1,7 @@
 """A node as the checks see it: its identity plus one instance of every source, live or recorded."""
 from __future__ import annotations
 
+import copy
 import socket
 import threading
 import tomllib
@@ -127,6 +128,13 @@ class Node:
                 current.close()
             current = self._follower = KmsgFollower(self.kmsg, cursor, keep)
         return current
+
+    def kernel_log_after(self, cursor: Cursor | None) -> "Node":
+        """This node with its kernel log seen from `cursor` on (the same sources otherwise): a retest judges what
+        happened since the recovery, not the fault that quarantined the node."""
+        view = copy.copy(self)
+        view.kmsg = self.kmsg.after(cursor)
+        return view
 
     def xid_events(self) -> XidEvents:
         """A subscription to NVML's XID events, the daemon's second XID source beside the kernel log (a recorded

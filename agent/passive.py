@@ -97,6 +97,9 @@ class KernelBatch:
     nvml_xids: list[Any] = field(default_factory=list)
     source: str = "kmsg"  # "kmsg" | "nvml"
     nvml_error: str | None = None
+    # When each record was logged, on the wall clock (preflight judges a whole boot's log at once, each record at
+    # its own time); None: at the time of the judgement (the daemon, which reads records as they come).
+    event_time: "Callable[[Any], float] | None" = None
 
 
 @dataclass(frozen=True)

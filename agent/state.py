@@ -73,10 +73,32 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
                ) -> tuple[NodeRecord, Transition | None]:
     """The record after this observation, and the transition it caused (None when the state stays).
 
+    One observation moves the state as far as the rules allow (to a fixpoint): a RESET_GPU-class fault on a
+    healthy node cordons and quarantines it at once, as one transition whose actions are every step's, in order.
+
     `findings`: the active findings of every check; `unknown`: the checks that could not look; `retest`: the
     outcome of a retest that finished since the last call (None when none did)."""
+    findings, unknown = list(findings), sorted(unknown)
+    first: Transition | None = None
+    actions: list[str] = []
+    for _ in range(len(NodeState)):  # each step moves forward on the ladder: a bounded walk
+        rec, step = _step(rec, findings, unknown, now, policy, retest)
+        if step is None:
+            break
+        retest = None  # a retest's outcome is used by the step it moves, once
+        first = first or step
+        actions += step.actions
+        if step.to is first.frm:
+            break
+    if first is None:
+        return rec, None
+    last_to = rec.state
+    return rec, Transition(first.frm, last_to, rec.reason, tuple(actions), now)
+
+
+def _step(rec: NodeRecord, findings: list[Finding], unknown: list[str], now: float, policy: Mapping[str, Any],
+          retest: bool | None) -> tuple[NodeRecord, Transition | None]:
     status, action, why = _worst(findings)
-    unknown = sorted(unknown)
     fault = status is Status.FAIL and action >= Action.DRAIN
     concern = status in (Status.FAIL, Status.WARN) or bool(unknown)
     rec = replace(rec, fault_since=(rec.fault_since if rec.fault_since is not None else now) if concern else None,

@@ -8,12 +8,11 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
 
 from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, ecc_watch, fabric, ib_downtime, ib_port,
-               nccl_allreduce, nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid,
-               xid_watch)
+               nccl_allreduce, nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid)
 
 ALL: tuple[CheckSpec, ...] = (
     # quick: reads only, seconds
-    xid.CHECK, ecc.CHECK, ib_port.CHECK, pcie_link.CHECK,
+    xid.CHECK, nvswitch_sxid.CHECK, ecc.CHECK, ib_port.CHECK, pcie_link.CHECK,
     # full: load the GPUs or the network, minutes
     burnin.CHECK, peer_p2p.CHECK, nccl_allreduce.CHECK, rdma_loopback.CHECK, dcgm_diag.CHECK, ecc_memtest.CHECK,
 )
@@ -23,18 +22,17 @@ ALL: tuple[CheckSpec, ...] = (
 PASSIVE: tuple[PassiveSpec, ...] = (
     ib_downtime.SPEC, clock_events.SPEC, thermal.SPEC, nvlink_lanes.SPEC, pcie_aer.SPEC, fabric.SPEC, ecc_watch.SPEC,
 )
-KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid_watch.CONSUMER, pcie_aer.KERNEL_CONSUMER,
-                                                nvswitch_sxid.SXID_CONSUMER)
+KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid.CONSUMER, pcie_aer.KERNEL_CONSUMER, nvswitch_sxid.SXID_CONSUMER)
 
 
 def all_specs() -> tuple[CheckSpec | PassiveSpec | KernelConsumer, ...]:
-    """Everything that has a [checks.<name>] config table (one per name: pcie_aer's kernel-log half shares the
-    table of its poll)."""
-    seen: dict[str, CheckSpec | PassiveSpec | KernelConsumer] = {}
-    for spec in (*ALL, *PASSIVE, *KERNEL_CONSUMERS):
-        seen.setdefault(spec.name, spec)
-    return tuple(seen.values())
+    """Every form of every check. A concern's forms share its name and so its one [checks.<name>] table: the
+    preflight `xid`, the daemon's `xid` kernel-log consumer and `analyze` read the same keys (agent/config.py)."""
+    return (*ALL, *PASSIVE, *KERNEL_CONSUMERS)
 
 
 def by_name() -> dict[str, CheckSpec]:
     return {spec.name: spec for spec in ALL}
+
+
+CONSUMER_BY_NAME: dict[str, KernelConsumer] = {c.name: c for c in KERNEL_CONSUMERS}

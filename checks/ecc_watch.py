@@ -13,7 +13,7 @@ from gpuwarden.agent.per_gpu import read_each_gpu
 
 from . import ecc
 
-CHECK_NAME = "ecc_watch"
+CHECK_NAME = "ecc"  # the daemon form of the ecc concern: one name, one config table
 INTERVAL_S = 60.0  # the counts move rarely; an uncorrectable error also raises an XID (48, 63, 94, 95) at once
 
 
@@ -60,12 +60,11 @@ def _metrics(entity: Entity, r: ecc.EccReading) -> list[MetricSample]:
 
 SPEC = PassiveSpec(
     name=CHECK_NAME,
-    summary="ECC errors, pending/failed row remaps and row-remap headroom per GPU, every minute (the continuous "
-            "form of `ecc`)",
+    summary=ecc.CHECK.summary + ", every minute",
     sample=sample,
     judge=judge,
     interval_s=INTERVAL_S,
-    defaults=dict(ecc.CHECK.defaults),
+    defaults=ecc.CHECK.defaults,  # the one [checks.ecc] table
     timeout_s=20.0,
     # Judged from the counts alone: without findings, the same counts judged again give the same nothing.
     quiet=lambda state: True,

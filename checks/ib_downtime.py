@@ -12,7 +12,7 @@ from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.sources.sysfs import FileSetProbe
 from gpuwarden.checks.ib_port import IB_CLASS, PortReading, downtime_files, read_ports
 
-CHECK_NAME = "ib_downtime"
+CHECK_NAME = "ib_port"  # the daemon form of the ib_port concern: one name, one config table
 INTERVAL_S = 1.0
 COUNTER_MAX = 255  # IB PMA LinkDownedCounter is 8 bits and saturates there (it does not wrap)
 MAX_GAP_S = 5.0  # an outage that ends across a stretch nobody watched is charged at most this past the last look

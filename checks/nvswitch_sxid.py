@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
+from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelConsumer, MetricSample
+from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample
 
 SXID_CHECK_NAME = "nvswitch_sxid"
 
 _PCI = r"([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])"
 # "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"; also the "Severity ..." and
 # "Data {...}" detail lines of an event, and SOE messages without severity or link.
+_MAX_LINE = 4096  # the driver's lines are a few hundred characters; a longer one is read cut
 _SXID = re.compile(r"(?:(nvidia-nvswitch\d{1,4}): )?SXid \(PCI:" + _PCI + r"\): (\d{1,6}),? ?(.*)")
 _SEVERITY = re.compile(r"(Fatal|Non-fatal),?\s*(?:Link (\d{1,4})(?!\d)\s*)?(.*)", re.IGNORECASE)
 # Fabric Manager log: "detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus id 00000000:86:00.0
@@ -68,33 +71,45 @@ def parse_sxid(message: str, record: LogRecord | None = None) -> SxidEvent | Non
     return None
 
 
-def sxid_events_from_records(records: Iterable[LogRecord]) -> list[SxidEvent]:
+def sxid_events_from_records(records: Iterable[LogRecord],
+                             unread: list[LogRecord] | None = None) -> list[SxidEvent]:
+    """The SXid events in `records`; a record that mentions an SXid in a form not read here goes to `unread`."""
     out = []
     for r in records:
         if "SXid" in r.message or "NVSwitch" in r.message:  # cheap filter before the regexes
-            event = parse_sxid(r.message, r)
+            event = parse_sxid(r.message[:_MAX_LINE], r)
             if event is not None:
                 out.append(event)
+            elif unread is not None and "SXid (" in r.message:  # the driver's form; prose about an SXid is not
+                unread.append(r)
     return out
 
 
-def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str, Any], now: float) -> Judgement:
+def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str, Any], now: float,
+                         hold: bool = True) -> Judgement:
     """SXid incidents, one per NVSwitch and SXid code. `batch` is the daemon's KernelBatch (records, gpus,
-    boot_id) or a plain sequence of LogRecords. A fatal incident stands until the boot changes (or fatal_hold_s
-    after its last event when that is set); a non-fatal one hold_s after its last event."""
+    boot_id, event_time) or a plain sequence of LogRecords. A fatal incident stands until the boot changes (or
+    fatal_hold_s after its last event when that is set); a non-fatal one hold_s after its last event. `hold=False`
+    keeps every incident (a post-mortem of a whole file). A line that mentions an SXid in a form not read here is
+    UNKNOWN with the line, never silence."""
     records = getattr(batch, "records", batch)
     boot_id = getattr(batch, "boot_id", state.get("boot_id"))
+    at_of = getattr(batch, "event_time", None) or (lambda _record: now)
     same_boot = state.get("boot_id") == boot_id
     incidents: dict[str, Any] = json.loads(json.dumps(state.get("incidents", {}))) if same_boot else {}
+    unread: dict[str, Any] = json.loads(json.dumps(state.get("unread", {}))) if same_boot else {}
     ignore = set(cfg["ignore_sxids"])
-    for e in sxid_events_from_records(records):
+    unreadable: list[LogRecord] = []
+    for e in sxid_events_from_records(records, unreadable):
         if e.sxid in ignore:
             continue
+        at = at_of(e.record)
         inc = incidents.setdefault(f"{e.pci}|{e.sxid}", {
             "pci": e.pci, "sxid": e.sxid, "switch": e.switch, "events": 0, "fatal": 0, "links": [], "details": [],
-            "first_at": now, "first_seq": e.record.seq if e.record else None,
-            "first_message": e.record.message if e.record else e.detail})
-        inc["last_at"], inc["last_seq"] = now, e.record.seq if e.record else None
+            "first_at": at, "first_seq": e.record.seq if e.record else None,
+            "first_message": (e.record.message if e.record else e.detail)[:300],
+            "source": e.record.source if e.record else None, "first_line": e.record.line if e.record else None})
+        inc["last_at"], inc["last_seq"] = max(at, inc.get("last_at", at)), e.record.seq if e.record else None
         if e.fatal is None:  # a detail line of the event before it ("Severity 1 ...", "Data {...}")
             if len(inc["details"]) < 10:
                 inc["details"].append(e.detail[:200])
@@ -104,19 +119,36 @@ def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str,
         inc["last_detail"] = e.detail[:300]
         if e.link is not None and e.link not in inc["links"] and len(inc["links"]) < 64:
             inc["links"].append(e.link)
+    for r in unreadable:
+        unread["count"] = unread.get("count", 0) + 1
+        unread["last_at"] = at_of(r)
+        if len(unread.setdefault("lines", [])) < 10:
+            unread["lines"].append({"source": r.source, "line": r.line, "seq": r.seq, "message": r.message[:300]})
     force = set(cfg["fail_sxids"])
     kept, findings = {}, []
     for key, inc in incidents.items():
         fatal = inc["fatal"] > 0 or inc["sxid"] in force
-        hold = cfg["fatal_hold_s"] if fatal else cfg["hold_s"]
-        if hold > 0 and now - inc["last_at"] > hold:
+        hold_s = cfg["fatal_hold_s"] if fatal else cfg["hold_s"]
+        if hold and hold_s > 0 and now - inc["last_at"] > hold_s:
             continue
         kept[key] = inc
         findings.append(_sxid_finding(inc, fatal))
+    new_state: dict[str, Any] = {"boot_id": boot_id, "incidents": kept}
+    if unread and (not hold or now - unread["last_at"] <= cfg["hold_s"]):
+        findings.append(_unread_finding(unread))
+        new_state["unread"] = unread
     metrics = tuple(MetricSample("gpuwarden_nvswitch_sxid_events", "NVSwitch SXid events seen this boot, per "
                                  "switch and SXid code.", {"pci": i["pci"], "sxid": str(i["sxid"])},
                                  float(i["events"])) for i in kept.values())
-    return Judgement({"boot_id": boot_id, "incidents": kept}, tuple(findings), metrics)
+    return Judgement(new_state, tuple(findings), metrics)
+
+
+def _unread_finding(unread: Mapping[str, Any]) -> Finding:
+    first = unread["lines"][0]
+    return Finding(SXID_CHECK_NAME, "sxid-unreadable", Entity("node", "kernel-log"), Status.UNKNOWN,
+                   f"{unread['count']} kernel line(s) mention an SXid in a form gpuwarden cannot read, first at "
+                   f"{first['source']}:{first['line']}: \"{first['message'][:160]}\"; the error they report is not "
+                   "judged", Action.NONE, {"count": unread["count"], "lines": unread["lines"]})
 
 
 def _sxid_finding(inc: Mapping[str, Any], fatal: bool) -> Finding:
@@ -133,22 +165,49 @@ def _sxid_finding(inc: Mapping[str, Any], fatal: bool) -> Finding:
                                             "first_seq", "last_seq", "first_message")})
 
 
+def judge_records(records: Iterable[LogRecord]) -> list[Finding]:
+    """Every SXid incident in a saved log, judged from a fresh state with the default policy (`analyze`)."""
+    return list(judge_kernel_records({}, list(records), CHECK.defaults, 0.0, hold=False).findings)
+
+
 def analyze_text(text: str, source: str) -> tuple[list[Finding], list[ParseError]]:
-    """`gpuwarden analyze` for a kernel or Fabric Manager log: the SXid findings the consumer would give."""
+    """`gpuwarden analyze` for a kernel or Fabric Manager log: every SXid incident in the file."""
     records, errors = parse_log_text(text, source)
-    return list(judge_kernel_records({}, records, SXID_CONSUMER.defaults, 0.0).findings), errors
+    return judge_records(records), errors
+
+
+def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:
+    """Preflight: the boot's kernel log judged from a fresh state, each record at the time it was logged."""
+    from .xid import event_clock  # one clock for every kernel-log check
+
+    records = node.kmsg.records()  # SourceError propagates: the runner reports UNKNOWN
+    now = time.time()
+    batch = KernelBatch(records, [], node.kmsg.boot_id, event_time=event_clock(now, node.uptime_usec(), records))
+    yield from judge_kernel_records({}, batch, cfg, now).findings
+
+
+DEFAULTS = {
+    "ignore_sxids": [],  # never reported
+    "fail_sxids": [],  # treated as fatal
+    "hold_s": 3600.0,  # a non-fatal incident stands this long after its last event
+    "fatal_hold_s": 0.0,  # a fatal one: 0 = until the next boot
+}
+
+CHECK = CheckSpec(
+    name=SXID_CHECK_NAME,
+    summary="NVSwitch SXid errors in the kernel log: fatal ones drain, non-fatal ones warn",
+    run=run,
+    defaults=DEFAULTS,
+    list_types={"ignore_sxids": int, "fail_sxids": int},
+    timeout_s=30,
+)
 
 
 SXID_CONSUMER = KernelConsumer(
     name=SXID_CHECK_NAME,
-    summary="NVSwitch SXid errors from the followed kernel log: fatal ones drain, non-fatal ones warn",
+    summary=CHECK.summary,
     judge=judge_kernel_records,
-    defaults={
-        "ignore_sxids": [],  # never reported
-        "fail_sxids": [],  # treated as fatal
-        "hold_s": 3600.0,  # a non-fatal incident stands this long after its last event
-        "fatal_hold_s": 0.0,  # a fatal one: 0 = until the next boot
-    },
-    list_types={"ignore_sxids": int, "fail_sxids": int},
+    defaults=DEFAULTS,  # the one [checks.nvswitch_sxid] table, read by every form
+    list_types=CHECK.list_types,
     interest=("SXid", "NVSwitch"),  # SXid lines and their Severity/Data continuations; Fabric Manager's wording
 )

@@ -151,12 +151,11 @@ CHECK = CheckSpec(
         "min_fraction": 0.9,  # of the port's sysfs rate
         "use_cuda": False,  # GPUDirect RDMA: --use_cuda=<the GPU nearest the HCA, else 0>
         "duration_s": 5,
-        "ignore_ports": [],  # "mlx5_bond_0/1": ports not to test
         "message_size": 1048576,  # bytes; the bandwidth plateau of ib_write_bw -a sweeps starts well below 1 MiB
         "roce_gid_index": -1,  # -x for RoCE ports; -1 = perftest's default
         "tool_timeout_s": 0.0,  # per port; 0 = duration_s + 30
     },
-    list_types={"ignore_ports": str},
+    shared_keys={"ignore_ports": "ib_port"},  # a port meant to be down is neither judged nor tested
     timeout_s=600,
     level="full",
     resources=("network",),

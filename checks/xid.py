@@ -1,132 +1,155 @@
-"""The xid check: NVIDIA XID errors in the kernel log, one finding per GPU and XID code, with the action
-NVIDIA's XID catalogue recommends (for XID 154, the recovery action the driver names in the message)."""
+"""The xid check: NVIDIA XIDs as incidents, one per GPU and XID code, with the action NVIDIA's XID catalogue
+recommends (for XID 154, the recovery action the driver names). One decision, three ways:
+
+- the daemon feeds `judge` the followed kernel log and NVML's XID events as they come, the state persisted;
+- `preflight` judges the boot's kernel log (or what followed a recovery, for a retest) from a fresh state, each
+  record at the time it was logged;
+- `analyze` judges a saved log from a fresh state, every incident standing (a post-mortem sees the whole file).
+
+An incident below REBOOT stands `hold_s` after its last event, or until the driver reports the GPU recovered (XID
+154 "to 0x0 (None)" after a reset); one that needs a reboot stands for the boot. A line that mentions an XID in a
+form not read here is UNKNOWN with the line: an unknown format is never silence.
+
+De-duplication of the two daemon sources: an NVML event has no pid, process, text or time of its own, so single
+events cannot be paired. Each incident counts per source, and its count is the larger of the two: an XID seen by
+both counts once, one seen only by NVML (no /dev/kmsg in a container) or dropped by printk's rate limit still counts.
+"""
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+import json
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError, SourceError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample
 
 from .xid_catalog import XidInfo, load_catalog, recovery_action
+from .xid_log import LoggedGpu, XidEvent, collect, entity_lookup, parse_gpu_preamble, parse_xid
+
+__all__ = ["CHECK", "CONSUMER", "analyze_text", "collect", "decide", "event_clock", "judge", "judge_records",
+           "parse_gpu_preamble", "parse_xid", "run"]
 
 CHECK_NAME = "xid"
-_PCI = r"PCI:([0-9a-fA-F]{1,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})(?:\.([0-7]))?"
-# "NVRM: Xid (PCI:0000:91:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
-_XID = re.compile(r"NVRM: Xid \(" + _PCI + r"\): (\d{1,6})(?![\d])(.*)")
-# "NVRM: GPU at PCI:0000:91:00: GPU-b6c3b2be-c55b-d076-fa0e-d464e4c7e08b" (printed before an XID)
-_PREAMBLE = re.compile(r"NVRM: GPU at " + _PCI + r": (GPU-[0-9a-fA-F-]{8,})")
-_MAX_EVIDENCE_PIDS = 10
+SOURCES = ("kmsg", "nvml")
+_MAX_EVIDENCE = 10
+_UNREAD = "xid-unreadable"
 
 
-class GpuRef(Protocol):
-    index: int | None
-    uuid: str | None
-    pci: str | None  # canonical BDF, "0000:91:00.0"
-
-    @property
-    def entity(self) -> Entity: ...
-
-
-@dataclass(frozen=True)
-class XidEvent:
-    xid: int
-    pci: str  # canonical lower-case BDF with function, "0000:91:00.0"
-    pid: str | None
-    process: str | None
-    detail: str  # the driver's text after pid/name
-    record: LogRecord | None = None
+def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: str, at: float) -> dict[str, Any]:
+    inc = incidents.setdefault(f"{pci}|{xid}", {"pci": pci, "xid": xid, "count": 0, "first_at": at,
+                                                "first_seq": None, "first_message": "", "pids": [],
+                                                "processes": [], "kmsg_count": 0, "nvml_count": 0})
+    # State written before NVML was a source has only "count": every one of those came from the kernel log.
+    inc.setdefault("kmsg_count", inc["count"])
+    inc.setdefault("nvml_count", 0)
+    inc[f"{source}_count"] += 1
+    inc["count"] = max(inc["kmsg_count"], inc["nvml_count"])
+    inc["last_at"] = max(at, inc.get("last_at", at))
+    inc.setdefault("last_seq", None)
+    return inc
 
 
-@dataclass(frozen=True)
-class LoggedGpu:
-    """A GPU known only from the driver's "GPU at PCI:... GPU-<uuid>" line (NVML lost it or is absent)."""
-
-    uuid: str
-    pci: str
-    index: int | None = None
-
-    @property
-    def entity(self) -> Entity:
-        return Entity("gpu", self.uuid, None, self.pci)
-
-
-def _bdf(domain: str, bus: str, device: str, function: str | None) -> str:
-    # NVRM prints domain:bus:device; the function of a GPU is 0.
-    return f"{int(domain, 16):04x}:{bus.lower()}:{device.lower()}.{function or '0'}"
-
-
-def _field_value(text: str) -> str | None:
-    value = text.strip().strip("'`\"")  # pid='<unknown>', pid='`<unknown>`' (a markdown-mangled copy)
-    return None if value in ("", "<unknown>") else value
+def _add_logged(inc: dict[str, Any], e: XidEvent) -> None:
+    r = e.record
+    if inc["first_seq"] is None and not inc["first_message"] and r is not None:
+        inc.update(first_seq=r.seq, first_message=r.message[:300], first_line=r.line, source=r.source,
+                   first_time=_when(r))
+    if r is not None:
+        inc.update(last_seq=r.seq, last_line=r.line, last_time=_when(r))
+    inc["last_detail"] = e.detail[:300]
+    for field_name, value in (("pids", e.pid), ("processes", e.process)):
+        if value and value not in inc[field_name] and len(inc[field_name]) < _MAX_EVIDENCE:
+            inc[field_name].append(value)
+    if e.gpu_instance is not None:
+        tag = f"GI {e.gpu_instance}" + (f" CI {e.compute_instance}" if e.compute_instance is not None else "")
+        mig = inc.setdefault("mig", [])
+        if tag not in mig and len(mig) < _MAX_EVIDENCE:
+            mig.append(tag)
 
 
-def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
-    """The XID in one kernel message, or None (SXid, "Xid PCI:..." without parentheses, other lines)."""
-    m = _XID.search(message)
-    if m is None:
-        return None
-    rest = m[6].lstrip(",").strip()
-    pid = process = None
-    if rest.startswith("pid="):
-        value, _, rest = rest[4:].partition(",")
-        pid, rest = _field_value(value), rest.lstrip()
-        if rest.startswith("name="):
-            value, _, rest = rest[5:].partition(",")
-            process, rest = _field_value(value), rest.lstrip()
-    return XidEvent(int(m[5]), _bdf(m[1], m[2], m[3], m[4]), pid, process, rest.strip(), record)
+def _action(inc: Mapping[str, Any], incidents: Mapping[str, Mapping[str, Any]], catalog: Mapping[int, XidInfo],
+            force: set[int]) -> Action:
+    xid, pci = int(inc["xid"]), inc["pci"]
+    others = any(i["pci"] == pci and i["xid"] not in (45, xid) for i in incidents.values())
+    # An NVML-only incident has no driver text: XID 154 then falls back to the catalogue's own action.
+    return xid_action(xid, catalog.get(xid), inc.get("last_detail", ""), xid == 45 and others, xid in force)
 
 
-def parse_gpu_preamble(message: str) -> tuple[str, str] | None:
-    """(pci, uuid) from the driver's "NVRM: GPU at PCI:0000:91:00: GPU-..." line, else None."""
-    m = _PREAMBLE.search(message)
-    return (_bdf(m[1], m[2], m[3], m[4]), m[5]) if m else None
+def _recovered(incidents: dict[str, dict[str, Any]], pci: str, catalog: Mapping[int, XidInfo],
+               force: set[int]) -> None:
+    """The driver says the GPU needs no recovery any more (XID 154 to None, after a reset): the incidents on it
+    that a GPU reset clears are over. What needs a reboot or service, or the operator forces, stands."""
+    for key, inc in list(incidents.items()):
+        if inc["pci"] == pci and inc["xid"] != 154 and inc["xid"] not in force:
+            info = catalog.get(int(inc["xid"]))
+            if (info.action if info else Action.MONITOR) <= Action.RESET_GPU:
+                del incidents[key]
 
 
-def collect(records: Iterable[LogRecord]) -> tuple[list[XidEvent], list[LoggedGpu]]:
-    """XID events, and the GPUs the driver named in preamble lines, from kernel log records."""
-    events: list[XidEvent] = []
-    logged: dict[str, LoggedGpu] = {}
-    for r in records:
-        if "NVRM: " not in r.message:  # cheap filter: most kernel lines are not the NVIDIA driver's
+def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], now: float,
+          hold: bool = True) -> Judgement:
+    """The incidents after `batch`, the findings that hold at `now`, and their metrics. `hold=False` keeps every
+    incident (a post-mortem of a whole file)."""
+    # Records of an earlier boot are gone with it, and so is every GPU-level fault that a reboot clears.
+    same_boot = state.get("boot_id") == batch.boot_id
+    incidents: dict[str, dict[str, Any]] = json.loads(json.dumps(state.get("incidents", {}))) if same_boot else {}
+    uuids: dict[str, str] = dict(state.get("uuids", {})) if same_boot else {}
+    unread: dict[str, Any] = dict(state.get("unread", {})) if same_boot else {}
+    # Whether NVML's events can be watched is news only in NVML's own batches; it outlives a reboot.
+    nvml_error = batch.nvml_error if batch.source == "nvml" else state.get("nvml_error")
+    ignore, force = set(cfg["ignore_xids"]), set(cfg["fail_xids"])
+    catalog = load_catalog()
+    at_of = batch.event_time or (lambda _record: now)
+    events, logged, unreadable = collect(batch.records)
+    uuids.update({g.pci: g.uuid for g in logged})
+    for e in events:
+        if e.xid in ignore:
             continue
-        event = parse_xid(r.message, r)
-        if event is not None:
-            events.append(event)
+        if e.xid == 154 and recovery_action(e.detail) is Action.NONE:
+            _recovered(incidents, e.pci, catalog, force)
+        _add_logged(_incident(incidents, e.pci, e.xid, "kmsg", at_of(e.record)), e)
+    for x in batch.nvml_xids:
+        if x.xid in ignore:
             continue
-        preamble = parse_gpu_preamble(r.message)
-        if preamble is not None:
-            logged[preamble[0]] = LoggedGpu(preamble[1], preamble[0])
-    return events, list(logged.values())
+        # Without an address (NVML's device matched no GPU it listed: rare) the XID still counts, on what is known.
+        pci = x.pci or x.uuid or (f"index-{x.gpu}" if x.gpu is not None else "unknown")
+        _incident(incidents, pci, x.xid, "nvml", now)
+        if x.pci and x.uuid:
+            uuids[x.pci] = x.uuid
+    for r in unreadable:
+        unread["count"] = unread.get("count", 0) + 1
+        unread["last_at"] = at_of(r)
+        lines = unread.setdefault("lines", [])
+        if len(lines) < _MAX_EVIDENCE:
+            lines.append({"source": r.source, "line": r.line, "seq": r.seq, "message": r.message[:300]})
 
-
-def decide(events: Sequence[XidEvent], gpus: Sequence[GpuRef], catalog: Mapping[int, XidInfo],
-           policy: Mapping[str, Any]) -> list[Finding]:
-    """One finding per (GPU, XID code), in order of first appearance. An XID whose action is NONE is still
-    listed, with status OK: it is information for a post-mortem, not a fault."""
-    ignore = {int(x) for x in policy.get("ignore_xids", ())}
-    force = {int(x) for x in policy.get("fail_xids", ())}
-    entity_at = entity_lookup(gpus)
-    groups: dict[tuple[str, int], list[XidEvent]] = {}
-    codes_on: dict[str, set[int]] = {}
-    for event in events:
-        groups.setdefault((event.pci, event.xid), []).append(event)
-        codes_on.setdefault(event.pci, set()).add(event.xid)
-
+    entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
     findings: list[Finding] = []
-    for (pci, xid), group in groups.items():
-        if xid in ignore:
+    kept: dict[str, dict[str, Any]] = {}
+    for key, inc in incidents.items():
+        action = _action(inc, incidents, catalog, force)
+        if hold and action < Action.REBOOT and now - inc["last_at"] > cfg["hold_s"]:
             continue
-        # Catalogue, XID 45: "Not Solo: IGNORE (follow guidance in other Xid)": the teardown that follows
-        # another fault on the same GPU adds nothing; only a solo 45 stands on its own.
-        accompanied_45 = xid == 45 and len(codes_on[pci]) > 1
-        info = catalog.get(xid)
-        action = xid_action(xid, info, group[-1].detail, accompanied_45, xid in force)
-        findings.append(_finding(xid, entity_at(pci), group, info, action, forced=xid in force))
-    return findings
+        kept[key] = inc
+        findings.append(_finding(inc, entity_at(inc["pci"]), catalog.get(int(inc["xid"])), action,
+                                 forced=int(inc["xid"]) in force))
+    if unread and (not hold or now - unread["last_at"] <= cfg["hold_s"]):
+        findings.append(_unread_finding(unread))
+    else:
+        unread = {}
+    if nvml_error:
+        findings.append(Finding(CHECK_NAME, "nvml-events", Entity("node", "nvml"), Status.UNKNOWN,
+                                f"cannot watch NVML XID events: {nvml_error}; the kernel log is still followed",
+                                Action.NONE, {"nvml_error": nvml_error}))
+    new_state: dict[str, Any] = {"boot_id": batch.boot_id, "incidents": kept, "uuids": uuids}
+    if unread:
+        new_state["unread"] = unread
+    if nvml_error:
+        new_state["nvml_error"] = nvml_error
+    return Judgement(new_state, tuple(findings), _metrics(kept))
 
 
 def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:
@@ -148,103 +171,133 @@ def xid_status(action: Action) -> Status:
     return Status.FAIL if action >= Action.DRAIN else Status.WARN if action > Action.NONE else Status.OK
 
 
-def entity_lookup(gpus: Sequence[GpuRef]) -> Callable[[str], Entity]:
-    """PCI address -> entity. Earlier refs (NVML) win over later ones (driver preamble lines)."""
-    by_pci: dict[str, GpuRef] = {}
-    by_uuid: dict[str, GpuRef] = {}
-    uuid_at: dict[str, str] = {}
-    for gpu in gpus:
-        pci = (gpu.pci or "").lower()
-        if pci:
-            by_pci.setdefault(pci, gpu)
-        if gpu.uuid:
-            by_uuid.setdefault(gpu.uuid, gpu)
-            uuid_at.setdefault(pci, gpu.uuid)
-
-    def entity(pci: str) -> Entity:
-        gpu = by_pci.get(pci)
-        if gpu is not None and gpu.index is None and gpu.uuid in by_uuid:
-            gpu = by_uuid[gpu.uuid]  # named by the driver; NVML knows that UUID (and its index)
-        if gpu is None:
-            return Entity("gpu", pci, None, pci)
-        e = gpu.entity
-        if gpu.uuid and e.pci:
-            return e
-        # NVML lost the GPU (XID 79) and cannot say its UUID or address; the driver printed both.
-        return Entity(e.kind, gpu.uuid or uuid_at.get(pci) or e.id, e.index, e.pci or pci, e.link)
-
-    return entity
+def _seen(inc: Mapping[str, Any], source: str) -> int:
+    """How many events of an incident `source` saw (state from before NVML was a source: all the kernel log's)."""
+    return int(inc.get(f"{source}_count", inc["count"] if source == "kmsg" else 0))
 
 
-def _finding(xid: int, entity: Entity, group: list[XidEvent], info: XidInfo | None, action: Action,
-             forced: bool) -> Finding:
-    first, last = group[0], group[-1]
+def _finding(inc: Mapping[str, Any], entity: Entity, info: XidInfo | None, action: Action, forced: bool) -> Finding:
+    xid = int(inc["xid"])
+    counts = {source: _seen(inc, source) for source in SOURCES}
     what = f"XID {xid} ({info.description}) on {entity.label()}: {info.name}" if info else (
         f"XID {xid} on {entity.label()}: not in NVIDIA's XID catalogue; watch for repeats")
-    detail = last.detail if len(last.detail) <= 120 else last.detail[:117] + "..."
+    detail = inc.get("last_detail", "")
+    detail = detail if len(detail) <= 120 else detail[:117] + "..."
+    last = f'last: "{detail}"' if counts["kmsg"] else "seen by NVML only (no driver text)"
+    mig = f" (MIG {', '.join(inc['mig'])})" if inc.get("mig") else ""
     why = " (policy fail_xids)" if forced else ""
-    message = f'{what}; {len(group)} event(s), last: "{detail}"; recommended: {action.name}{why}'
-    pids = sorted({e.pid for e in group if e.pid})[:_MAX_EVIDENCE_PIDS]
-    processes = sorted({e.process for e in group if e.process})[:_MAX_EVIDENCE_PIDS]
-    status = xid_status(action)
+    message = f"{what}{mig}; {inc['count']} event(s), {last}; recommended: {action.name}{why}"
     evidence = {
-        "count": len(group),
-        "source": getattr(first.record, "source", None),
-        "first_line": getattr(first.record, "line", None),
-        "last_line": getattr(last.record, "line", None),
-        "first_seq": getattr(first.record, "seq", None),
-        "last_seq": getattr(last.record, "seq", None),
-        "first_time": _when(first.record),
-        "last_time": _when(last.record),
-        "first_message": first.record.message if first.record else first.detail,
-        "bucket": info.bucket if info else None,
-        "pids": pids,
-        "processes": processes,
+        "count": inc["count"], "sources": [s for s in SOURCES if counts[s]], "kmsg_count": counts["kmsg"],
+        "nvml_count": counts["nvml"], "source": inc.get("source"), "first_line": inc.get("first_line"),
+        "last_line": inc.get("last_line"), "first_seq": inc["first_seq"], "last_seq": inc.get("last_seq"),
+        "first_time": inc.get("first_time"), "last_time": inc.get("last_time"), "first_at": inc["first_at"],
+        "last_at": inc["last_at"], "first_message": inc["first_message"], "bucket": info.bucket if info else None,
+        "pids": inc["pids"], "processes": inc["processes"], "mig_instances": inc.get("mig", []),
     }
-    return Finding(CHECK_NAME, str(xid), entity, status, message, action, evidence)
+    return Finding(CHECK_NAME, str(xid), entity, xid_status(action), message, action, evidence)
+
+
+def _unread_finding(unread: Mapping[str, Any]) -> Finding:
+    first = unread["lines"][0]
+    where = f"{first['source']}:{first['line']}"
+    return Finding(CHECK_NAME, _UNREAD, Entity("node", "kernel-log"), Status.UNKNOWN,
+                   f"{unread['count']} kernel line(s) mention an XID in a form gpuwarden cannot read, first at {where}:"
+                   f" \"{first['message'][:160]}\"; the XID they report is not judged", Action.NONE,
+                   {"count": unread["count"], "lines": unread["lines"]})
+
+
+def _metrics(kept: Mapping[str, Mapping[str, Any]]) -> tuple[MetricSample, ...]:
+    out = tuple(MetricSample("gpuwarden_xid_events", "XID events seen this boot, per GPU and XID code.",
+                             {"pci": inc["pci"], "xid": str(inc["xid"])}, float(inc["count"]))
+                for inc in kept.values())
+    return out + tuple(MetricSample("gpuwarden_xid_source_events",
+                                    "XID events each source saw this boot (gpuwarden_xid_events counts each once).",
+                                    {"pci": inc["pci"], "xid": str(inc["xid"]), "source": source},
+                                    float(_seen(inc, source)))
+                       for inc in kept.values() for source in SOURCES)
 
 
 def _when(record: LogRecord | None) -> str | int | None:
     return None if record is None else record.timestamp if record.timestamp is not None else record.usec
 
 
-def analyze_text(text: str, source: str, gpus: Sequence[GpuRef] = ()) -> tuple[list[Finding], list[ParseError]]:
-    """`gpuwarden analyze FILE` for a kernel log: the findings the live check would give on this text."""
-    records, errors = parse_log_text(text, source)
-    events, logged = collect(records)
-    return decide(events, [*gpus, *logged], load_catalog(), CHECK.defaults), errors
+# -- the fresh-state modes: preflight and analyze -----------------------------------------------------------------
+def decide(events: Sequence[XidEvent], gpus: Sequence[Any], catalog: Mapping[int, XidInfo] | None,
+           policy: Mapping[str, Any]) -> list[Finding]:
+    """The findings of `events` judged from a fresh state with every incident standing, in order of first
+    appearance (what `analyze` reports for a file)."""
+    del catalog  # the bundled catalogue is the one judge() reads
+    records = [e.record or LogRecord(_xid_text(e), 0, "-") for e in events]
+    batch = KernelBatch(records, list(gpus), None)
+    return list(judge({}, batch, {"hold_s": 0.0, **policy}, 0.0, hold=False).findings)
 
 
-def recent(records: Sequence[LogRecord], window_s: float, now_usec: int | None) -> list[LogRecord]:
-    """Records of the last `window_s` seconds (0 = the whole boot). `now_usec` is the node's uptime; without
-    it, the newest record's time stands in (a recorded node)."""
-    if window_s <= 0:
-        return list(records)
-    stamps = [r.usec for r in records if r.usec is not None]
-    now = now_usec if now_usec is not None else max(stamps, default=0)
-    oldest = now - int(window_s * 1_000_000)
-    return [r for r in records if r.usec is None or r.usec >= oldest]
+def _xid_text(e: XidEvent) -> str:
+    return f"NVRM: Xid (PCI:{e.pci}): {e.xid}, {e.detail}"
+
+
+def event_clock(now: float, now_usec: int | None, records: Sequence[LogRecord]) -> Callable[[Any], float]:
+    """When each record was logged, on the wall clock: `now` minus its age on the kernel's clock (microseconds
+    since boot). Without the node's uptime (a recorded node) the newest record stands for "now"; a record
+    without a time counts as logged now (it stands longest)."""
+    if now_usec is None:
+        now_usec = max((r.usec for r in records if r.usec is not None), default=None)
+
+    def at(record: Any) -> float:
+        usec = getattr(record, "usec", None)
+        if usec is None or now_usec is None:
+            return now
+        return now - max(0, now_usec - usec) / 1_000_000
+
+    return at
 
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:
     records = node.kmsg.records()  # SourceError propagates: the runner reports UNKNOWN
-    records = recent(records, cfg["window_s"], node.uptime_usec())
     try:
         # node.gpus(): NVML's list with the PCI/UUID of a lost GPU filled in from sysfs and the driver.
         gpus = list(node.gpus())
     except SourceError:
         gpus = []  # the XIDs still count, keyed by the PCI address the driver printed
-    events, logged = collect(records)
-    yield from decide(events, [*gpus, *logged], load_catalog(), cfg)
+    now = time.time()
+    batch = KernelBatch(records, gpus, node.kmsg.boot_id,
+                        event_time=event_clock(now, node.uptime_usec(), records))
+    yield from judge({}, batch, cfg, now).findings
 
+
+def judge_records(records: Sequence[LogRecord], gpus: Sequence[Any] = ()) -> list[Finding]:
+    """Every XID incident in a saved log, judged from a fresh state with the default policy (`analyze`)."""
+    return list(judge({}, KernelBatch(list(records), list(gpus), None), CHECK.defaults, 0.0, hold=False).findings)
+
+
+def analyze_text(text: str, source: str, gpus: Sequence[Any] = ()) -> tuple[list[Finding], list[ParseError]]:
+    """`gpuwarden analyze FILE` for a kernel log: every XID incident in the file, judged as the daemon would."""
+    records, errors = parse_log_text(text, source)
+    return judge_records(records, gpus), errors
+
+
+DEFAULTS = {
+    "ignore_xids": [],  # never reported (e.g. [43] on a cluster that sees it from user apps)
+    "fail_xids": [],  # always treated as a node fault (at least DRAIN)
+    "hold_s": 3600.0,  # an incident below REBOOT stands this long after its last event (or until recovered)
+}
 
 CHECK = CheckSpec(
     name=CHECK_NAME,
-    summary="NVIDIA XID errors in the kernel log, with the action NVIDIA's XID catalogue recommends",
+    summary="NVIDIA XID errors in the kernel log (and NVML's XID events in the daemon), with the action NVIDIA's "
+            "XID catalogue recommends",
     run=run,
-    # window_s: judge only XIDs of the last N seconds (0 = since boot). A preflight after a GPU reset would
-    # otherwise keep failing on the XID that caused the reset until the next reboot.
-    defaults={"ignore_xids": [], "fail_xids": [], "window_s": 0.0},
+    defaults=DEFAULTS,
     list_types={"ignore_xids": int, "fail_xids": int},
     timeout_s=30,
+)
+
+CONSUMER = KernelConsumer(
+    name=CHECK_NAME,
+    summary=CHECK.summary,
+    judge=judge,
+    defaults=DEFAULTS,  # the one [checks.xid] table, read by every form
+    list_types=CHECK.list_types,
+    interest=("NVRM: ",),  # XIDs and the driver's "GPU at PCI" lines that name the GPU
 )

@@ -51,9 +51,11 @@ def run_spec(node, spec, check_timeout_s: float = 0.0, **overrides):
     """One check through the real runner, with config overrides for that check and an optional timeout."""
     from gpuwarden.agent import config
     from gpuwarden.agent.runner import run_checks
+    from gpuwarden.checks import all_specs
 
-    cfg = config.defaults([spec])
-    cfg.checks[spec.name].update(overrides)
+    cfg = config.defaults(all_specs())  # every table: a check may read a key of another concern's (shared_keys)
+    for key, value in overrides.items():  # a shared key is set where an operator sets it: in its owner's table
+        cfg.checks[cfg.shared.get(spec.name, {}).get(key, spec.name)][key] = value
     cfg.agent["check_timeout_s"] = check_timeout_s
     (result,) = run_checks(node, [spec], cfg)
     return result

@@ -288,7 +288,7 @@ def test_unreadable_port_is_unknown_and_its_state_kept(clock):
     (c.root / "sys/class/infiniband/mlx5_5/ports/1/state").unlink()
     c.tick()
     (f,) = c.findings()
-    assert f.check == "ib_downtime" and f.code == "ib-port-unreadable" and f.status is Status.UNKNOWN
+    assert f.check == "ib_port" and f.code == "ib-port-unreadable" and f.status is Status.UNKNOWN
     assert c.state["ports"][PORT] == before
 
 

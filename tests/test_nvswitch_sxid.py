@@ -176,3 +176,37 @@ def test_metrics_are_lint_clean():
     text = exposition(metrics)
     assert 'gpuwarden_nvswitch_sxid_events{pci="0000:05:00.0",sxid="20034"} 2.0' in text
     promtool_lint(text)
+
+
+# ---------------------------------------------------------------- one decision in preflight, analyze and the daemon
+def _codes(findings):
+    return sorted((f.entity.id, f.code, f.status, f.action) for f in findings)
+
+
+def test_preflight_analyze_and_the_daemon_give_the_same_sxid_verdict():
+    from gpuwarden.agent import analyze
+    from gpuwarden.agent.runner import run_checks
+    from gpuwarden.agent import config
+
+    node = Node.recorded_at(ROOT / "fixtures" / "nodes" / "gb200-nvl72-faulty")
+    cfg = config.defaults(checks.all_specs())
+    (pre,) = run_checks(node, [nvswitch_sxid.CHECK], cfg)
+    assert nvswitch_sxid.CHECK in checks.ALL and nvswitch_sxid.CHECK.level == "quick"
+    assert pre.status is Status.FAIL
+    daemon = SXID_CONSUMER.judge({}, KernelBatch(node.kmsg.records(), [], node.kmsg.boot_id), SXID_CFG, T0)
+    assert _codes(pre.findings) == _codes(daemon.findings)
+    assert {pci for pci, *_ in _codes(pre.findings)} == {"0000:05:00.0", "0000:06:00.0", "0000:07:00.0"}
+    # analyze of the same log as a saved dmesg
+    result = analyze.analyze_file(DMESG_SXID)
+    assert _codes(f for f in result.findings if f.check == "nvswitch_sxid") == _codes(pre.findings)
+    assert {f.check for f in result.findings} == {"xid", "nvswitch_sxid"}
+
+
+@pytest.mark.parametrize("line", [
+    "nvidia-nvswitch1: SXid (PCI:0000:06:00): 20034, Fatal, Link 48",  # no function: a form not read here
+    "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): Fatal error somewhere",
+])
+def test_an_sxid_line_that_cannot_be_read_is_unknown(line):
+    findings, _ = nvswitch_sxid.analyze_text(f"[ 5.0] {line}\n", "dmesg.txt")
+    assert [(f.code, f.status) for f in findings] == [("sxid-unreadable", Status.UNKNOWN)]
+    assert "dmesg.txt:1" in findings[0].message

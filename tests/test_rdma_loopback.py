@@ -32,7 +32,7 @@ LAT = (PERFTEST / "spiderpool__ib_read_lat__client__RoCE-pod__cpu-freq-warnings-
 # syndrom 0x%x", write_bw.c " Failed to complete run_iter_bw function successfully"); hand-assembled.
 WC_ERROR = (" Failed status 12: wr_id 0 syndrom 0x81\nscnt=128, ccnt=0\n"
             " Failed to complete run_iter_bw function successfully\n")
-POLICY = dict(rdma_loopback.CHECK.defaults)
+POLICY = {**rdma_loopback.CHECK.defaults, "ignore_ports": []}  # ignore_ports: [checks.ib_port]
 PORT = Entity("ib_port", "mlx5_0/1", pci="0000:03:00.0")
 PORTS = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]  # gb200-nvl72-healthy: four 400 Gb/s NDR ports, all ACTIVE
 

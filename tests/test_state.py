@@ -27,9 +27,20 @@ def test_drain_class_fault_cordons_then_quarantines_after_grace():
     assert out == [(NodeState.CORDONED, ("cordon",)), (NodeState.CORDONED, ()), (NodeState.QUARANTINED, ("drain",))]
 
 
-def test_reset_class_fault_quarantines_at_once():
-    _, out = drive(NodeRecord(), [(1, [FAIL_RESET], [], None), (2, [FAIL_RESET], [], None)])
-    assert out == [(NodeState.CORDONED, ("cordon",)), (NodeState.QUARANTINED, ("drain",))]
+def test_reset_class_fault_quarantines_at_the_first_observation():
+    # One observation moves the state to a fixpoint: cordon and drain together, as one transition.
+    rec, out = drive(NodeRecord(), [(1, [FAIL_RESET], [], None), (2, [FAIL_RESET], [], None)])
+    assert out == [(NodeState.QUARANTINED, ("cordon", "drain")), (NodeState.QUARANTINED, ())]
+    _, t = next_state(NodeRecord(), [FAIL_RESET], [], 1, P)
+    assert (t.frm, t.to, t.reason) == (NodeState.HEALTHY, NodeState.QUARANTINED, rec.reason)
+    assert rec.since == 1
+
+
+def test_a_fixpoint_never_loops():
+    # A retest that passes returns the node to HEALTHY; the same observation's fault must not be replayed in a loop.
+    rec = NodeRecord(NodeState.QUARANTINED, since=0, clear_since=0)
+    rec, t = next_state(rec, [], [], 100, P, retest=True)
+    assert (rec.state, t.actions) == (NodeState.HEALTHY, ("resume",))
 
 
 def test_transient_fault_uncordons_without_quarantine():

@@ -319,36 +319,96 @@ def test_policy_fail_xids_forces_at_least_drain():
 
 
 def test_policy_comes_from_config_as_the_check_declares_it():
-    assert CHECK.name == "xid" and CHECK.defaults == {"ignore_xids": [], "fail_xids": [], "window_s": 0.0}
+    from gpuwarden.agent import config
+    from gpuwarden.checks import CONSUMER_BY_NAME, all_specs
+
+    assert CHECK.name == "xid" and CHECK.defaults == {"ignore_xids": [], "fail_xids": [], "hold_s": 3600.0}
+    # One table for every form: the daemon's consumer reads [checks.xid] too.
+    assert CONSUMER_BY_NAME["xid"].defaults == CHECK.defaults
+    assert config.defaults(all_specs()).for_check("xid") == CHECK.defaults
 
 
-def test_window_keeps_only_recent_xids():
-    from gpuwarden.checks.xid import recent
-
-    text = ("6,1,1000000,-;boot\n"
-            "3,2,5000000,-;NVRM: Xid (PCI:0000:19:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
-            "3,3,95000000,-;NVRM: Xid (PCI:0000:19:00): 13, pid=1, name=p, Graphics Exception\n")
-    records, _ = parse_log_text(text, "k")
-    assert len(recent(records, 0, None)) == 3
-    # now = 100 s after boot; a 60 s window drops the XID 48 at 5 s and keeps the XID 13 at 95 s.
-    kept = recent(records, 60, 100_000_000)
-    assert [r.seq for r in kept] == [3]
-    # without the uptime (a recorded node) the newest record is "now"
-    assert [r.seq for r in recent(records, 60, None)] == [3]
+KMSG_48_13 = ("6,1,1000000,-;boot\n"
+              "3,2,5000000,-;NVRM: Xid (PCI:0000:19:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
+              "3,3,95000000,-;NVRM: Xid (PCI:0000:19:00): 13, pid=1, name=p, Graphics Exception\n")
 
 
-def test_window_on_a_recorded_node(scenario_copy):
+def test_preflight_judges_each_xid_at_the_time_it_was_logged(scenario_copy):
+    # The same hold as the daemon: an incident below REBOOT stands hold_s after its last event, on the kernel's clock.
+    root = scenario_copy("h100-hgx-healthy")
+    (root / "kmsg").write_text(KMSG_48_13)
+    (root / "proc").mkdir(exist_ok=True)
+    (root / "proc" / "uptime").write_text("100.00 1.00\n")  # both XIDs are recent
+    assert [f.code for f in run(Node.recorded_at(root), DEFAULTS)] == ["48", "13"]
+    (root / "proc" / "uptime").write_text("3700.00 1.00\n")  # the 48 is 3695 s old, the 13 is 3605 s old
+    assert [f.code for f in run(Node.recorded_at(root), DEFAULTS)] == []
+    assert [f.code for f in run(Node.recorded_at(root), {**DEFAULTS, "hold_s": 3650.0})] == ["13"]
+
+
+def test_hold_on_a_recorded_node(scenario_copy):
     root = scenario_copy("gb200-nvl72-faulty")
-    node = Node.recorded_at(root)
-    assert [f.code for f in run(node, DEFAULTS)] == ["63", "79"]
+    (root / "proc").mkdir(exist_ok=True)
     (root / "proc" / "uptime").write_text("99999999.00 1.00\n")  # long after the XIDs were logged
-    assert list(run(Node.recorded_at(root), {**DEFAULTS, "window_s": 3600.0})) == []
+    # The 63 (information) has aged out; the 79 needs a reboot and stands for the boot.
+    assert [f.code for f in run(Node.recorded_at(root), DEFAULTS)] == ["79"]
+
+
+def test_a_reset_reported_by_the_driver_ends_the_incidents_it_clears():
+    text = ("NVRM: Xid (PCI:0000:19:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
+            "NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=p, GPU has fallen off the bus.\n"
+            "NVRM: Xid (PCI:0000:1a:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
+            + XID154.replace("0009:01:00", "0000:19:00").format("0x1 (GPU Reset Required)", "0x0 (None)"))
+    findings = decide(events(text), [], load_catalog(), DEFAULTS)
+    # GPU 19: the 48 is over (a reset clears it), the 79 stands (a reset does not), the 154 is information.
+    assert [(f.code, f.entity.pci, f.status) for f in findings] == [
+        ("79", "0000:19:00.0", Status.FAIL), ("48", "0000:1a:00.0", Status.FAIL), ("154", "0000:19:00.0", Status.OK)]
+
+
+MIG_LINES = [  # the driver's MIG forms (open-gpu-kernel-modules kernel_rc.c): GPU instance, and compute instance
+    "NVRM: Xid (PCI:0000:3b:00 GPU-I:05): 31, pid=2079991, name=pt_main_thread, Ch 00000007, intr 00000000.",
+    "NVRM: Xid (PCI:0000:3b:00 GPU-I:03 GPU-CI:01): 43, pid=1, name=p, Ch 00000008",
+    "NVRM: Xid (PCI:0000:3b:00 GPU-I:05): 31, pid=2079992, name=pt_main_thread, Ch 00000007, intr 00000000.",
+]
+
+
+def test_mig_xids_are_read_and_attributed_to_the_physical_gpu():
+    e = parse_xid(MIG_LINES[1])
+    assert (e.xid, e.pci, e.gpu_instance, e.compute_instance, e.pid) == (43, "0000:3b:00.0", 3, 1, "1")
+    gpu = Entity("gpu", "GPU-mig", 4, "0000:3b:00.0")
+
+    @dataclass
+    class Ref:
+        index: int | None = 4
+        uuid: str | None = "GPU-mig"
+        pci: str | None = "0000:3b:00.0"
+        entity: Entity = gpu
+
+    findings = decide(events("\n".join(MIG_LINES) + "\n"), [Ref()], load_catalog(), DEFAULTS)
+    assert [(f.code, f.entity, f.evidence["count"], f.evidence["mig_instances"]) for f in findings] == [
+        ("31", gpu, 2, ["GI 5"]), ("43", gpu, 1, ["GI 3 CI 1"])]
+    assert "(MIG GI 5)" in findings[0].message
+
+
+@pytest.mark.parametrize("line", [
+    "NVRM: Xid PCI:0000:01:00: 43, pid=1814139, name=cuda_assert_64b, Ch 00000018",  # DCGM's malformed case
+    "NVRM: Xid (PCI:0000:01:00 SOMETHING-NEW:1): 43, pid=1, name=p, Ch 00000018",  # a tag not known here
+    "NVRM: Xid (PCI:0000:01:00): not-a-number",
+])
+def test_a_line_that_mentions_an_xid_and_cannot_be_read_is_unknown_never_silence(line):
+    records, _ = parse_log_text(f"[  1.0] {line}\n", "dmesg.txt")
+    findings = analyze_text(f"[  1.0] {line}\n", "dmesg.txt")[0]
+    (f,) = findings
+    assert (f.code, f.status, f.action) == ("xid-unreadable", Status.UNKNOWN, Action.NONE)
+    assert "dmesg.txt:1" in f.message and f.evidence["lines"][0]["message"] == records[0].message
+    # preflight and the daemon say the same (the same judge)
+    assert not [f for f in findings if f.status is Status.OK]
 
 
 # --- run() on recorded nodes -------------------------------------------------------------------------
 def test_run_on_the_faulty_gb200_scenario():
     node = Node.recorded_at(NODES / "gb200-nvl72-faulty")
-    findings = list(run(node, DEFAULTS))
+    # The XID 63 was logged ~10 days before the 79 (the newest record stands for "now"): a hold that long keeps it.
+    findings = list(run(node, {**DEFAULTS, "hold_s": 1e7}))
     # kmsg: XID 63 on 0009:01:00 (IGNORE: information) and XID 79 on 0018:01:00 after the driver named its UUID.
     assert [(f.code, f.entity.pci, f.entity.id, f.action) for f in findings] == [
         ("63", "0009:01:00.0", "GPU-7f56209f-bfaa-0234-486e-9d778f65ba32", Action.NONE),

@@ -5,6 +5,7 @@ nor repeats a record; `KmsgFollower` honours it.
 """
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import select
@@ -39,6 +40,15 @@ class KernelLog:
         self.live = live
         self.boot_id = boot_id
         self.parse_errors: list[ParseError] = []
+        self.after_seq: int | None = None  # records() keeps only records after this one (see after())
+
+    def after(self, cursor: "Cursor | None") -> "KernelLog":
+        """The same log seen from `cursor` on: what a retest judges, the records since a recovery. A cursor of
+        another boot means the whole log (that boot, and the fault with it, is gone)."""
+        view = copy.copy(self)
+        view.parse_errors = []
+        view.after_seq = cursor.seq if cursor is not None and cursor.boot_id == self.boot_id else None
+        return view
 
     def raw_text(self) -> str:
         """The log as /dev/kmsg records, one a line (what `record` saves and `records` parses)."""
@@ -60,6 +70,12 @@ class KernelLog:
         with no record at all is a SourceError (a booted kernel always has something to say)."""
         records, errors = parse_kmsg_text(self.raw_text(), self.name)
         self.parse_errors = errors
+        if self.after_seq is not None:
+            # Records keep their sequence numbers; a record without one (not from /dev/kmsg) cannot be placed and
+            # is kept: a retest then judges more, never less.
+            since = self.after_seq
+            records = [r for r in records if r.seq is None or r.seq > since]
+            return records
         for err in errors[:_MAX_LOGGED_PARSE_ERRORS]:
             log.warning("malformed kernel log record", error=str(err))
         if not records:

@@ -1,0 +1,21 @@
+"""The retest of a quarantined node: the quick preflight, judging the kernel log from the recovery on (the time its
+faults cleared), so a fault that a GPU reset fixed does not fail every retest until the next reboot, while one that
+comes back after the recovery does."""
+from __future__ import annotations
+
+from typing import Any
+
+from .model import CheckResult, Status
+from .runner import run_checks
+from .sources.kmsg import Cursor
+
+PASSING = (Status.OK, Status.WARN, Status.SKIPPED)
+
+
+def run_retest(node: Any, config: Any, since: Cursor | None) -> tuple[bool, list[CheckResult]]:
+    """(passed, results) of the quick checks on `node`, its kernel log read after `since`."""
+    from gpuwarden.checks import ALL  # checks import agent: import at use, not at load
+
+    quick = [s for s in ALL if s.level == "quick"]
+    results = run_checks(node.kernel_log_after(since), quick, config)
+    return all(r.status in PASSING for r in results), results

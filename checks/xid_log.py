@@ -1,0 +1,143 @@
+"""What the NVIDIA driver prints about XIDs, read from kernel-log records: the XID lines (on MIG GPUs with the GPU and
+compute instance they were attributed to), the "GPU at PCI:... GPU-<uuid>" lines that name a GPU, and the lines that
+mention an XID in a form not read here (reported, never dropped).
+
+The driver's formats (NVIDIA open-gpu-kernel-modules, src/nvidia/src/kernel/gpu/rc/kernel_rc.c):
+  NVRM: Xid (PCI:%04x:%02x:%02x): %d, pid=%s, name=%s, <message>
+  NVRM: Xid (PCI:%04x:%02x:%02x): %d, <message>                        (no process)
+  NVRM: Xid (PCI:%04x:%02x:%02x GPU-I:%02u): %d, ...                   (MIG: GPU instance)
+  NVRM: Xid (PCI:%04x:%02x:%02x GPU-I:%02u GPU-CI:%02u): %d, ...       (MIG: GPU and compute instance)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, Sequence
+
+from gpuwarden.agent.kernel_log import LogRecord
+from gpuwarden.agent.model import Entity
+
+_PCI = r"PCI:([0-9a-fA-F]{1,8}+):([0-9a-fA-F]{2}+):([0-9a-fA-F]{2}+)(?:\.([0-7]))?+"
+# Every quantifier is bounded or possessive and the prefix is a literal: a search is linear in the line.
+_XID = re.compile(r"NVRM: Xid \(" + _PCI + r"(?: GPU-I:([0-9]{1,4}+))?+(?: GPU-CI:([0-9]{1,4}+))?+\): "
+                  r"([0-9]{1,6}+)(?![0-9])")
+_PREAMBLE = re.compile(r"NVRM: GPU at " + _PCI + r": (GPU-[0-9a-fA-F-]{8,64}+)")
+XID_MARK = "NVRM: Xid"  # a line with this and no readable XID is reported as unreadable, never skipped
+MAX_LINE = 4096  # the driver's lines are a few hundred characters; a longer one is kept cut, not read whole
+
+
+class GpuRef(Protocol):
+    index: int | None
+    uuid: str | None
+    pci: str | None  # canonical BDF, "0000:91:00.0"
+
+    @property
+    def entity(self) -> Entity: ...
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    xid: int
+    pci: str  # canonical lower-case BDF with function, "0000:91:00.0"
+    pid: str | None
+    process: str | None
+    detail: str  # the driver's text after pid/name
+    record: LogRecord | None = None
+    gpu_instance: int | None = None  # MIG: the GPU instance the driver attributed the XID to
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True)
+class LoggedGpu:
+    """A GPU known only from the driver's "GPU at PCI:... GPU-<uuid>" line (NVML lost it or is absent)."""
+
+    uuid: str
+    pci: str
+    index: int | None = None
+
+    @property
+    def entity(self) -> Entity:
+        return Entity("gpu", self.uuid, None, self.pci)
+
+
+def _bdf(domain: str, bus: str, device: str, function: str | None) -> str:
+    # NVRM prints domain:bus:device; the function of a GPU is 0.
+    return f"{int(domain, 16):04x}:{bus.lower()}:{device.lower()}.{function or '0'}"
+
+
+def _field_value(text: str) -> str | None:
+    value = text.strip().strip("'`\"")  # pid='<unknown>', pid='`<unknown>`' (a markdown-mangled copy)
+    return None if value in ("", "<unknown>") else value[:64]
+
+
+def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
+    """The XID in one kernel message, or None (SXid, "Xid PCI:..." without parentheses, other lines)."""
+    m = _XID.search(message[:MAX_LINE])
+    if m is None:
+        return None
+    rest = message[m.end():MAX_LINE].lstrip(",").strip()
+    pid = process = None
+    if rest.startswith("pid="):
+        value, _, rest = rest[4:].partition(",")
+        pid, rest = _field_value(value), rest.lstrip()
+        if rest.startswith("name="):
+            value, _, rest = rest[5:].partition(",")
+            process, rest = _field_value(value), rest.lstrip()
+    gi = int(m[5]) if m[5] is not None else None
+    ci = int(m[6]) if m[6] is not None else None
+    return XidEvent(int(m[7]), _bdf(m[1], m[2], m[3], m[4]), pid, process, rest.strip(), record, gi, ci)
+
+
+def parse_gpu_preamble(message: str) -> tuple[str, str] | None:
+    """(pci, uuid) from the driver's "NVRM: GPU at PCI:0000:91:00: GPU-..." line, else None."""
+    m = _PREAMBLE.search(message[:MAX_LINE])
+    return (_bdf(m[1], m[2], m[3], m[4]), m[5]) if m else None
+
+
+def collect(records: Iterable[LogRecord]) -> tuple[list[XidEvent], list[LoggedGpu], list[LogRecord]]:
+    """XID events, the GPUs the driver named in preamble lines, and the records that mention an XID in a form
+    not read here (an unknown driver format must surface, not vanish)."""
+    events: list[XidEvent] = []
+    logged: dict[str, LoggedGpu] = {}
+    unread: list[LogRecord] = []
+    for r in records:
+        if "NVRM: " not in r.message:  # cheap filter: most kernel lines are not the NVIDIA driver's
+            continue
+        event = parse_xid(r.message, r)
+        if event is not None:
+            events.append(event)
+            continue
+        preamble = parse_gpu_preamble(r.message)
+        if preamble is not None:
+            logged[preamble[0]] = LoggedGpu(preamble[1], preamble[0])
+        elif XID_MARK in r.message:
+            unread.append(r)
+    return events, list(logged.values()), unread
+
+
+def entity_lookup(gpus: Sequence[GpuRef]) -> Callable[[str], Entity]:
+    """PCI address -> entity. Earlier refs (NVML) win over later ones (driver preamble lines)."""
+    by_pci: dict[str, GpuRef] = {}
+    by_uuid: dict[str, GpuRef] = {}
+    uuid_at: dict[str, str] = {}
+    for gpu in gpus:
+        pci = (gpu.pci or "").lower()
+        if pci:
+            by_pci.setdefault(pci, gpu)
+        if gpu.uuid:
+            by_uuid.setdefault(gpu.uuid, gpu)
+            uuid_at.setdefault(pci, gpu.uuid)
+
+    def entity(pci: str) -> Entity:
+        gpu = by_pci.get(pci)
+        if gpu is not None and gpu.index is None and gpu.uuid in by_uuid:
+            gpu = by_uuid[gpu.uuid]  # named by the driver; NVML knows that UUID (and its index)
+        if gpu is None:
+            return Entity("gpu", pci, None, pci)
+        e = gpu.entity
+        if gpu.uuid and e.pci:
+            return e
+        # NVML lost the GPU (XID 79) and cannot say its UUID or address; the driver printed both.
+        return Entity(e.kind, gpu.uuid or uuid_at.get(pci) or e.id, e.index, e.pci or pci, e.link)
+
+    return entity
