@@ -183,7 +183,7 @@ def cmd_checks(args: argparse.Namespace) -> int:
     width = max(len(name) for name in modes)
     for name, where in modes.items():
         keys = ", ".join(f"{k}={v!r}" for k, v in tables.checks[name].items()) or "-"
-        borrowed = ", ".join(f"{k} (from [checks.{owner}])" for k, owner in tables.shared.get(name, {}).items())
+        borrowed = ", ".join(f"{owner}.{k}" for k, owner in tables.shared.get(name, {}).items())
         print(f"{name:<{width}} {'+'.join(where):<10} {summaries[name]}\n{'':<{width + 12}}[checks.{name}] {keys}"
               + (f"; reads {borrowed}" if borrowed else ""))
     return 0

@@ -161,7 +161,7 @@ def _sxid_finding(inc: Mapping[str, Any], fatal: bool) -> Finding:
     return Finding(SXID_CHECK_NAME, f"sxid-{inc['sxid']}", Entity("nvswitch", inc["pci"], pci=inc["pci"]), status,
                    f"NVSwitch {inc['pci']}{switch}: SXid {inc['sxid']} ({kind}), link(s) {links}: {inc['events']} "
                    f"event(s), last: \"{last}\"; {then}", action,
-                   {k: inc.get(k) for k in ("sxid", "events", "fatal", "links", "details", "first_at", "last_at",
+                   {k: inc.get(k) for k in ("sxid", "events", "fatal", "links", "details", "source", "first_line",
                                             "first_seq", "last_seq", "first_message")})
 
 

@@ -191,8 +191,10 @@ def _finding(inc: Mapping[str, Any], entity: Entity, info: XidInfo | None, actio
         "count": inc["count"], "sources": [s for s in SOURCES if counts[s]], "kmsg_count": counts["kmsg"],
         "nvml_count": counts["nvml"], "source": inc.get("source"), "first_line": inc.get("first_line"),
         "last_line": inc.get("last_line"), "first_seq": inc["first_seq"], "last_seq": inc.get("last_seq"),
-        "first_time": inc.get("first_time"), "last_time": inc.get("last_time"), "first_at": inc["first_at"],
-        "last_at": inc["last_at"], "first_message": inc["first_message"], "bucket": info.bucket if info else None,
+        # The log's own times (kernel clock or text stamp): the same in every mode and every run, unlike the wall
+        # clock the daemon's state keeps (first_at, last_at).
+        "first_time": inc.get("first_time"), "last_time": inc.get("last_time"),
+        "first_message": inc["first_message"], "bucket": info.bucket if info else None,
         "pids": inc["pids"], "processes": inc["processes"], "mig_instances": inc.get("mig", []),
     }
     return Finding(CHECK_NAME, str(xid), entity, xid_status(action), message, action, evidence)

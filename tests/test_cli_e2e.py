@@ -131,10 +131,14 @@ def test_analyze_json_on_real_kernel_logs():
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
     assert report["tool"] == "analyze" and report["exit_code"] == 1
-    (finding,) = report["findings"]  # the noise file and the peermem log hold no XID
+    # The noise file and the peermem log hold no XID; the XID 79 log also holds fatal NVSwitch SXids, which analyze
+    # reports as preflight and the daemon do (one decision in every mode).
+    finding, *sxids = report["findings"]
     assert finding["code"] == "79" and finding["action"] == "REBOOT" and finding["status"] == "fail"
     assert finding["entity"] == {"kind": "gpu", "id": "GPU-b6c3b2be-c55b-d076-fa0e-d464e4c7e08b",
                                  "pci": "0000:91:00.0"}
+    assert sorted((f["check"], f["code"], f["entity"]["id"], f["action"]) for f in sxids) == [
+        ("nvswitch_sxid", "sxid-20034", f"0000:0{n}:00.0", "DRAIN") for n in (5, 6, 7)]
     by_file = {r["source"].split(" ")[0]: r for r in report["results"]}
     assert by_file[noise]["status"] == "ok" and by_file[noise]["findings"] == []
     assert by_file[truncated]["notes"] == [
@@ -197,5 +201,8 @@ def test_checks_lists_preflight_passive_and_kernel_log_checks_with_their_tables(
     text = out.getvalue()
     for spec in (*ALL, *PASSIVE, *KERNEL_CONSUMERS):
         assert f"[checks.{spec.name}]" in text, spec.name
-    assert text.count("[checks.pcie_aer]") == 1  # its poll and its kernel-log half share one table
-    assert "ib_downtime" in text and " 1s " in text and " kmsg " in text
+    # One table per concern, whichever forms it has: preflight, the daemon's poll, the kernel-log consumer.
+    for name in ("pcie_aer", "xid", "ecc", "ib_port", "nvswitch_sxid"):
+        assert text.count(f"[checks.{name}]") == 1, name
+    assert "quick+1s" in text and "quick+kmsg" in text
+    assert "xid_watch" not in text and "ecc_watch" not in text and "ib_downtime" not in text
