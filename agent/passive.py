@@ -115,3 +115,20 @@ class KernelConsumer:
     # Substrings of the messages this consumer reads; the follower builds records only for those (a flood of
     # unrelated lines then costs a header check each). Empty: every record.
     interest: tuple[str, ...] = ()
+
+
+def one_look(spec: PassiveSpec) -> "CheckSpec":
+    """The preflight form of a daemon check that has no other: one sample judged from a fresh state, the same
+    decision the daemon makes at its first poll. What a single look can tell (a link down, a fabric route
+    unhealthy, an uncorrectable AER count) is judged at once; what needs time (a rate, a sustained reading) waits
+    for the daemon."""
+    import time
+
+    from .check import CheckSpec
+
+    def run(node: "Node", cfg: Mapping[str, Any]) -> tuple[Finding, ...]:
+        return spec.judge({}, spec.sample(node, cfg, {}), cfg, time.time()).findings
+
+    return CheckSpec(name=spec.name, summary=spec.summary, run=run, defaults=spec.defaults,
+                     list_types=spec.list_types, timeout_s=max(spec.timeout_s, 10.0), level="quick")
+

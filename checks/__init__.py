@@ -5,14 +5,16 @@ order which one reads a file (the kernel-log reader of `xid` is the fallback, as
 from __future__ import annotations
 
 from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
+from gpuwarden.agent.passive import KernelConsumer, PassiveSpec, one_look
 
 from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, ecc_watch, fabric, ib_downtime, ib_port,
                nccl_allreduce, nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid)
 
 ALL: tuple[CheckSpec, ...] = (
-    # quick: reads only, seconds
+    # quick: reads only, seconds. nvlink_lanes, fabric and pcie_aer are the daemon's checks, judged in one look
+    # (agent/passive.py one_look), so a health check built on preflight sees what the daemon would at its first poll.
     xid.CHECK, nvswitch_sxid.CHECK, ecc.CHECK, ib_port.CHECK, pcie_link.CHECK,
+    one_look(nvlink_lanes.SPEC), one_look(fabric.SPEC), one_look(pcie_aer.SPEC),
     # full: load the GPUs or the network, minutes
     burnin.CHECK, peer_p2p.CHECK, nccl_allreduce.CHECK, rdma_loopback.CHECK, dcgm_diag.CHECK, ecc_memtest.CHECK,
 )

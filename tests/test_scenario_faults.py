@@ -98,3 +98,21 @@ def test_node_toml_types_are_checked(scenario_copy):
     toml.write_text(text.replace('sku = "GB200-NVL72"', 'sku = "GB200"'))
     with pytest.raises(ConfigError, match="sku 'GB200' is not one of"):
         Node.recorded_at(root)
+
+
+def test_daemon_only_faults_fail_preflight_too(scenario_copy):
+    """A health check built on preflight must see what the daemon sees at its first poll: an NVLink down and an
+    unhealthy fabric route are judged in one look by the daemon's own decision (agent/passive.py one_look)."""
+    from conftest import edit_nvml
+
+    root = scenario_copy("gb200-nvl72-healthy")
+
+    def break_gpu1(data):
+        data["gpus"][1]["nvlinks"][5]["state"] = 0
+        data["gpus"][1]["fabric"]["health_mask"] = 1 << 4  # route unhealthy
+
+    edit_nvml(root, break_gpu1)
+    results = preflight(root)
+    (down,) = [f for f in results["nvlink_lanes"].findings if f.status is Status.FAIL]
+    assert (down.entity.index, down.entity.link) == (1, 5)
+    assert any(f.status is Status.FAIL and f.entity.index == 1 for f in results["fabric"].findings)
