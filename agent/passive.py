@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 from .model import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .check import CheckSpec
     from .node import Node
 
 

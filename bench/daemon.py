@@ -73,7 +73,7 @@ def latency(runs: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             d, root, store = new_daemon(Path(tmp), "gb200-nvl72-healthy")
             try:
-                wait(lambda d=d: "xid_watch" in d.results())
+                wait(lambda d=d: "xid" in d.results())
                 seq = last_seq(root / "kmsg") + 1
                 t0 = time.perf_counter()
                 with open(root / "kmsg", "a") as f:
@@ -82,11 +82,11 @@ def latency(runs: int) -> None:
             finally:
                 d.stop()
                 store.close()
-        if any(s.name == "ib_downtime" for s in PASSIVE):
+        if any(s.name == "ib_port" for s in PASSIVE):
             with tempfile.TemporaryDirectory() as tmp:
                 d, root, store = new_daemon(Path(tmp), "gb200-nvl72-healthy")
                 try:
-                    wait(lambda d=d: "ib_downtime" in d.results())
+                    wait(lambda d=d: "ib_port" in d.results())
                     port = root / "sys/class/infiniband/mlx5_1/ports/1"
                     t0 = time.perf_counter()
                     (port / "state").write_text("1: DOWN\n")
@@ -176,7 +176,7 @@ def flood(lines: int) -> None:
         try:
             t1 = wait(lambda: d.collector._snap.kmsg_records >= total, 600)
             got = d.collector._snap.kmsg_records
-            (inc,) = [f for f in d.results()["xid_watch"].findings if f.code == "79"]
+            (inc,) = [f for f in d.results()["xid"].findings if f.code == "79"]
         finally:
             d.stop()
             store.close()

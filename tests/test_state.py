@@ -3,7 +3,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.state import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
 
 GPU = Entity("gpu", "GPU-1", 1, "0009:01:00.0")
-FAIL_DRAIN = Finding("ib_downtime", "ib-port-down", Entity("ib_port", "mlx5_2/1"), Status.FAIL, "down", Action.DRAIN)
+FAIL_DRAIN = Finding("ib_port", "ib-port-down", Entity("ib_port", "mlx5_2/1"), Status.FAIL, "down", Action.DRAIN)
 FAIL_RESET = Finding("ecc", "row-remap-pending", GPU, Status.FAIL, "pending", Action.RESET_GPU)
 WARN = Finding("thermal", "hbm-gradient", GPU, Status.WARN, "warm", Action.MONITOR)
 P = DEFAULT_POLICY
@@ -58,8 +58,8 @@ def test_warn_is_suspect_and_clears_later():
 
 
 def test_unknown_is_suspect_after_grace_and_never_cordons():
-    _, out = drive(NodeRecord(), [(0, [], ["ib_downtime"], None), (P["unknown_grace_s"], [], ["ib_downtime"], None),
-                                  (10_000, [], ["ib_downtime", "thermal"], None)])
+    _, out = drive(NodeRecord(), [(0, [], ["ib_port"], None), (P["unknown_grace_s"], [], ["ib_port"], None),
+                                  (10_000, [], ["ib_port", "thermal"], None)])
     assert [s for s, _ in out] == [NodeState.HEALTHY, NodeState.SUSPECT, NodeState.SUSPECT]
 
 

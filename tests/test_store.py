@@ -4,13 +4,13 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.state import NodeRecord, NodeState, Transition
 from gpuwarden.agent.store import CheckRecord, Store
 
-F = Finding("xid_watch", "79", Entity("gpu", "GPU-1", 2, "0018:01:00.0"), Status.FAIL, "off the bus", Action.REBOOT,
+F = Finding("xid", "79", Entity("gpu", "GPU-1", 2, "0018:01:00.0"), Status.FAIL, "off the bus", Action.REBOOT,
             {"count": 1})
 
 
 def test_one_commit_writes_everything_and_intents_are_idempotent(tmp_path):
     store = Store(tmp_path / "state.db")
-    rec = CheckRecord("xid_watch", {"incidents": {"a": 1}}, Status.FAIL, None, (F,), 10.0, 0.01)
+    rec = CheckRecord("xid", {"incidents": {"a": 1}}, Status.FAIL, None, (F,), 10.0, 0.01)
     t = Transition(NodeState.HEALTHY, NodeState.CORDONED, "xid", ("cordon",), 10.0)
     node = NodeRecord(NodeState.CORDONED, 10.0, "xid")
     keys = store.commit([rec], {"kmsg_cursor": {"boot_id": "b", "seq": 42}}, node, t, [("k1", "cordon", {"at": 10.0})])
@@ -18,7 +18,7 @@ def test_one_commit_writes_everything_and_intents_are_idempotent(tmp_path):
     assert store.commit((), None, None, None, [("k1", "cordon", {"at": 10.0})]) == []  # same key: not again
     store.close()
     again = Store(tmp_path / "state.db")  # what a restarted daemon reads
-    assert again.check("xid_watch") == rec
+    assert again.check("xid") == rec
     assert again.meta("kmsg_cursor") == {"boot_id": "b", "seq": 42}
     assert again.node() == node
     assert [x.to for x in again.transitions()] == [NodeState.CORDONED]
