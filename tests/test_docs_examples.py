@@ -74,7 +74,7 @@ RUNNABLE = [b for b in ALL if b.lang == "sh" and (b.path.name == "README.md" or 
 OUTPUTS = [b for b in ALL if b.marker.startswith("output of:")]
 
 
-# -- the sandbox: a copy of the repository with this run's gpuwarden --------------------------------------------
+# -- a copy of the repository with this run's gpuwarden ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("docs") / "repo"
