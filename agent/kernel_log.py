@@ -51,7 +51,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- raw /dev/kmsg
-# Speed (bench/kmsg_parse.py: 1 M records, the 2-core development machine; figures in bench/README.md).
+# Speed (bench/kmsg_parse.py: 1 M records on a 2-core VM; figures in bench/README.md).
 # The parser was a per-line loop (split the text, partition at ';', split the header, isdigit and int()
 # per field, the builder's __init__): ~1.25 s per 1 M lines. Now ~0.87 s; kept, from what was measured:
 # * One regex over the text (findall, a chunk at a time) yields a row per line: header validation and the

@@ -1,17 +1,49 @@
 """Human output of a Report: one row per check and per finding, with the recommended action."""
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import textwrap
 import threading
 import time
+from datetime import datetime, timezone
 from typing import TextIO
 
 from .model import CheckResult, Report, Status
 
 _MARK = {Status.OK: "OK", Status.WARN: "WARN", Status.FAIL: "FAIL", Status.UNKNOWN: "UNKNOWN", Status.SKIPPED: "SKIP"}
 _VERDICT = {0: "PASS", 1: "FAULT: action needed", 2: "UNDECIDED: could not judge everything"}
+
+
+_LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z: the last second ISO 8601 writes with four year digits
+
+
+def iso_utc(t: float | None) -> str | None:
+    """An epoch time as ISO 8601 in UTC to the second (2026-11-30T18:43:36Z); None for no time, a time before
+    1970 or after 9999 (a store written by something else), or a number that is not finite."""
+    if t is None or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= _LAST_SECOND:
+        return None
+    return datetime.fromtimestamp(int(t), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def age(seconds: float) -> str:
+    """A duration as an operator reads it: 12s, 3m12s, 2h05m, 3d04h (the two largest units)."""
+    s = int(seconds)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= size:
+            return f"{s // size}{unit}{(s % size) // sub_size:02d}{sub}"
+    return f"{s}s"
+
+
+def when(t: float | None, now: float) -> str:
+    """`2026-11-30T18:43:36Z (3m12s ago)`; a time ahead of `now` (a clock stepped back) says so, never a negative
+    age; "-" where there is no readable time."""
+    stamp = iso_utc(t)
+    if stamp is None or t is None:
+        return "-" if t is None else f"{t!r} (not a time)"
+    ago = now - t
+    return f"{stamp} ({age(ago)} ago)" if ago >= 0 else f"{stamp} ({age(-ago)} ahead of this clock)"
 
 
 def table(report: Report) -> str:

@@ -130,6 +130,10 @@ def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:
 
 
 def print_status(args: argparse.Namespace) -> int:
+    import time
+
+    from .render import iso_utc, when
+
     cfg_dir = Path(args.state_dir or config_mod.AGENT_DEFAULTS["state_dir"])
     db = cfg_dir / "state.db"
     if not db.exists():
@@ -142,26 +146,36 @@ def print_status(args: argparse.Namespace) -> int:
         pending = store.intents(pending_only=True)
     finally:
         store.close()
+    now = time.time()
     if args.json:
+        # The epoch numbers stay (a contract); each time also comes as ISO 8601 UTC under the same name + "_utc".
+        node = record.to_dict() if record else None
+        if node is not None:
+            node.update({f"{k}_utc": iso_utc(node[k]) for k in ("since", "fault_since", "clear_since")})
         print(json.dumps({
-            "node": record.to_dict() if record else None,
+            "node": node,
+            "now": now, "now_utc": iso_utc(now),
             "checks": [{"check": c.name, "status": c.status.value, "error": c.error, "updated": c.updated,
+                        "updated_utc": iso_utc(c.updated),
                         "findings": [f.to_dict() for f in c.findings]} for c in checks],
-            "transitions": [{"at": t.at, "from": t.frm.value, "to": t.to.value, "reason": t.reason,
-                             "actions": list(t.actions)} for t in transitions],
-            "pending_intents": pending}, indent=2))
+            "transitions": [{"at": t.at, "at_utc": iso_utc(t.at), "from": t.frm.value, "to": t.to.value,
+                             "reason": t.reason, "actions": list(t.actions)} for t in transitions],
+            "pending_intents": [{**p, "created_utc": iso_utc(p.get("created"))} for p in pending]}, indent=2))
         return EXIT_PASS
     out = sys.stdout
     out.write(f"node state: {record.state.value if record else 'unknown'}"
-              + (f" since {record.since:.0f} ({record.reason})" if record else "") + "\n\n")
+              + (f" since {when(record.since, now)}: {record.reason}" if record else "") + "\n\n")
     for c in checks:
-        out.write(f"{c.name:<14} {c.status.value:<8} {c.error or ''}\n")
+        out.write(f"{c.name:<14} {c.status.value:<8} updated {when(c.updated, now)}"
+                  + (f"  {c.error}" if c.error else "") + "\n")
         for f in c.findings:
             out.write(f"  {f.status.value:<7} {f.action.name:<11} {f.code:<28} {f.entity.label()}\n")
     if transitions:
-        out.write("\nrecent transitions:\n")
+        out.write("\nrecent transitions (newest first):\n")
         for t in transitions:
-            out.write(f"  {t.at:.0f} {t.frm.value} -> {t.to.value}: {t.reason} {list(t.actions)}\n")
+            out.write(f"  {when(t.at, now)} {t.frm.value} -> {t.to.value}: {t.reason} {list(t.actions)}\n")
     if pending:
-        out.write(f"\npending actions: {[p['action'] for p in pending]}\n")
+        out.write("\npending actions:\n")
+        for p in pending:
+            out.write(f"  {p['action']} since {when(p.get('created'), now)}\n")
     return EXIT_PASS

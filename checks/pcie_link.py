@@ -240,6 +240,12 @@ def _affinity(node: Any, cfg: Mapping[str, Any], entity_of: Callable[[int], Enti
     here = Entity.node(node.hostname)
     if worst == "off":
         return []
+    if not worst and sku_table(CHECK_NAME).get(sku, {}).get("gpus_on_c2c"):
+        return [Finding(CHECK_NAME, "pcie-affinity-not-checked", here, Status.OK,
+                        f"GPU<->NIC affinity not judged: on {sku} the GPUs attach to the Grace CPUs over NVLink-C2C, "
+                        "each on a PCI domain of its own, so nvidia-smi topo -m reads SYS for every GPU-NIC pair: "
+                        "there is no PCIe distance to judge (sources in checks/data/thresholds/pcie_link.toml)",
+                        Action.NONE, {"sku": sku, "reason": "gpus-on-nvlink-c2c"})]
     if not worst:
         return [Finding(CHECK_NAME, "pcie-affinity-not-checked", here, Status.OK,
                         f"GPU<->NIC affinity not judged: no expectation for SKU {sku} (set gpu_nic_max_distance)")]

@@ -1,11 +1,13 @@
-"""GPU core and HBM temperatures: absolute limits per SKU, and the HBM-over-core gradient against the node's other
-GPUs (a cooling fault on a liquid-cooled tray shows as one GPU's growing gap), each only when sustained."""
+"""GPU core and HBM temperatures: absolute limits (the configured ones, else each GPU's own as its driver reports them,
+else the SKU table's), and the HBM-over-core gradient against the node's other GPUs (a cooling fault on a
+liquid-cooled tray shows as one GPU's growing gap), each only when sustained."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from gpuwarden.agent.errors import NvmlError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
@@ -13,6 +15,10 @@ from gpuwarden.agent.thresholds import threshold
 
 CHECK_NAME = "thermal"
 LIMIT_KEYS = ("gpu_max_c", "memory_max_c")  # checks/data/thresholds/thermal.toml, or [checks.thermal]
+# What each GPU reports of LIMIT_KEYS (Nvml.temperature_thresholds): NVML_TEMPERATURE_THRESHOLD_GPU_MAX, "GPU
+# Temperature at which the GPU can be throttled below base clock", and _MEM_MAX, "Memory Temperature at which the GPU
+# will begin SW slowdown" (nvml.h); nvidia-smi -q prints them as "GPU / Memory Max Operating Temp".
+DEVICE_KEYS = {"gpu_max_c": "gpu_max", "memory_max_c": "mem_max"}
 MIN_GPUS_FOR_MEDIAN = 3  # with two GPUs, each is as far from the median as the other: no outlier to name
 INTERVAL_S = 10.0
 
@@ -24,13 +30,50 @@ class ThermalSample:
     limits: Mapping[str, float | None]  # LIMIT_KEYS: configured, else the SKU table, else None
     readings: tuple[tuple[Entity, int, int | None], ...]  # (GPU, core C, HBM C or None when NVML has no sensor)
     problems: tuple[Finding, ...]  # GPUs NVML could not read
+    # GPU id -> LIMIT_KEYS -> what that GPU's driver reports (None: it reports none); a GPU absent: not read.
+    device_limits: Mapping[str, Mapping[str, float | None]] = field(default_factory=dict)
+    configured: frozenset[str] = frozenset()  # LIMIT_KEYS set in [checks.thermal]: they win over the GPU's own
+
+
+def _device_limits(node: Any, gpu: Any) -> dict[str, float | None] | None:
+    """LIMIT_KEYS as the GPU reports them; None when NVML failed to say (asked again at the next sample)."""
+    try:
+        reported = node.nvml.temperature_thresholds(gpu)
+    except NvmlError:
+        return None
+    return {k: None if reported.get(name) is None else float(reported[name]) for k, name in DEVICE_KEYS.items()}
 
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> ThermalSample:
     readings, problems = read_each_gpu(node, CHECK_NAME, node.nvml.temperatures)
     limits = {k: threshold(CHECK_NAME, k, node.info.sku, cfg) for k in LIMIT_KEYS}
+    configured = frozenset(k for k in LIMIT_KEYS if (cfg.get(k) or 0) > 0)
+    # A GPU's limits do not change while its driver runs: read once per GPU, then kept in the check's state.
+    known = state.get("device_limits", {})
+    device: dict[str, Mapping[str, float | None]] = {}
+    if configured != frozenset(LIMIT_KEYS):
+        for gpu, _ in readings:
+            got = known.get(gpu.entity.id) or _device_limits(node, gpu)
+            if got is not None:
+                device[gpu.entity.id] = got
     return ThermalSample(node.hostname, node.info.sku, limits,
-                         tuple((gpu.entity, t["gpu"], t["memory"]) for gpu, t in readings), tuple(problems))
+                         tuple((gpu.entity, t["gpu"], t["memory"]) for gpu, t in readings), tuple(problems),
+                         device, configured)
+
+
+def gpu_limits(s: ThermalSample, gpu_id: str) -> tuple[dict[str, float | None], dict[str, str]]:
+    """One GPU's limits and where each came from: "config", else "gpu" (its driver's own), else "sku-table"."""
+    limits: dict[str, float | None] = {}
+    sources: dict[str, str] = {}
+    own = s.device_limits.get(gpu_id, {})
+    for key in LIMIT_KEYS:
+        if key in s.configured:
+            limits[key], sources[key] = s.limits[key], "config"
+        elif own.get(key) is not None:
+            limits[key], sources[key] = own[key], "gpu"
+        else:
+            limits[key], sources[key] = s.limits[key], "sku-table" if s.limits[key] is not None else ""
+    return limits, sources
 
 
 def conditions(core: int, mem: int | None, median: float | None, limits: Mapping[str, float | None],
@@ -70,7 +113,8 @@ def _finding(entity: Entity, code: str, status: Status, action: Action, msg: str
 
 
 def decide(entity: Entity, core: int, mem: int | None, median: float | None, runs: Mapping[str, Any],
-           limits: Mapping[str, float | None], cfg: Mapping[str, Any], now: float) -> list[Finding]:
+           limits: Mapping[str, float | None], cfg: Mapping[str, Any], now: float,
+           sources: Mapping[str, str] | None = None) -> list[Finding]:
     """Findings for one GPU: the conditions that have held for sustain_s (pure)."""
     held = {k: r for k, r in runs.items() if now - r["since"] >= float(cfg["sustain_s"])}
     evidence = {"gpu_c": core, "memory_c": mem, "gradient_c": None if mem is None else mem - core,
@@ -84,11 +128,12 @@ def decide(entity: Entity, core: int, mem: int | None, median: float | None, run
                                 f"{name} at {value} C, at or over its max operating {limit:g} C (where the GPU slows "
                                 "itself down); cooling cannot hold it: drain and inspect the cooling",
                                 held[f"{sensor}_over"], now,
-                                {**evidence, "limit_c": limit}))
+                                {**evidence, "limit_c": limit, "limit_source": (sources or {}).get(f"{sensor}_max_c")}))
         elif f"{sensor}_near" in held:
             out.append(_finding(entity, f"{code}-temperature-near-limit", Status.WARN, Action.MONITOR,
                                 f"{name} at {value} C, within {cfg['limit_margin_c']:g} C of its max operating "
-                                f"{limit:g} C", held[f"{sensor}_near"], now, {**evidence, "limit_c": limit}))
+                                f"{limit:g} C", held[f"{sensor}_near"], now,
+                                {**evidence, "limit_c": limit, "limit_source": (sources or {}).get(f"{sensor}_max_c")}))
     if "gradient_high" in held:
         out.append(_finding(entity, "hbm-gradient-high", Status.WARN, Action.MONITOR,
                             f"HBM runs {mem - core} C above the core (over {cfg['gradient_max_c']:g} C): a cooling "
@@ -117,11 +162,20 @@ def _metrics(entity: Entity, core: int, mem: int | None) -> list[MetricSample]:
 def _notes(s: ThermalSample) -> list[Finding]:
     """What was not judged, said once per node (status OK: a note, never a fault, never silent)."""
     here, out = Entity.node(s.hostname), []
-    unknown = [k for k in LIMIT_KEYS if s.limits[k] is None]
-    if unknown:
+    lacking: dict[str, list[int | None]] = {}
+    for entity, _, _ in s.readings:
+        limits, _ = gpu_limits(s, entity.id)
+        for key in LIMIT_KEYS:
+            if limits[key] is None:
+                lacking.setdefault(key, []).append(entity.index)
+    if lacking:
+        unknown = [k for k in LIMIT_KEYS if k in lacking]
+        gpus = sorted({i for idx in lacking.values() for i in idx if i is not None})
         out.append(Finding(CHECK_NAME, "thermal-limits-not-checked", here, Status.OK,
-                           f"absolute temperature limits not judged: no {' or '.join(unknown)} for SKU {s.sku} "
-                           "(set them in [checks.thermal])", Action.NONE, {"sku": s.sku, "missing": unknown}))
+                           f"absolute temperature limits not judged: no {' or '.join(unknown)} for GPU "
+                           f"{', '.join(map(str, gpus))}: the GPU's driver reports none (NVML temperature "
+                           f"thresholds) and the SKU table has none for {s.sku} (set them in [checks.thermal])",
+                           Action.NONE, {"sku": s.sku, "missing": unknown, "gpus": gpus}))
     no_hbm = [e for e, _, mem in s.readings if mem is None]
     if no_hbm:
         out.append(Finding(CHECK_NAME, "hbm-temp-unavailable", here, Status.OK,
@@ -142,11 +196,15 @@ def judge(state: Mapping[str, Any], sample: ThermalSample, cfg: Mapping[str, Any
         prev = old.get(entity.id, {})
         # A gap in sampling longer than sustain_s breaks every run: nobody saw it hold across the gap.
         runs = prev.get("runs", {}) if now - prev.get("last_t", now) <= float(cfg["sustain_s"]) else {}
-        runs = track(runs, conditions(core, mem, median, sample.limits, cfg), now)
+        limits, sources = gpu_limits(sample, entity.id)
+        runs = track(runs, conditions(core, mem, median, limits, cfg), now)
         gpus[entity.id] = {"last_t": now, "runs": runs}
-        findings += decide(entity, core, mem, median, runs, sample.limits, cfg, now)
+        findings += decide(entity, core, mem, median, runs, limits, cfg, now, sources)
         metrics += _metrics(entity, core, mem)
-    return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
+    new_state: dict[str, Any] = {"gpus": gpus}
+    if sample.device_limits:
+        new_state["device_limits"] = {k: dict(v) for k, v in sample.device_limits.items()}
+    return Judgement(new_state, tuple(findings), tuple(metrics))
 
 
 def durable(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -162,8 +220,8 @@ SPEC = PassiveSpec(
     judge=judge,
     interval_s=INTERVAL_S,
     defaults={
-        "gpu_max_c": 0.0,  # 0 = SKU table (thermal.toml): the GPU's max operating temperature
-        "memory_max_c": 0.0,  # 0 = SKU table: the HBM's max operating temperature
+        "gpu_max_c": 0.0,  # 0 = the GPU's own (NVML), else the SKU table (thermal.toml): its max operating temperature
+        "memory_max_c": 0.0,  # 0 = the GPU's own, else the SKU table: the HBM's max operating temperature
         "limit_margin_c": 5.0,  # WARN this close to a limit
         # Healthy H100 SXM (air) idles with HBM 7-10 C above the core (gpud's nvidia-smi -q captures of 16 GPUs).
         "gradient_outlier_c": 10.0,  # WARN when a GPU's gradient exceeds the node's median by more (0 = off)

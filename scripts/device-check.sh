@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# The checks that need a GPU node, as one run on a lent GPU machine (one H200, minutes of device time).
+# gpuwarden on a real GPU node, end to end, in one run of a few minutes. From the repository root, on the node:
 #
-#   OUT=/some/folder scripts/device-check.sh        # from the repository root; OUT defaults to ./device-check-out
+#   scripts/device-check.sh [OUTPUT-DIR]      # OUTPUT-DIR: else $DEVICE_CHECK_OUT, else ./device-check-out
+#
+# It sets up .venv (torch in the background), records the node, runs preflight quick, nvidia-smi, replays the
+# recording, runs the daemon for 30 s (/metrics, status) and the idle benchmark; then, with torch: preflight full,
+# record --with-tools and its replay at full level (as far as time allows); last, a table of live vs replayed
+# statuses per check. Running it loads the GPUs and the network for minutes: run it on a node that is not serving
+# work.
 #
 # Every step has a timeout and its own exit status; a failing step never stops the ones after it. The whole run
 # aims at DEVICE_CHECK_SECONDS (default 480 s, the venv set-up included): a step is cut to the time left, and one
-# that cannot get MIN_STEP_S seconds is skipped. $OUT/SUMMARY.txt lists each step's exit status and duration;
-# each step's stdout and stderr are in $OUT/logs/<step>.out|.err unless the step names its own output file.
-# Steps: set up .venv (torch in the background); record the node, preflight quick, nvidia-smi, replay the recording,
-# the daemon for 30 s (/metrics, status), the idle bench; then, with torch: preflight full, record --with-tools and
-# its replay at full level (as far as time allows); last a table of live vs replayed statuses per check.
+# that cannot get MIN_STEP_S seconds is skipped. OUTPUT-DIR/SUMMARY.txt lists each step's exit status and duration;
+# each step's stdout and stderr are in OUTPUT-DIR/logs/<step>.out|.err unless the step names its own output file.
 set -uo pipefail
 
-OUT=${OUT:-$PWD/device-check-out}
+OUT_DIR=${1:-${DEVICE_CHECK_OUT:-$PWD/device-check-out}}
 TOTAL_S=${DEVICE_CHECK_SECONDS:-480}
 MIN_STEP_S=${MIN_STEP_S:-10}
 START=$(date +%s)
 DEADLINE=$((START + TOTAL_S))
-mkdir -p "$OUT/logs"
-SUMMARY=$OUT/SUMMARY.txt
+mkdir -p "$OUT_DIR/logs"
+SUMMARY=$OUT_DIR/SUMMARY.txt
 PY=.venv/bin/python
 GW=.venv/bin/gpuwarden
 TORCH_INSTALL_S=${TORCH_INSTALL_S:-270}
@@ -35,7 +38,7 @@ note() {  # note STEP RC SECONDS LIMIT TEXT: one SUMMARY line
 }
 
 # step NAME CAP STDOUT-FILE|- CMD...: run CMD with a timeout of min(CAP, time left), in its own process group
-# (timeout kills the tools it started too); "-" sends stdout to $OUT/logs/NAME.out.
+# (timeout kills the tools it started too); "-" sends stdout to $OUT_DIR/logs/NAME.out.
 step() {
   local name=$1 cap=$2 stdout=$3 limit t0 rc
   shift 3
@@ -45,10 +48,10 @@ step() {
     note "$name" - 0 "$limit" "skipped: no time left"
     return 0
   fi
-  [[ $stdout == - ]] && stdout=$OUT/logs/$name.out
+  [[ $stdout == - ]] && stdout=$OUT_DIR/logs/$name.out
   echo ">>> $name (limit ${limit}s): $*" >&2
   t0=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$stdout" 2> "$OUT/logs/$name.err"
+  timeout -k 10 "$limit" "$@" > "$stdout" 2> "$OUT_DIR/logs/$name.err"
   rc=$?
   local why=""
   ((rc == 124 || rc == 137)) && why="timed out"
@@ -63,10 +66,10 @@ step env-host 20 - bash -c 'uname -a; python3 --version; nvidia-smi -L; df -h .;
 # The README's test set-up (pip install -e '.[test]' torch==2.13.0), in two parts: gpuwarden first, then torch in
 # the background while the steps that do not load torch run (only burnin and peer_p2p import it, and the
 # full-level steps wait for it). The venv sees the system's packages, so a torch or NVML binding the machine
-# already has serves. A .venv carried from another machine is used only when it imports gpuwarden, else rebuilt.
+# already has serves. A .venv copied from another machine is used only when it imports gpuwarden, else rebuilt.
 # Without a route to PyPI, pip installs from $WHEELHOUSE when it exists (prepare it where there is network:
-# `pip download -d wheelhouse setuptools wheel nvidia-ml-py psutil prometheus-client structlog pyudev`, and carry
-# it); with neither, nothing is installed, the steps that need gpuwarden fail, and nvidia-smi still runs.
+# `pip download -d wheelhouse setuptools wheel nvidia-ml-py psutil prometheus-client structlog pyudev`, and copy
+# it to the node); with neither, nothing is installed, the steps that need gpuwarden fail, and nvidia-smi still runs.
 WHEELHOUSE=${WHEELHOUSE:-$PWD/wheelhouse}
 venv_ok() { "$PY" -c 'import gpuwarden.agent.cli' > /dev/null 2>&1; }
 torch_ok() { "$PY" -c 'import torch' > /dev/null 2>&1; }
@@ -95,42 +98,42 @@ if torch_ok; then
 elif venv_ok && ((${#pip_from[@]})); then
   torch_t0=$(date +%s)
   (timeout -k 10 "$TORCH_INSTALL_S" .venv/bin/pip install -q "${pip_from[@]}" torch==2.13.0 \
-     > "$OUT/logs/venv-torch.out" 2> "$OUT/logs/venv-torch.err"
-   echo $? > "$OUT/logs/venv-torch.rc") &
+     > "$OUT_DIR/logs/venv-torch.out" 2> "$OUT_DIR/logs/venv-torch.err"
+   echo $? > "$OUT_DIR/logs/venv-torch.rc") &
   torch_pid=$!
 fi
 wait_torch() {
   [[ -n $torch_pid ]] || return 0
   wait "$torch_pid"
-  note venv-torch "$(cat "$OUT/logs/venv-torch.rc" 2> /dev/null || echo '?')" $(($(date +%s) - torch_t0)) "$TORCH_INSTALL_S" \
+  note venv-torch "$(cat "$OUT_DIR/logs/venv-torch.rc" 2> /dev/null || echo '?')" $(($(date +%s) - torch_t0)) "$TORCH_INSTALL_S" \
     "in the background since the start"
   torch_pid=
 }
 
 # ---------------------------------------------------------------- one-shot, and the daemon: no torch needed
 step gpuwarden-version 20 - "$GW" --version
-step record 120 - "$GW" record --out "$OUT/recorded-node"
-step preflight-quick 120 "$OUT/preflight-quick.json" "$GW" preflight --json
-step nvidia-smi-q 60 "$OUT/nvidia-smi-q.txt" nvidia-smi -q
-step nvidia-smi-topo-m 60 "$OUT/nvidia-smi-topo-m.txt" nvidia-smi topo -m
-step replay-quick 60 "$OUT/replay-quick.json" "$GW" preflight --json --root "$OUT/recorded-node"
+step record 120 - "$GW" record --out "$OUT_DIR/recorded-node"
+step preflight-quick 120 "$OUT_DIR/preflight-quick.json" "$GW" preflight --json
+step nvidia-smi-q 60 "$OUT_DIR/nvidia-smi-q.txt" nvidia-smi -q
+step nvidia-smi-topo-m 60 "$OUT_DIR/nvidia-smi-topo-m.txt" nvidia-smi topo -m
+step replay-quick 60 "$OUT_DIR/replay-quick.json" "$GW" preflight --json --root "$OUT_DIR/recorded-node"
 
 # ---------------------------------------------------------------- the daemon for ~30 s
 daemon_check() {
   local port pid rc=0 i
   port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  timeout -k 5 90 "$GW" run --state-dir "$OUT/state" --listen "127.0.0.1:$port" \
-    > "$OUT/logs/daemon.out" 2> "$OUT/logs/daemon.err" &
+  timeout -k 5 90 "$GW" run --state-dir "$OUT_DIR/state" --listen "127.0.0.1:$port" \
+    > "$OUT_DIR/logs/daemon.out" 2> "$OUT_DIR/logs/daemon.err" &
   pid=$!
   for i in $(seq 30); do
     sleep 1
-    fetch "http://127.0.0.1:$port/metrics" > "$OUT/metrics-first.txt" 2> /dev/null && break
+    fetch "http://127.0.0.1:$port/metrics" > "$OUT_DIR/metrics-first.txt" 2> /dev/null && break
     kill -0 "$pid" 2> /dev/null || break
   done
   echo "first /metrics answer after ${i}s" >&2
   sleep $((30 - i > 0 ? 30 - i : 0))
-  fetch "http://127.0.0.1:$port/metrics" > "$OUT/metrics.txt" || rc=1
-  "$GW" status --state-dir "$OUT/state" --json > "$OUT/status.json" || rc=1
+  fetch "http://127.0.0.1:$port/metrics" > "$OUT_DIR/metrics.txt" || rc=1
+  "$GW" status --state-dir "$OUT_DIR/state" --json > "$OUT_DIR/status.json" || rc=1
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
   echo "daemon exit status $?" >&2
@@ -144,10 +147,10 @@ fetch() {
   fi
 }
 export -f daemon_check fetch
-export OUT PY GW
+export OUT_DIR PY GW
 step daemon-30s 75 - bash -c daemon_check
 
-step bench-idle-live 100 "$OUT/bench-idle-live.txt" "$PY" bench/daemon.py idle --live --seconds 60
+step bench-idle-live 100 "$OUT_DIR/bench-idle-live.txt" "$PY" bench/daemon.py idle --live --seconds 60
 
 # ---------------------------------------------------------------- full level: GPUs loaded, torch needed
 wait_torch
@@ -158,7 +161,7 @@ full_budget=$(($(left) - 90))  # leave time for record --with-tools
 ((full_budget > 240)) && full_budget=240
 ((full_budget < 30)) && full_budget=$(($(left) - 30))  # not enough for both: preflight full comes first
 if ((full_budget >= 30)); then
-  step preflight-full $((full_budget + 30)) "$OUT/preflight-full.json" \
+  step preflight-full $((full_budget + 30)) "$OUT_DIR/preflight-full.json" \
     "$GW" preflight --json --level full --budget "$full_budget"
 else
   note preflight-full - 0 "$full_budget" "skipped: no time left"
@@ -168,9 +171,9 @@ fi
 tools_budget=$(($(left) - 45))
 if ((tools_budget >= 30)); then
   step record-with-tools $((tools_budget + 20)) - \
-    "$GW" record --out "$OUT/recorded-node-full" --with-tools --budget "$tools_budget"
-  step replay-full 60 "$OUT/replay-full.json" "$GW" preflight --json --level full --check-timeout 20 \
-    --root "$OUT/recorded-node-full"
+    "$GW" record --out "$OUT_DIR/recorded-node-full" --with-tools --budget "$tools_budget"
+  step replay-full 60 "$OUT_DIR/replay-full.json" "$GW" preflight --json --level full --check-timeout 20 \
+    --root "$OUT_DIR/recorded-node-full"
 else
   note record-with-tools - 0 "$tools_budget" "skipped: no time left"
 fi
@@ -193,9 +196,9 @@ EOF
 {
   echo
   echo "quick: live preflight vs the replayed recording"
-  compare "$OUT/preflight-quick.json" "$OUT/replay-quick.json"
+  compare "$OUT_DIR/preflight-quick.json" "$OUT_DIR/replay-quick.json"
   echo "full: live preflight vs the replayed --with-tools recording (separate runs: figures may differ)"
-  compare "$OUT/preflight-full.json" "$OUT/replay-full.json"
+  compare "$OUT_DIR/preflight-full.json" "$OUT_DIR/replay-full.json"
   echo
   echo "total $(($(date +%s) - START)) s"
 } >> "$SUMMARY" 2>&1

@@ -54,11 +54,28 @@ def test_bundled_healthy_scenarios_pass():
     # h100: a recorded `nvidia-smi topo -m` puts a NIC at PIX for every GPU, so affinity is judged and passes.
     h100 = result(NODES / "h100-hgx-healthy")
     assert h100.status is Status.OK and h100.findings == ()
-    # GB200: no per-SKU affinity expectation yet, so the check says it did not judge it (OK, not silence).
+    # GB200: the affinity cannot be read from the topology matrix, so the check says why it did not judge it.
     gb200 = result(NODES / "gb200-nvl72-healthy")
     assert gb200.status is Status.OK and problems(gb200) == []
     (note,) = gb200.findings
     assert note.code == "pcie-affinity-not-checked" and note.status is Status.OK
+
+
+@pytest.mark.parametrize("sku", ["GB200-NVL72", "GB300-NVL72"])
+def test_grace_blackwell_says_why_the_affinity_cannot_be_judged(scenario_copy, sku):
+    """On Grace-Blackwell trays every GPU reaches its CPU over NVLink-C2C, so nvidia-smi topo -m reads SYS for every
+    GPU-NIC pair (checks/data/thresholds/pcie_link.toml has the sources): said, with the reason, not judged."""
+    root = scenario_copy("gb200-nvl72-healthy")
+    toml = root / "node.toml"
+    toml.write_text(toml.read_text().replace('sku = "GB200-NVL72"', f'sku = "{sku}"'))
+    (note,) = result(root).findings
+    assert (note.code, note.status, note.action) == ("pcie-affinity-not-checked", Status.OK, Action.NONE)
+    assert note.evidence == {"sku": sku, "reason": "gpus-on-nvlink-c2c"}
+    assert f"on {sku} the GPUs attach to the Grace CPUs over NVLink-C2C" in note.message
+    assert "reads SYS for every GPU-NIC pair" in note.message
+    # A configured expectation is still honoured (here: no recorded topology, so that is what it says).
+    (configured,) = result(root, gpu_nic_max_distance="SYS").findings
+    assert configured.evidence.get("reason") != "gpus-on-nvlink-c2c"
 
 
 def test_bundled_faulty_scenario_only_reports_its_lost_gpu():
@@ -261,10 +278,11 @@ def test_affinity_config_errors_and_skus_without_a_source(scenario_copy):
     root = scenario_copy("h100-hgx-healthy")
     res = result(root, gpu_nic_max_distance="NEAR")
     assert res.status is Status.UNKNOWN and "gpu_nic_max_distance" in res.error
-    gb = scenario_copy("gb200-nvl72-healthy")
+    gb = scenario_copy("gb200-nvl72-healthy")  # as a SKU with no source for its GPU<->NIC layout
+    (gb / "node.toml").write_text((gb / "node.toml").read_text().replace('"GB200-NVL72"', '"B200-HGX"'))
     topo(gb, nic_matrix(pix_pairs(4)))
     (note,) = result(gb).findings
-    assert note.status is Status.OK and "no expectation for SKU GB200-NVL72" in note.message
+    assert note.status is Status.OK and "no expectation for SKU B200-HGX" in note.message
 
 
 # -- pure pieces ---------------------------------------------------------------------------------------------------

@@ -76,17 +76,64 @@ def test_healthy_h100_real_temperatures(scenario_copy):
     assert uuids == {"GPU-7e78e6c8-c71c-66c7-9ded-f8836cecab32"}
 
 
+def set_thresholds(root, limits: dict | None, errors: dict | None = None) -> None:
+    """Each GPU's recorded NVML temperature thresholds (None: the driver reports none)."""
+    def change(data):
+        for g in data["gpus"]:
+            g.pop("temperature_thresholds", None)
+            if limits is not None:
+                g["temperature_thresholds"] = dict(limits)
+            if errors:
+                g.setdefault("errors", {}).update(errors)
+
+    edit_nvml(root, change)
+
+
+def test_gb200_limits_come_from_each_gpu_when_the_table_has_none(scenario_copy):
+    """GB200-NVL72 has no figures in thermal.toml: each GPU's own (NVML temperature thresholds) are judged by."""
+    assert "GB200-NVL72" not in sku_table("thermal")
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Drive(root)
+    assert d.run(120).findings == ()  # limits known for every GPU: no note
+    set_temps(root, {1: (86, 70)})
+    (f,) = d.run(70).findings
+    assert (f.entity.index, f.code, f.status) == (1, "gpu-over-temperature", Status.FAIL)
+    assert f.evidence["limit_c"] == 85 and f.evidence["limit_source"] == "gpu"
+    assert "at or over its max operating 85 C" in f.message
+
+
+def test_a_gpus_limits_are_read_once(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = Drive(root)
+    d.tick()
+    set_thresholds(root, {"gpu_max": 50, "mem_max": 60})  # a driver's limits do not move while it runs
+    set_temps(root, {0: (55, 58)})
+    assert faults(d.run(120)) == []
+
+
 def test_sku_without_limits_says_so_and_still_judges_the_gradient(scenario_copy):
     root = scenario_copy("gb200-nvl72-healthy")
+    set_thresholds(root, None)  # a driver that reports no thresholds, on a SKU the table has no figures for
     d = Drive(root)
     j = d.run(120)
     assert faults(j) == [] and notes(j) == ["thermal-limits-not-checked"]
     (note,) = j.findings
     assert note.entity == Entity.node("gb200-rack07-tray03")
-    assert note.evidence == {"sku": "GB200-NVL72", "missing": ["gpu_max_c", "memory_max_c"]}
+    assert note.evidence == {"sku": "GB200-NVL72", "missing": ["gpu_max_c", "memory_max_c"], "gpus": [0, 1, 2, 3]}
+    assert "the GPU's driver reports none" in note.message
     set_temps(root, {2: (35, 60)})
     j = d.run(70)
     assert faults(j) == [(2, "hbm-gradient-outlier", Status.WARN)]
+
+
+def test_a_failed_threshold_read_is_asked_again(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    set_thresholds(root, {"gpu_max": 85, "mem_max": 95}, errors={"nvmlDeviceGetTemperatureThreshold": "UNKNOWN"})
+    d = Drive(root)
+    assert notes(d.tick()) == ["thermal-limits-not-checked"]
+    set_thresholds(root, {"gpu_max": 85, "mem_max": 95})
+    edit_nvml(root, lambda data: [g["errors"].pop("nvmlDeviceGetTemperatureThreshold") for g in data["gpus"]])
+    assert notes(d.tick()) == []
 
 
 def test_configured_limit_wins(scenario_copy):
@@ -94,7 +141,15 @@ def test_configured_limit_wins(scenario_copy):
     set_temps(root, {0: (72, 80)})
     j = Drive(root, gpu_max_c=70.0).run(70)
     assert faults(j) == [(0, "gpu-over-temperature", Status.FAIL)]
-    assert [f.evidence["missing"] for f in j.findings if f.code == "thermal-limits-not-checked"] == [["memory_max_c"]]
+    (f,) = j.findings  # memory_max_c from the GPU itself: nothing left unjudged
+    assert f.evidence["limit_c"] == 70 and f.evidence["limit_source"] == "config"
+
+
+def test_the_sku_table_serves_a_gpu_that_reports_no_limits(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")  # recorded without thresholds: the H100 figures of thermal.toml
+    set_temps(root, {5: (88, 50)})
+    (f,) = [f for f in Drive(root).run(70).findings if f.code == "gpu-over-temperature"]
+    assert f.evidence["limit_c"] == 87 and f.evidence["limit_source"] == "sku-table"
 
 
 def test_hbm_over_limit_must_be_sustained(scenario_copy):

@@ -1,5 +1,5 @@
 """The local adapter: records what it would do (cordon, drain, resume, ...) as JSON lines, and does nothing
-else. The Slurm and Kubernetes adapters of the remediation issue replace it; the daemon's contract is the same:
+else. Adapters for a real scheduler (Slurm, Kubernetes) are to replace it; the daemon's contract is the same:
 `apply(action, detail)` must be idempotent, since a crash between the intent's commit and its completion
 replays it."""
 from __future__ import annotations

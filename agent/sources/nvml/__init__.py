@@ -46,6 +46,14 @@ P2P_STATUS_NAMES: dict[int, str] = {
 P2P_STATUS_CODES: dict[str, int] = {v: k for k, v in P2P_STATUS_NAMES.items()}
 # HBM temperature is only exposed as a field value (no nvmlTemperatureSensors_t for memory).
 FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
+# The limits each GPU reports for itself (nvmlTemperatureThresholds_t; nvidia-smi -q "GPU Shutdown Temp",
+# "GPU Slowdown Temp", "GPU Max Operating Temp", "Memory Max Operating Temp").
+TEMPERATURE_THRESHOLDS = {
+    "shutdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
+    "slowdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
+    "gpu_max": pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX,
+    "mem_max": pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX,
+}
 SNAPSHOT_FORMAT = 1
 
 
@@ -199,6 +207,20 @@ class Nvml:
         memory = int(fv.value.uiVal) if fv.nvmlReturn == pynvml.NVML_SUCCESS else None
         return {"gpu": core, "memory": memory}
 
+    def temperature_thresholds(self, gpu: Gpu) -> dict[str, int | None]:
+        """The GPU's own temperature limits in C (TEMPERATURE_THRESHOLDS), from its driver: None where the board
+        reports none (NOT_SUPPORTED, or a 0 as some boards answer, or a value no GPU could run at)."""
+        out: dict[str, int | None] = {}
+        for name, kind in TEMPERATURE_THRESHOLDS.items():
+            try:
+                value = int(self._dev(gpu, "nvmlDeviceGetTemperatureThreshold", kind))
+            except NvmlError as exc:
+                if not exc.not_supported:
+                    raise
+                value = 0
+            out[name] = value if 0 < value < 200 else None
+        return out
+
     def nvlinks(self, gpu: Gpu) -> list[dict[str, Any]]:
         links = []
         for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
@@ -264,7 +286,8 @@ class Nvml:
     # -- recording ------------------------------------------------------------------------
     PER_GPU_READS: tuple[str, ...] = (
         "memory_total_bytes", "ecc_mode", "ecc_errors", "remapped_rows", "row_remapper_histogram",
-        "clocks_event_reasons", "temperatures", "nvlinks", "fabric_info", "pcie_link", "p2p_matrix",
+        "clocks_event_reasons", "temperatures", "temperature_thresholds", "nvlinks", "fabric_info", "pcie_link",
+        "p2p_matrix",
     )
     # snapshot key differs from method name for these
     _SNAPSHOT_KEY = {"temperatures": "temperature", "fabric_info": "fabric", "pcie_link": "pcie", "p2p_matrix": "p2p"}

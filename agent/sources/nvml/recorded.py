@@ -212,6 +212,18 @@ class RecordedNvml:
                 values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
 
+    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
+        # "temperature_thresholds" {"shutdown", "slowdown", "gpu_max", "mem_max"}: a limit not recorded (a scenario
+        # from before they were recorded, or null) is one the board does not report: NOT_SUPPORTED, as live.
+        limits = self._gpu(handle, "nvmlDeviceGetTemperatureThreshold").get("temperature_thresholds") or {}
+        names = {pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: "shutdown",
+                 pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: "slowdown",
+                 pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: "gpu_max",
+                 pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: "mem_max"}
+        if threshold not in names or limits.get(names[threshold]) is None:
+            raise _error("NOT_SUPPORTED")
+        return int(limits[names[threshold]])
+
     def _link(self, handle: Any, call: str, link: int) -> dict[str, Any]:
         for entry in self._field(handle, call, "nvlinks"):
             if int(entry["link"]) == int(link):
