@@ -195,7 +195,7 @@ class MetricsEndpoint:
         try:
             while not self._stopping:
                 try:
-                    for key, mask in self._sel.select(self._timeout()):
+                    for key, _ in self._sel.select(self._timeout()):
                         if key.data == "accept":
                             self._accept()
                         elif key.data == "wake":
@@ -360,8 +360,8 @@ class MetricsEndpoint:
             del buf[:len(buf) - len(stripped)]
             c.scanned = 0
         start = max(0, c.scanned - 3)
-        ends = [(i, n) for i, n in ((buf.find(b"\r\n\r\n", start, limit + 4), 4), (buf.find(b"\n\n", start, limit + 2), 2))
-                if i >= 0]
+        found = ((buf.find(b"\r\n\r\n", start, limit + 4), 4), (buf.find(b"\n\n", start, limit + 2), 2))
+        ends = [(i, n) for i, n in found if i >= 0]
         if not ends:
             c.scanned = len(buf)
             if len(buf) > limit:

@@ -191,7 +191,8 @@ class Watched:
             if key in self._verdicts:
                 return self._verdicts[key]
         try:
-            ok = bcrypt.checkpw(password.encode("utf-8", "surrogateescape"), hashed or _DUMMY_HASH) and hashed is not None
+            ok = bcrypt.checkpw(password.encode("utf-8", "surrogateescape"), hashed or _DUMMY_HASH)
+            ok = ok and hashed is not None
         except ValueError:  # a hash bcrypt cannot read (shape checked at load; bcrypt's own rules are stricter)
             ok = False
         with self._lock:
