@@ -233,7 +233,7 @@ class MetricsEndpoint:
             self._sel.register(self._listener, selectors.EVENT_READ, "accept")
 
     def _accept(self) -> None:
-        for _ in range(64):  # then let the selector look at the others
+        for _ in range(16):  # then let the selector look at the others
             try:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -277,6 +277,9 @@ class MetricsEndpoint:
             sock.close()
             return
         self._conns.add(conn)
+        # The request usually arrived with the handshake: take it now, so that a flood of connections accepted in
+        # the same pass cannot evict this one as idle before its request is read.
+        self._advance(conn)
 
     def _close(self, c: _Conn) -> None:
         if c.closed:
