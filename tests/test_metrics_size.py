@@ -111,3 +111,25 @@ def test_the_faulty_tray_names_each_nvswitch_and_port(served):
                 if s.startswith("gpuwarden_nvswitch_sxid_events")}
     assert switches == {"0000:05:00.0", "0000:06:00.0", "0000:07:00.0"}
     assert value(text, 'gpuwarden_ib_port_up{port="mlx5_2/1"}') == 0.0
+
+
+def test_per_gpu_series_name_the_gpu_by_index_and_gpu_info_maps_it_to_the_uuid():
+    from conftest import exposition
+    from gpuwarden.agent.passive import MetricSample
+
+    def temp(gpu: str, uuid: str, value: float) -> MetricSample:
+        return MetricSample("gpuwarden_gpu_temperature_celsius", "T.", {"gpu": gpu, "uuid": uuid, "sensor": "gpu"},
+                            value)
+
+    # GPU 1 read twice in one scrape under two UUIDs (indices shifted between two checks' reads after a GPU fell
+    # off the bus): one series, never two with the same labels (Prometheus would reject the whole scrape).
+    text = exposition([temp("0", "GPU-a", 40.0), temp("1", "GPU-b", 41.0), temp("1", "GPU-c", 42.0),
+                       MetricSample("gpuwarden_ib_port_up", "Up.", {"port": "mlx5_0/1"}, 1.0)])
+    lines = series(text)
+    assert 'gpuwarden_gpu_temperature_celsius{gpu="0",sensor="gpu"} 40.0' in lines
+    assert 'gpuwarden_gpu_temperature_celsius{gpu="1",sensor="gpu"} 41.0' in lines
+    assert len([s for s in lines if s.startswith("gpuwarden_gpu_temperature_celsius")]) == 2
+    assert {s for s in lines if s.startswith("gpuwarden_gpu_info")} == {
+        'gpuwarden_gpu_info{gpu="0",uuid="GPU-a"} 1.0', 'gpuwarden_gpu_info{gpu="1",uuid="GPU-b"} 1.0'}
+    assert 'gpuwarden_ib_port_up{port="mlx5_0/1"} 1.0' in lines
+    promtool_lint(text)
