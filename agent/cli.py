@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", type=Path, help="SQLite state and action journal (default /var/lib/gpuwarden)")
     run.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics here (default 0.0.0.0:9456)")
     run.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
+    run.add_argument("--web.config.file", dest="web_config_file", type=Path, metavar="FILE",
+                     help="TLS and basic auth for /metrics: exporter-toolkit's YAML web config")
     run.add_argument("--textfile", type=Path, help="also write metrics for node_exporter's textfile collector")
     _log_flags(run)
 

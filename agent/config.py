@@ -23,6 +23,7 @@ AGENT_DEFAULTS: dict[str, Any] = {
     "budget_s": 0.0,  # overall time budget of one preflight; 0 = none (each check still has its timeout)
     "state_dir": "/var/lib/gpuwarden",  # gpuwarden run: SQLite state, action journal (flag: --state-dir)
     "listen": "0.0.0.0:9456",  # gpuwarden run: /metrics address, host:port (flag: --listen)
+    "web_config_file": "",  # gpuwarden run: TLS / basic auth for /metrics, exporter-toolkit YAML ("" = off)
     "textfile": "",  # gpuwarden run: also write metrics here for node_exporter's textfile collector ("" = off)
     "log_format": "auto",  # auto (console on a TTY, JSON otherwise) | json | console
     "log_level": "info",

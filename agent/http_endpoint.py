@@ -1,70 +1,492 @@
-"""The read-only /metrics endpoint of `gpuwarden run`.
+"""The read-only HTTP endpoint of `gpuwarden run`: `/metrics` (Prometheus text or OpenMetrics as the scraper
+asks, gzip when it accepts it, `name[]=` to select series as prometheus-client does) and `/` (a page that links
+to it). Any other path is 404. Optional TLS and basic auth come from a web config file (agent/web_config.py).
 
-prometheus-client's own `start_http_server` runs `serve_forever()` with its default 0.5 s poll, so an idle
-agent woke twice a second for nothing. This server sleeps in select() until a request arrives; `stop()` wakes
-it with one loopback connection. A scrape reads only the collector's memory (never hardware).
+Whatever a client does, the endpoint must not take from the checks what they need (file descriptors, threads):
+- one thread does all socket I/O on non-blocking sockets through a selector, and a fixed pool of two threads
+  builds the responses (a bcrypt check takes ~0.1 s; the I/O thread serves the others meanwhile). No thread per
+  connection.
+- at most `max_connections` are open (64, far under the descriptor limit). At the cap a new connection takes
+  the place of the one idle longest (waiting for a request); when none is idle, the new one is closed at once.
+- every connection has a deadline: the request head within `head_timeout_s` of its first byte (trickling bytes
+  buys a slow client nothing), an idle keep-alive connection `idle_timeout_s`, the response written within
+  `write_timeout_s`. A request head is at most `max_head_bytes`.
+- accept() failing for want of descriptors pauses accepting briefly instead of spinning on the listener.
+A scrape reads only the collector's memory, never hardware. An idle endpoint sleeps in the selector with no
+timeout: nothing wakes it while nobody connects.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import errno
+import gzip
+import os
+import resource
+import selectors
 import socket
+import ssl
 import threading
 import time
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+from urllib.parse import parse_qs
 
 import structlog
-from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.metrics_core import Metric
 
+from . import web_config
 from .systemd import name_this_thread
 
 log = structlog.get_logger("gpuwarden.http")
-_IDLE_POLL_S = 3600.0  # serve_forever's select timeout: a wake-up an hour when nobody scrapes
+
+LANDING_PAGE = (b"<!DOCTYPE html>\n<html><head><title>gpuwarden</title></head><body><h1>gpuwarden</h1>\n"
+                b"<p>GPU node health agent.</p>\n<p><a href=\"metrics\">Metrics</a></p>\n</body></html>\n")
+_CHUNK = 65536
+_MAX_QUERY_FIELDS = 256
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a stuck client must not hold the agent's exit
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 64
+    head_timeout_s: float = 5.0  # from the first byte of a request (or the TLS handshake's start) to its last
+    idle_timeout_s: float = 5.0  # a connection with no request in flight; Prometheus reconnects at its next scrape
+    write_timeout_s: float = 10.0  # to send one response
+    max_head_bytes: int = 16384
+    workers: int = 2
+    accept_pause_s: float = 0.5  # after accept() failed with EMFILE / ENFILE
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        pass  # a scrape every 15 s is not news; errors still reach the client
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one (what the Go runtime does for node_exporter): the
+    endpoint caps its own connections, and the checks' files then have room. Returns (soft, hard) after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit", soft=soft, hard=hard, error=str(exc))
+    return soft, hard
+
+
+class _Restricted:
+    """The registry with only the samples named (`name[]=`), by prometheus-client's rule (a sample's own name:
+    `x_total` for a counter `x`). Its own restricted_registry() finds nothing in a registry whose collector
+    does not describe its names in advance, and this one cannot: the checks' series come and go."""
+
+    def __init__(self, registry: Any, names: Iterable[str]):
+        self._registry, self._names = registry, frozenset(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            samples = [s for s in metric.samples if s.name in self._names]
+            if samples:
+                m = Metric(metric.name, metric.documentation, metric.type, getattr(metric, "unit", ""))
+                m.samples = samples
+                yield m
+
+
+@dataclass
+class _Request:
+    method: str
+    target: str
+    version: str
+    headers: dict[str, str]
+    keep_alive: bool
+
+
+_HANDSHAKE, _READ, _WORK, _WRITE = "handshake", "read", "work", "write"
+
+
+class _Conn:
+    __slots__ = ("sock", "state", "inbuf", "scanned", "out", "off", "close_after", "deadline", "idle_since",
+                 "events", "closed")
+
+    def __init__(self, sock: socket.socket, now: float, tls: bool, limits: Limits):
+        self.sock = sock
+        self.state = _HANDSHAKE if tls else _READ
+        self.inbuf = bytearray()
+        self.scanned = 0
+        self.out = memoryview(b"")
+        self.off = 0
+        self.close_after = False
+        self.idle_since = now
+        self.deadline = now + (limits.head_timeout_s if tls else limits.idle_timeout_s)
+        self.events = selectors.EVENT_READ
+        self.closed = False
+
+    @property
+    def idle(self) -> bool:
+        return self.state == _READ and not self.inbuf
 
 
 class MetricsEndpoint:
-    def __init__(self, host: str, port: int, registry: Any):
-        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("Server", (_Server,), {"address_family": family})
-        self._server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    def __init__(self, host: str, port: int, registry: Any, web_config_file: Path | None = None,
+                 limits: Limits | None = None):
+        self._registry = registry
+        self.limits = limits or Limits()
+        self._web = web_config.Watched(Path(web_config_file), log) if web_config_file else None
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # Never more than a quarter of what the process may open, whatever the configured cap.
+        self._max_conns = max(1, min(self.limits.max_connections,
+                                     soft // 4 if soft != resource.RLIM_INFINITY else self.limits.max_connections))
+        family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind(addr)
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()
+            raise
+        self._listener.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._conns: set[_Conn] = set()
+        self._done: deque[tuple[_Conn, bytes, bool]] = deque()  # responses the workers built, for the I/O thread
+        self._pipe_lock = threading.Lock()  # the workers' wake-up write vs the pipe's close at stop
+        self._pipe_open = True
+        self._stopping = False
+        self._accept_paused_until: float | None = None
+        self._refused = 0
+        self._refused_logged_at = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="gw-metrics-work",
+                                        initializer=name_this_thread, initargs=("gw-metrics-work",))
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return int(self._listener.getsockname()[1])
 
-    def _serve(self) -> None:
-        name_this_thread("gw-metrics-http")
-        self._server.serve_forever(poll_interval=_IDLE_POLL_S)
+    @property
+    def tls(self) -> bool:
+        return self._web is not None and self._web.config.tls is not None
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        stopper = threading.Thread(target=self._server.shutdown, name="metrics-http-stop", daemon=True)
-        stopper.start()  # shutdown() waits for the loop, which sleeps in select(): wake it with a connection
-        deadline = time.monotonic() + timeout_s
-        # A poke that lands before shutdown() has raised its flag is served as an empty request and the loop
-        # sleeps again: poke until the loop has ended.
-        while stopper.is_alive() and time.monotonic() < deadline:
-            self._poke()
-            stopper.join(0.1)
-        self._server.server_close()
+        self._stopping = True
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        else:
+            self._close_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._pipe_lock:
+            if self._pipe_open:
+                self._pipe_open = False
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
 
-    def _poke(self) -> None:
-        host, port = self._server.server_address[:2]
-        target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    # -- the I/O thread ------------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        name_this_thread("gw-metrics-http")
         try:
-            with socket.create_connection((target, port), timeout=1.0):
+            while not self._stopping:
+                try:
+                    for key, _ in self._sel.select(self._timeout()):
+                        if key.data == "accept":
+                            self._accept()
+                        elif key.data == "wake":
+                            self._on_wake()
+                        else:
+                            self._advance(key.data)
+                    self._expire()
+                except Exception as exc:  # a defect here must not end the endpoint for good
+                    log.error("metrics endpoint loop error", error=repr(exc))
+                    time.sleep(0.1)
+        finally:
+            self._close_all()
+
+    def _close_all(self) -> None:
+        for c in list(self._conns):
+            self._close(c)
+        try:
+            self._sel.close()
+        except (OSError, ValueError, KeyError):
+            pass
+        self._listener.close()
+
+    def _timeout(self) -> float | None:
+        deadlines = [c.deadline for c in self._conns if c.state != _WORK]
+        if self._accept_paused_until is not None:
+            deadlines.append(self._accept_paused_until)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for c in [c for c in self._conns if c.state != _WORK and c.deadline <= now]:
+            self._close(c)
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+
+    def _accept(self) -> None:
+        for _ in range(16):  # then let the selector look at the others
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("metrics endpoint: cannot accept, pausing", error=exc.strerror,
+                                pause_s=self.limits.accept_pause_s)
+                    self._sel.unregister(self._listener)
+                    self._accept_paused_until = time.monotonic() + self.limits.accept_pause_s
+                    return
+                continue  # ECONNABORTED and the like: that client is gone
+            now = time.monotonic()
+            if len(self._conns) >= self._max_conns:
+                idle = [c for c in self._conns if c.idle]
+                if not idle:
+                    sock.close()
+                    self._note_refused(now)
+                    continue
+                self._close(min(idle, key=lambda c: c.idle_since))
+            self._open(sock, now)
+
+    def _note_refused(self, now: float) -> None:
+        self._refused += 1
+        if now - self._refused_logged_at >= 60.0:
+            log.warning("metrics endpoint at its connection cap: new connections closed", cap=self._max_conns,
+                        refused_since_last_log=self._refused)
+            self._refused, self._refused_logged_at = 0, now
+
+    def _open(self, sock: socket.socket, now: float) -> None:
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            cfg = self._web.current() if self._web else None
+            if cfg is not None and cfg.tls is not None:
+                sock = cfg.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn = _Conn(sock, now, cfg is not None and cfg.tls is not None, self.limits)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+        except (OSError, ValueError) as exc:
+            log.debug("metrics endpoint: could not set up a connection", error=str(exc))
+            sock.close()
+            return
+        self._conns.add(conn)
+        # The request usually arrived with the handshake: take it now, so that a flood of connections accepted in
+        # the same pass cannot evict this one as idle before its request is read.
+        self._advance(conn)
+
+    def _close(self, c: _Conn) -> None:
+        if c.closed:
+            return
+        c.closed = True
+        self._conns.discard(c)
+        if c.state != _WORK:
+            try:
+                self._sel.unregister(c.sock)
+            except (KeyError, ValueError, OSError):
                 pass
-        except OSError as exc:  # the loop then ends at its next hourly wake; the process exits regardless
-            log.warning("could not wake the metrics server for shutdown", error=str(exc))
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+
+    def _want(self, c: _Conn, events: int) -> None:
+        if events != c.events:
+            self._sel.modify(c.sock, events, c)
+            c.events = events
+
+    def _advance(self, c: _Conn) -> None:
+        """Move the connection on as far as its socket allows: handshake, read a request, hand it to a worker;
+        or write the response, then wait for the next request (keep-alive) or close."""
+        if c.closed:
+            return
+        try:
+            while True:
+                if c.state == _HANDSHAKE:
+                    c.sock.do_handshake()  # type: ignore[attr-defined]
+                    c.state, c.idle_since = _READ, time.monotonic()
+                    c.deadline = c.idle_since + self.limits.idle_timeout_s
+                elif c.state == _READ:
+                    request = self._take_request(c)
+                    if request is None:
+                        data = c.sock.recv(_CHUNK)
+                        if not data:
+                            self._close(c)
+                            return
+                        if not c.inbuf:
+                            c.deadline = time.monotonic() + self.limits.head_timeout_s
+                        c.inbuf += data
+                    elif isinstance(request, bytes):  # malformed: answered here, and the connection closed
+                        self._start_write(c, request, close=True)
+                    else:
+                        c.state = _WORK
+                        self._sel.unregister(c.sock)
+                        self._pool.submit(self._work, c, request)
+                        return
+                elif c.state == _WRITE:
+                    c.off += c.sock.send(c.out[c.off:c.off + _CHUNK])
+                    if c.off >= len(c.out):
+                        if c.close_after:
+                            self._close(c)
+                            return
+                        c.state, c.out, c.off = _READ, memoryview(b""), 0
+                        c.idle_since = time.monotonic()
+                        c.deadline = c.idle_since + (self.limits.head_timeout_s if c.inbuf
+                                                     else self.limits.idle_timeout_s)
+                        self._want(c, selectors.EVENT_READ)
+                else:
+                    return
+        except ssl.SSLWantReadError:
+            self._want(c, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._want(c, selectors.EVENT_WRITE)
+        except (BlockingIOError, InterruptedError):
+            self._want(c, selectors.EVENT_WRITE if c.state == _WRITE else selectors.EVENT_READ)
+        except (OSError, ValueError):  # reset by the peer, a TLS failure, a socket closed under us
+            self._close(c)
+
+    def _start_write(self, c: _Conn, payload: bytes, close: bool) -> None:
+        c.state, c.out, c.off, c.close_after = _WRITE, memoryview(payload), 0, close
+        c.deadline = time.monotonic() + self.limits.write_timeout_s
+
+    def _take_request(self, c: _Conn) -> _Request | bytes | None:
+        """The next request in the buffer: a _Request, an error response (bytes), or None (need more bytes)."""
+        buf, limit = c.inbuf, self.limits.max_head_bytes
+        if buf[:1] in (b"\r", b"\n"):  # CRLFs between requests are allowed before a request line
+            stripped = buf.lstrip(b"\r\n")
+            del buf[:len(buf) - len(stripped)]
+            c.scanned = 0
+        start = max(0, c.scanned - 3)
+        found = ((buf.find(b"\r\n\r\n", start, limit + 4), 4), (buf.find(b"\n\n", start, limit + 2), 2))
+        ends = [(i, n) for i, n in found if i >= 0]
+        if not ends:
+            c.scanned = len(buf)
+            if len(buf) > limit:
+                return _simple(431, "Request Header Fields Too Large", "request head too large\n", keep=False)
+            return None
+        end, sep = min(ends)
+        head = bytes(buf[:end])
+        del buf[:end + sep]
+        c.scanned = 0
+        return _parse_head(head)
+
+    def _on_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while self._done:
+            c, payload, close = self._done.popleft()
+            if c.closed or self._stopping:
+                continue
+            self._start_write(c, payload, close)
+            try:
+                self._sel.register(c.sock, selectors.EVENT_WRITE, c)
+                c.events = selectors.EVENT_WRITE
+            except (OSError, ValueError, KeyError):
+                self._close(c)
+                continue
+            self._advance(c)
+
+    def _wake(self) -> None:
+        with self._pipe_lock:
+            if self._pipe_open:
+                try:
+                    os.write(self._wake_w, b"x")
+                except (BlockingIOError, InterruptedError):
+                    pass  # the pipe already holds a wake-up
+
+    # -- the workers ---------------------------------------------------------------------------------------------
+    def _work(self, c: _Conn, request: _Request) -> None:
+        try:
+            payload = self._respond(request)
+        except Exception as exc:  # a defect must cost one response, not the connection's worker
+            log.error("metrics endpoint: could not answer", error=repr(exc), target=request.target[:200])
+            payload = _simple(500, "Internal Server Error", "internal error\n", keep=False)
+            request.keep_alive = False
+        self._done.append((c, payload, not request.keep_alive))
+        self._wake()
+
+    def _respond(self, req: _Request) -> bytes:
+        keep, head_only = req.keep_alive, req.method == "HEAD"
+        if self._web is not None:
+            cfg = self._web.current()
+            if cfg.auth and not self._authorized(cfg, req.headers.get("authorization", "")):
+                return _simple(401, "Unauthorized", "Unauthorized\n", keep,
+                               ("WWW-Authenticate: Basic realm=\"gpuwarden\"",), head_only)
+        path, _, query = req.target.partition("?")
+        if path not in ("/", "/metrics"):
+            return _simple(404, "Not Found", "404 page not found\n", keep, head_only=head_only)
+        if req.method not in ("GET", "HEAD"):
+            return _simple(405, "Method Not Allowed", "method not allowed\n", keep, ("Allow: GET, HEAD",), head_only)
+        if path == "/":
+            return _response(200, "OK", LANDING_PAGE, "text/html; charset=utf-8", keep, (), head_only)
+        try:
+            params = parse_qs(query, max_num_fields=_MAX_QUERY_FIELDS)
+        except ValueError:
+            return _simple(400, "Bad Request", "too many query parameters\n", keep, head_only=head_only)
+        encoder, content_type = choose_encoder(req.headers.get("accept", ""))
+        registry = _Restricted(self._registry, params["name[]"]) if "name[]" in params else self._registry
+        body = encoder(registry)
+        extra: tuple[str, ...] = ("Vary: Accept-Encoding",)
+        if gzip_accepted(req.headers.get("accept-encoding", "")):
+            body = gzip.compress(body, compresslevel=1)  # the fastest level: ~8x smaller on this text already
+            extra += ("Content-Encoding: gzip",)
+        return _response(200, "OK", body, content_type, keep, extra, head_only)
+
+    def _authorized(self, cfg: web_config.WebConfig, header: str) -> bool:
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, sep, password = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")
+        except (binascii.Error, ValueError):
+            return False
+        assert self._web is not None
+        return bool(sep) and self._web.authorized(cfg, user, password)
+
+
+def _parse_head(head: bytes) -> _Request | bytes:
+    lines = head.decode("latin-1").split("\n")
+    parts = lines[0].rstrip("\r").split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
+        return _simple(400, "Bad Request", "malformed request line\n", keep=False)
+    method, target, version = parts
+    if version not in ("HTTP/1.0", "HTTP/1.1"):
+        if version.startswith("HTTP/"):
+            return _simple(505, "HTTP Version Not Supported", "HTTP/1.0 and HTTP/1.1 only\n", keep=False)
+        return _simple(400, "Bad Request", "malformed request line\n", keep=False)
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.rstrip("\r").partition(":")
+        if not sep or not name or name != name.strip() or " " in name or "\t" in name:
+            return _simple(400, "Bad Request", "malformed header line\n", keep=False)
+        key, value = name.lower(), value.strip(" \t")
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+    keep = "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
+    length = headers.get("content-length", "0").strip()
+    if not length.isascii() or not length.isdigit():
+        return _simple(400, "Bad Request", "malformed Content-Length\n", keep=False)
+    if "transfer-encoding" in headers or int(length.lstrip("0") or "0") > 0:
+        keep = False  # a body is never read: the next request's start in the stream is unknown
+    return _Request(method, target, version, headers, keep)
+
+
+def _response(code: int, reason: str, body: bytes, content_type: str, keep: bool, extra: tuple[str, ...] = (),
+              head_only: bool = False) -> bytes:
+    lines = [f"HTTP/1.1 {code} {reason}", f"Content-Type: {content_type}", f"Content-Length: {len(body)}", *extra,
+             "Connection: keep-alive" if keep else "Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
+
+
+def _simple(code: int, reason: str, text: str, keep: bool, extra: tuple[str, ...] = (),
+            head_only: bool = False) -> bytes:
+    return _response(code, reason, text.encode(), "text/plain; charset=utf-8", keep, extra, head_only)

@@ -87,19 +87,39 @@ class DaemonCollector(Collector):
 
 
 def families(samples: Iterable[MetricSample]) -> Iterator[Metric]:
-    """Group check samples by name into metric families (label sets must agree within a name)."""
+    """Group check samples by name into metric families (label sets must agree within a name).
+
+    A GPU's UUID is 47 characters, on each of a few hundred per-GPU series: a series that names its GPU by both
+    index and UUID is exported with the index only, and `gpuwarden_gpu_info{gpu,uuid}` maps one to the other
+    (join with `* on(gpu) group_left(uuid) gpuwarden_gpu_info`), which halves an 8-GPU node's page."""
     by_name: dict[str, list[MetricSample]] = {}
     for s in samples:
         by_name.setdefault(s.name, []).append(s)
+    gpus: dict[tuple[str, str], None] = {}
     for name, group in sorted(by_name.items()):
         labels = sorted(group[0].labels)
+        fold = "gpu" in labels and "uuid" in labels
+        shown = [k for k in labels if not (fold and k == "uuid")]
         cls = CounterMetricFamily if group[0].kind == "counter" else GaugeMetricFamily
-        family = cls(name, group[0].help, labels=labels)
+        family = cls(name, group[0].help, labels=shown)
+        seen: set[tuple[str, ...]] = set()
         for s in group:
             if sorted(s.labels) != labels:
                 continue  # a check emitting mixed label sets would break the exposition; drop the odd one
-            family.add_metric([str(s.labels[k]) for k in labels], float(s.value))
+            values = tuple(str(s.labels[k]) for k in shown)
+            if values in seen:
+                continue  # one series twice (GPU indices shifted between two reads) would fail the whole scrape
+            seen.add(values)
+            if fold:
+                gpus[(str(s.labels["gpu"]), str(s.labels["uuid"]))] = None
+            family.add_metric(list(values), float(s.value))
         yield family
+    if gpus:
+        info = GaugeMetricFamily("gpuwarden_gpu_info", "1 for each GPU the checks read: its index (the gpu label of "
+                                 "the per-GPU series) and its UUID.", labels=["gpu", "uuid"])
+        for gpu, uuid in sorted(gpus, key=lambda k: (len(k[0]), k)):
+            info.add_metric([gpu, uuid], 1.0)
+        yield info
 
 
 def registry_for(collector: DaemonCollector) -> CollectorRegistry:

@@ -19,7 +19,7 @@ from . import logs
 from .adapters.local import LocalAdapter
 from .daemon import Daemon, DaemonOptions
 from .errors import ConfigError, GpuwardenError
-from .http_endpoint import MetricsEndpoint
+from .http_endpoint import MetricsEndpoint, raise_fd_limit
 from .metrics import DaemonCollector, registry_for, write_textfile
 from .model import EXIT_PASS
 from .store import Store
@@ -77,7 +77,9 @@ def run_daemon(args: argparse.Namespace) -> int:
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake_w)
-    server = MetricsEndpoint(host, port, registry)
+    raise_fd_limit()
+    web_cfg = args.web_config_file or cfg.agent["web_config_file"] or None
+    server = MetricsEndpoint(host, port, registry, web_config_file=Path(web_cfg) if web_cfg else None)
     server.start()
     daemon.start()
     # What start-up built (modules, config, catalogues) lives as long as the agent: freezing it keeps the

@@ -104,10 +104,10 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
             lrec["state"] = int(link["state"])
             lrec["active_seen"] = lrec["active_seen"] or lrec["state"] == 1
         expected = set(range(smp.expected_links)) | {int(n) for n, lr in links.items() if lr.get("active_seen")}
+        per_gpu = _GpuTotals()
         for n in sorted(expected | set(reported)):
             lrec = links.setdefault(str(n), {"active_seen": False})
             entity = Entity("nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n)
-            labels = {"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}
             if n not in reported:
                 lrec["state"] = None
             up = n in reported and int(reported[n]["state"]) == 1
@@ -115,28 +115,63 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
                 lrec["down_since"] = None
             elif lrec.get("down_since") is None:
                 lrec["down_since"] = now
-            metrics.append(MetricSample("gpuwarden_nvlink_up", "1 if the NVLink is active, 0 if it is down or "
-                                        "missing.", labels, 1.0 if up else 0.0))
-            if n in reported:
-                metrics.extend(_counter_metrics(labels, lrec))
+            per_gpu.add({"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}, up, n in expected,
+                        lrec if n in reported else None)
             if n in expected and not up:
                 findings.append(_down(entity, g, lrec, n in reported, smp.expected_links, now,
                                       rec.get("baseline_active")))
             elif up:
                 findings.extend(_rate_findings(entity, lrec, cfg))
+        metrics.extend(per_gpu.samples({"gpu": str(g.index), "uuid": g.uuid}))
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
 
 
-def _counter_metrics(labels: Mapping[str, str], lrec: Mapping[str, Any]) -> list[MetricSample]:
-    _, rates, _ = rates_per_minute(lrec.get("window", []))
-    out = []
-    for c in COUNTERS:
-        lab = {**labels, "counter": c}
-        out.append(MetricSample("gpuwarden_nvlink_errors", "NVLink error counter as NVML reports it (volatile: a "
-                                "GPU reset zeroes it).", lab, float(lrec["counters"][c])))
-        out.append(MetricSample("gpuwarden_nvlink_error_rate_per_minute", "Increase of the NVLink error counter "
-                                "per minute over the rate window.", lab, rates[c]))
-    return out
+class _GpuTotals:
+    """The metrics of one GPU's links: counts and error totals per GPU, and a link's own series only while it is
+    not clean (not up, or any error counted or rising). 8 GPUs x 18 links x 4 counters would be 1,300 series of
+    zeros on a healthy node, where what an operator alerts and graphs on is per GPU; the link that is not clean
+    is named by its own series."""
+
+    def __init__(self) -> None:
+        self.active = self.down = 0
+        self.errors = {c: 0.0 for c in COUNTERS}
+        self.rates = {c: 0.0 for c in COUNTERS}
+        self.links: list[MetricSample] = []
+
+    def add(self, labels: Mapping[str, str], up: bool, expected: bool, lrec: Mapping[str, Any] | None) -> None:
+        self.active += up
+        self.down += expected and not up
+        counters = {c: float(lrec["counters"][c]) for c in COUNTERS} if lrec is not None else {}
+        rates = rates_per_minute(lrec.get("window", []))[1] if lrec is not None else {}
+        for c in counters:
+            self.errors[c] += counters[c]
+            self.rates[c] += rates[c]
+        if up and not any(counters.values()) and not any(rates.values()):
+            return  # clean
+        self.links.append(MetricSample("gpuwarden_nvlink_link_up", "1 if the NVLink is active, 0 if it is down or "
+                                       "missing (only links that are not clean: down, or with errors).", labels,
+                                       1.0 if up else 0.0))
+        for c in counters:
+            lab = {**labels, "counter": c}
+            self.links.append(MetricSample("gpuwarden_nvlink_link_errors", "The link's NVLink error counter as NVML "
+                                           "reports it (only links that are not clean).", lab, counters[c]))
+            self.links.append(MetricSample("gpuwarden_nvlink_link_error_rate_per_minute", "Increase of the link's "
+                                           "error counter per minute over the rate window (only links that are not "
+                                           "clean).", lab, rates[c]))
+
+    def samples(self, gpu: Mapping[str, str]) -> list[MetricSample]:
+        out = [MetricSample("gpuwarden_nvlink_links_active", "NVLinks of the GPU that are active.", gpu,
+                            float(self.active)),
+               MetricSample("gpuwarden_nvlink_links_down", "NVLinks of the GPU that should be active (the SKU's "
+                            "links, and any seen active) and are down or missing.", gpu, float(self.down))]
+        for c in COUNTERS:
+            lab = {**gpu, "counter": c}
+            out.append(MetricSample("gpuwarden_nvlink_errors", "NVLink error counter summed over the GPU's links, as "
+                                    "NVML reports it (volatile: a GPU reset zeroes it).", lab, self.errors[c]))
+            out.append(MetricSample("gpuwarden_nvlink_error_rate_per_minute", "Increase of the NVLink error counter "
+                                    "summed over the GPU's links, per minute over the rate window.", lab,
+                                    self.rates[c]))
+        return out + self.links
 
 
 def _down(entity: Entity, g: GpuLinks, lrec: Mapping[str, Any], reported: bool, sku_links: int, now: float,

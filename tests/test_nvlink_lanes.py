@@ -86,14 +86,17 @@ def test_real_smi_outputs_parse_as_the_tests_use_them():
 
 
 # ---------------------------------------------------------------- links up / down
-def test_healthy_gb200_tray_has_no_finding_and_exports_every_link(scenario_copy):
+def test_healthy_gb200_tray_has_no_finding_and_exports_per_gpu_series_only(scenario_copy):
     d = Driver(scenario_copy("gb200-nvl72-healthy"))
     j = d.at(T0)
     assert j.findings == ()
-    ups = [m for m in j.metrics if m.name == "gpuwarden_nvlink_up"]
-    assert len(ups) == 4 * 18 and {m.value for m in ups} == {1.0}
+    assert [metric(j, "gpuwarden_nvlink_links_active", gpu=str(i)) for i in range(4)] == [18.0] * 4
+    assert [metric(j, "gpuwarden_nvlink_links_down", gpu=str(i)) for i in range(4)] == [0.0] * 4
     assert d.state["gpus"]["GPU-7f56209f-bfaa-0234-486e-9d778f65ba32"]["baseline_active"] == 18
-    assert metric(j, "gpuwarden_nvlink_errors", gpu="0", link="17", counter="crc_flit") == 0.0
+    assert metric(j, "gpuwarden_nvlink_errors", gpu="0", counter="crc_flit") == 0.0
+    # Every link is clean: no per-link series (4 GPUs x 18 links x 9 series would be 648 of them).
+    assert not [m for m in j.metrics if "link" in m.labels]
+    assert len(j.metrics) == 4 * (2 + 2 * 4)
     assert d.at(T0 + 30).findings == ()
 
 
@@ -112,10 +115,14 @@ def test_a_link_that_drops_is_reset_gpu_until_it_is_back(scenario_copy):
     j = d.at(T0 + 90, restart=True)  # the down time survives a daemon restart
     (f,) = j.findings
     assert f.evidence["down_seconds"] == 60 and f.evidence["down_since"] == T0 + 30
-    assert metric(j, "gpuwarden_nvlink_up", gpu="1", link="5") == 0.0
+    assert metric(j, "gpuwarden_nvlink_link_up", gpu="1", link="5") == 0.0
+    assert metric(j, "gpuwarden_nvlink_links_down", gpu="1") == 1.0
+    assert metric(j, "gpuwarden_nvlink_links_active", gpu="1") == 17.0
+    assert {m.labels["link"] for m in j.metrics if "link" in m.labels} == {"5"}  # the one link not clean
     set_link(root, 1, 5, state=1)
     j = d.at(T0 + 120)
-    assert j.findings == () and metric(j, "gpuwarden_nvlink_up", gpu="1", link="5") == 1.0
+    assert j.findings == () and metric(j, "gpuwarden_nvlink_links_down", gpu="1") == 0.0
+    assert not [m for m in j.metrics if "link" in m.labels]  # clean again: its series go
 
 
 def test_links_the_sku_has_are_expected_from_the_first_sample(scenario_copy):
@@ -200,8 +207,11 @@ def test_error_rates_warn_and_fail_then_age_out(scenario_copy):
     set_link(root, 0, 3, replay=42)
     j = d.at(T0 + 60)
     assert {f.code for f in j.findings} == {"nvlink-crc-errors", "nvlink-replay-errors"}  # CRC still in the window
-    assert metric(j, "gpuwarden_nvlink_error_rate_per_minute", gpu="0", link="3", counter="replay") == 2.0
-    assert metric(j, "gpuwarden_nvlink_errors", gpu="0", link="3", counter="replay") == 42.0
+    assert metric(j, "gpuwarden_nvlink_link_error_rate_per_minute", gpu="0", link="3", counter="replay") == 2.0
+    assert metric(j, "gpuwarden_nvlink_link_errors", gpu="0", link="3", counter="replay") == 42.0
+    assert metric(j, "gpuwarden_nvlink_error_rate_per_minute", gpu="0", counter="replay") == 2.0  # GPU 0's total
+    assert metric(j, "gpuwarden_nvlink_errors", gpu="0", counter="crc_flit") == 1003.0
+    assert {m.labels["link"] for m in j.metrics if "link" in m.labels} == {"3"}
     set_link(root, 0, 3, recovery=3)
     j = d.at(T0 + 90)
     rec = next(f for f in j.findings if f.code == "nvlink-recovery-errors")
@@ -268,7 +278,9 @@ def test_metrics_are_lint_clean(scenario_copy):
     set_link(root, 1, 5, state=0)
     j = d.at(T0 + 30)
     names = {m.name for m in j.metrics}
-    assert names == {"gpuwarden_nvlink_up", "gpuwarden_nvlink_errors", "gpuwarden_nvlink_error_rate_per_minute"}
+    assert names == {"gpuwarden_nvlink_links_active", "gpuwarden_nvlink_links_down", "gpuwarden_nvlink_errors",
+                     "gpuwarden_nvlink_error_rate_per_minute", "gpuwarden_nvlink_link_up",
+                     "gpuwarden_nvlink_link_errors", "gpuwarden_nvlink_link_error_rate_per_minute"}
     assert all(m.kind == "gauge" and re.fullmatch(r"[a-z_]+", k) for m in j.metrics for k in m.labels)
     text = exposition(j.metrics)
     promtool_lint(text)
