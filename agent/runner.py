@@ -69,7 +69,9 @@ def run_one(spec: CheckSpec, node: Any, cfg: Mapping[str, Any], timeout_s: float
     # A tool ended at the check's deadline means the check ran out of time, even if its thread got to the end a
     # moment before the join did: one outcome, whichever thread saw the deadline first.
     timed_out = thread.is_alive() or scope.expired
-    error = f"timed out after {timeout_s:g}s{why}"
+    # A time cut by the budget is shown to a tenth (1.99803 -> 2), a configured one as given.
+    shown = f"{timeout_s:.1f}".rstrip("0").rstrip(".") if why else f"{timeout_s:g}"
+    error = f"timed out after {shown}s{why}"
     # Also after a normal end: a tool a check started and did not wait for goes with the check.
     left_running = scope.end_tools(f"its check {error}" if timed_out else "its check has ended")
     duration = time.monotonic() - start

@@ -43,7 +43,9 @@ from ..errors import ToolError, ToolMissing
 
 log = structlog.get_logger("gpuwarden.tools")
 
-TERM_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a tool's group
+# Between SIGTERM and SIGKILL to a tool's group: long enough for a tool that stops cleanly on TERM (dcgmi asks the
+# host engine to stop its diagnostic; mpirun forwards TERM to its ranks), short enough for a Slurm Prolog.
+TERM_GRACE_S = 5.0
 # After SIGKILL: a process in uninterruptible sleep (a call stuck in the driver) may never go; the caller is told.
 KILL_WAIT_S = 5.0
 MAX_OUTPUT_BYTES = 64 << 20  # a tool that prints more is not read (nothing the checks parse comes near it)
@@ -133,16 +135,11 @@ class Scope:
         finally:
             _current.reset(token)
 
-    def end_tools(self, reason: str, grace_s: float = TERM_GRACE_S) -> list[str]:
-        """Cancel, end every tool still running here or in a nested scope, and return once they are gone. Returns
-        what could not be ended (a process stuck in the kernel), [] normally."""
+    def end_tools(self, reason: str, grace_s: float | None = None) -> list[str]:
+        """Cancel, end every tool still running here or in a nested scope (all at once), and return once they are
+        gone. Returns what could not be ended (a process stuck in the kernel), [] normally."""
         self.cancel(reason)
-        problems = []
-        for tool in self._all_tools():
-            problem = tool.end(grace_s)
-            if problem:
-                problems.append(problem)
-        return problems
+        return end_all(self._all_tools(), grace_s)
 
     def _all_tools(self) -> list["ToolProcess"]:
         with self._lock:
@@ -194,8 +191,7 @@ class ToolProcess:
         _become_subreaper()
         self.argv = tuple(argv)
         self.scope = scope
-        self._end_lock = threading.Lock()
-        self._gone = False
+        self._gone = False  # no process of the group is left (reaped)
         try:
             spawn = partial(subprocess.Popen, self.argv, stdout=stdout, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -219,40 +215,27 @@ class ToolProcess:
         except subprocess.TimeoutExpired:
             return False
 
-    def end(self, grace_s: float = TERM_GRACE_S) -> str | None:
-        """SIGTERM the group, SIGKILL it after `grace_s`, reap. None once no process of the group is left (at once
-        for a tool whose group is already gone), else what is still there. Safe to call from several threads."""
-        with self._end_lock:
-            if not self._gone:
-                self._gone = self._signal_and_wait(signal.SIGTERM, grace_s) or \
-                    self._signal_and_wait(signal.SIGKILL, KILL_WAIT_S)
-                if self.scope is not None:
-                    self.scope._unregister(self)
-            if self._gone:
-                return None
-            return f"{self.argv[0]} (process group {self.pgid}) could not be ended"
+    def end(self, grace_s: float | None = None) -> str | None:
+        """SIGTERM the group, SIGKILL it after `grace_s` (default TERM_GRACE_S), reap. None once no process of the
+        group is left (at once for a tool whose group is already gone), else what is still there."""
+        problems = end_all([self], grace_s)
+        return problems[0] if problems else None
 
-    def _signal_and_wait(self, sig: signal.Signals, wait_s: float) -> bool:
+    def _signal(self, sig: signal.Signals) -> None:
         if self._empty():
-            return True
+            return
         try:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass
         except PermissionError:  # a member changed its user (setuid helper): nothing more can be done from here
             log.warning("cannot signal a tool's process group", tool=self.argv[0], pgid=self.pgid)
-        end = time.monotonic() + wait_s
-        pause = 0.002
-        while not self._empty():
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.05)
-        return True
 
     def _empty(self) -> bool:
-        """Reap what can be reaped, then whether any process of the group is left."""
+        """Reap what can be reaped, then whether any process of the group is left. Called from several threads at
+        once (the tool's own and the runner's, ending it together): each step is safe to repeat."""
+        if self._gone:
+            return True
         if self.popen.poll() is not None:  # the first process through Popen, so its exit status is kept
             while True:  # then the group's other processes that are our children (orphans come back to us)
                 try:
@@ -264,10 +247,35 @@ class ToolProcess:
         try:
             os.killpg(self.pgid, 0)
         except ProcessLookupError:
+            self._gone = True
+            if self.scope is not None:
+                self.scope._unregister(self)
             return True
         except PermissionError:
             return False
         return False
+
+
+def end_all(tools: Sequence[ToolProcess], grace_s: float | None = None) -> list[str]:
+    """End several tools at once: SIGTERM to every group, SIGKILL to those still there after `grace_s` (default
+    TERM_GRACE_S), then wait until they are gone. Returns what could not be ended."""
+    grace_s = TERM_GRACE_S if grace_s is None else grace_s
+    left = list(tools)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
+        for tool in left:
+            tool._signal(sig)
+        end = time.monotonic() + wait_s
+        pause = 0.002
+        while True:
+            left = [t for t in left if not t._empty()]
+            now = time.monotonic()
+            if not left or now >= end:
+                break
+            time.sleep(min(pause, end - now))
+            pause = min(pause * 2, 0.05)
+        if not left:
+            return []
+    return [f"{t.argv[0]} (process group {t.pgid}) could not be ended" for t in left]
 
 
 def read_output(f: IO[bytes], what: str) -> str:
