@@ -149,12 +149,10 @@ def test_a_tool_past_its_own_timeout_is_ended_with_its_grandchild(stubborn):
 def test_a_tool_that_exits_takes_what_it_started_with_it(stubborn, tmp_path):
     # The tool returns at once but leaves a TERM-ignoring process behind in its group.
     script = tmp_path / "bin" / "nvbandwidth"
-    script.write_text("#!/bin/sh\ntrap '' TERM\nsleep 1000 &\n"
-                      "echo \"$$ $! $*\" > \"$GW_TOOL_PIDS/$$.tmp\" && mv \"$GW_TOOL_PIDS/$$.tmp\" \"$GW_TOOL_PIDS/$$\"\n"
-                      "echo done\nexit 3\n")
+    script.write_text(STUBBORN.replace("exec sleep 1000", "exit 3"))
     script.chmod(0o755)
     out = within(ToolRunner().run, "nvbandwidth", ["nvbandwidth"], timeout_s=60)
-    assert out.output.strip() == "done" and out.returncode == 3
+    assert out.output.strip() == "started" and out.returncode == 3
     stubborn.assert_all_gone()
 
 
