@@ -208,6 +208,24 @@ def test_a_recorded_hang_ends_when_its_check_times_out(tmp_path):
     assert ended.wait(WAIT_S) and "recorded hang" in why[0]
 
 
+def test_a_recorded_gemm_hang_ends_when_its_check_times_out(scenario_copy):
+    from gpuwarden.agent.node import Node
+    from gpuwarden.checks import burnin
+
+    root = scenario_copy("h100-hgx-healthy")
+    (root / "tools").mkdir()
+    (root / "tools" / "burnin.hang").write_text("")
+    before = set(threading.enumerate())
+    cfg = config.defaults([burnin.CHECK])
+    cfg.agent["check_timeout_s"] = 0.5
+    (result,) = within(run_checks, Node.recorded_at(root), [burnin.CHECK], cfg)
+    assert result.status is Status.UNKNOWN and "timed out after 0.5s" in result.error
+    check_threads = [t for t in set(threading.enumerate()) - before if t.name == "check-burnin"]
+    for t in check_threads:  # the replay stopped waiting with its check, not after its hour
+        t.join(WAIT_S)
+        assert not t.is_alive()
+
+
 def test_perftest_server_and_client_are_ended_with_their_check(stubborn):
     stubborn.install("ib_write_bw")
 
