@@ -275,3 +275,12 @@ def test_preflight_that_runs_out_of_time_exits_with_its_tools_gone(stubborn, fla
     (result,) = json.loads(out)["results"]
     assert result["status"] == "unknown" and "timed out after 2s" in result["error"]
     stubborn.assert_all_gone()
+
+
+def test_no_tool_starts_in_a_check_that_was_ended(stubborn):
+    stubborn.install("dcgmi")
+    scope = tools_mod.Scope()
+    scope.end_tools("its check timed out after 1s")
+    with scope.entered(), pytest.raises(ToolError, match="not started: its check timed out"):
+        ToolRunner().run("dcgmi", ["dcgmi"], timeout_s=60)
+    assert stubborn.started() == []

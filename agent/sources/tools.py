@@ -340,7 +340,9 @@ class ToolRunner:
             rc = 0
             if rc_file.exists():
                 with open(rc_file, "rb") as f:
-                    rc = int(f.read(32).strip())
+                    rc = int(f.read(16).strip())
+                if not -128 <= rc <= 255:  # an exit status, or minus the signal that ended the tool (Popen's form)
+                    raise ValueError(rc)
         except OSError as exc:
             raise ToolError(f"tools/{name}: cannot read: {exc.strerror or exc}") from None
         except ValueError:
