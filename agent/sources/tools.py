@@ -109,10 +109,6 @@ class Scope:
         left = self.left()
         return (left, True) if left is not None and left < timeout_s else (timeout_s, False)
 
-    def _timed_out(self, cut: bool) -> None:
-        if cut:
-            self.expired = True
-
     def sleep(self, seconds: float) -> bool:
         """Wait `seconds` or until cancelled; True when cancelled."""
         return self._cancelled.wait(max(0.0, seconds))
@@ -310,8 +306,8 @@ class ToolRunner:
             if scope is not None and scope.cancelled:
                 raise ToolTimeout(f"{argv[0]}: ended: {scope.reason}")
             if not finished:
-                if scope is not None:
-                    scope._timed_out(cut)
+                if scope is not None and cut:
+                    scope.expired = True
                 raise ToolTimeout(_no_answer(argv[0], limit, cut) + (f"; {problem}" if problem else ""))
             if problem:
                 log.warning("tool left processes running", problem=problem)
@@ -326,8 +322,8 @@ class ToolRunner:
             cancelled = scope.sleep(limit) if scope is not None else threading.Event().wait(limit)
             if cancelled and scope is not None:
                 raise ToolTimeout(f"{argv[0]}: ended: {scope.reason} [recorded hang]")
-            if scope is not None:
-                scope._timed_out(cut)
+            if scope is not None and cut:
+                scope.expired = True
             raise ToolTimeout(_no_answer(argv[0], limit, cut) + " [recorded hang]")
         out = base.with_suffix(".out")
         if not out.exists():
