@@ -179,9 +179,15 @@ BAD_CONFIGS = {
 
 
 def one_line_error(capsys, argv) -> str:
+    import structlog
+
     from gpuwarden.agent.cli import main
 
-    assert main(argv) == 2
+    saved = structlog.get_config()  # main sets logging up on capsys' stream, which is closed after the test
+    try:
+        assert main(argv) == 2
+    finally:
+        structlog.configure(**saved)
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err and err.count("\n") == 1 and err.startswith("gpuwarden ")
     return err
