@@ -34,6 +34,8 @@ class CheckSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     # Element type of list-valued keys whose default is empty (so the loader can still check them).
     list_types: Mapping[str, type] = field(default_factory=dict)
+    # The allowed values of enum-like keys (checked when the config is loaded: a typo is an error, not an UNKNOWN).
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     timeout_s: float = 30.0
     level: str = "quick"  # quick: non-disturbing, seconds; full: loads the GPUs or the network
     # Resources the check loads ("gpu", "network"): checks sharing one never run at the same time, so a

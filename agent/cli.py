@@ -5,15 +5,19 @@ Exit codes of `preflight` and `analyze` (usable as Slurm HealthCheckProgram / Pr
   1  a fault that needs action (at least one FAIL)
   2  could not decide: a check could not look (UNKNOWN), or the command itself was wrong (bad config, bad
      flags, unreadable scenario)
+  130 / 143  interrupted by SIGINT / SIGTERM: every tool it had started was ended first, no verdict
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import structlog
 
@@ -85,6 +89,36 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default: info)")
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached a command that runs tools: raised in the main thread, so the runner ends every tool
+    it started on the way out (BaseException: no `except Exception` on the way may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def _tools_end_on_signals() -> Iterator[None]:
+    """SIGINT/SIGTERM raise Interrupted; a second signal while the tools are being ended is ignored, so the ending
+    (bounded: a grace, then SIGKILL) is not cut short and no tool outlives the command (a Slurm Prolog's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _node(root: Path | None):
     from .node import Node
 
@@ -107,9 +141,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     if args.check_timeout is not None:
-        cfg.agent["check_timeout_s"] = config_mod.coerce("--check-timeout", args.check_timeout, 0.0, "command line")
+        config_mod.set_flag(cfg, "check_timeout_s", args.check_timeout, "--check-timeout")
     if args.budget is not None:
-        cfg.agent["budget_s"] = config_mod.coerce("--budget", args.budget, 0.0, "command line")
+        config_mod.set_flag(cfg, "budget_s", args.budget, "--budget")
     level = args.level or cfg.agent["level"]
     names = [n for arg in args.checks for n in arg.split(",") if n] or cfg.agent["checks"]
     known = {s.name: s for s in ALL}
@@ -121,7 +155,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     node = _node(args.root)
     progress = Progress() if not args.json else None
     try:
-        results = run_checks(node, specs, cfg, progress, budget_s=cfg.agent["budget_s"] or None)
+        with _tools_end_on_signals():
+            results = run_checks(node, specs, cfg, progress, budget_s=cfg.agent["budget_s"] or None)
     finally:
         if progress:
             progress.close()
@@ -144,7 +179,11 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
-    problems = record(_node(args.root), args.out, cfg, with_tools=args.with_tools, budget_s=args.budget or None)
+    budget = None
+    if args.budget is not None:  # checked as agent.budget_s is, but only this flag bounds a recording
+        budget = config_mod.coerce("agent.budget_s", args.budget, 0.0, "command line", name="--budget") or None
+    with _tools_end_on_signals():
+        problems = record(_node(args.root), args.out, cfg, with_tools=args.with_tools, budget_s=budget)
     for problem in problems:
         log.warning("could not record", problem=problem)
     log.info("recorded", out=str(args.out), problems=len(problems))
@@ -200,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuwardenError as exc:
         print(f"gpuwarden {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNDECIDED
+    except Interrupted as exc:
+        print(f"gpuwarden {args.command}: interrupted by {exc}; the tools it had started were ended", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -1,11 +1,19 @@
 """Configuration: defaults < TOML file (/etc/gpuwarden/gpuwarden.toml or --config) < command-line flags.
 
 An unknown key or a value of the wrong type is an error that names the key and the file: a typo in a
-threshold must never silently fall back to the default.
+threshold must never silently fall back to the default. So is a value out of range, checked when the config is
+loaded rather than when a check runs:
+- a number (seconds, threshold) is finite and >= 0; a timeout or the budget is at most a day, any other duration at
+  most a year; an integer (a count, a size, a level) is >= 0 and at most 2**53; `_RANGES` lists the keys that differ
+  (-1 allowed, a fraction at most 1);
+- a setting with a fixed set of values (a spec's `choices`, the agent's log format) is one of them;
+- strings and lists are bounded in length, and the file itself in size (a config is a few KB).
+A file that is not UTF-8, is nested too deeply or holds a number too long to read is rejected the same way.
 """
 from __future__ import annotations
 
 import copy
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +36,26 @@ AGENT_DEFAULTS: dict[str, Any] = {
     "log_format": "auto",  # auto (console on a TTY, JSON otherwise) | json | console
     "log_level": "info",
 }
-_CHOICES = {"log_format": ("auto", "json", "console"), "log_level": ("debug", "info", "warning", "error"),
-            "level": ("quick", "full")}
+_CHOICES: dict[str, tuple[Any, ...]] = {"agent.log_format": ("auto", "json", "console"),
+                                        "agent.log_level": ("debug", "info", "warning", "error"),
+                                        "agent.level": ("quick", "full")}
+
+MAX_FILE_BYTES = 1 << 20
+MAX_STR = 4096  # characters in one string value
+MAX_LIST = 4096  # items in one list value
+INT_MAX = 2**53  # above any count, size or seed the checks use, and exact as a float
+FLOAT_MAX = 1e12  # above any threshold the checks use (GB/s, TFLOP/s, errors per minute, degrees)
+TIMEOUT_MAX_S = 86400.0  # a timeout or a budget: one day
+DURATION_MAX_S = 366 * 86400.0  # any other *_s key (windows, hold times): one year
+# Keys whose range is not the default of their type above: (lowest, highest), both inclusive.
+_RANGES: dict[str, tuple[float, float]] = {
+    "checks.rdma_loopback.roce_gid_index": (-1, 65535),  # -1 = perftest's own default GID (no -x)
+    "checks.burnin.relative_drop": (0.0, 1.0),
+    "checks.rdma_loopback.min_fraction": (0.0, 1.0),
+    "checks.clock_events.hw_fail_ratio": (0.0, 1.0),
+    "checks.clock_events.hw_warn_ratio": (0.0, 1.0),
+    "checks.clock_events.sw_thermal_warn_ratio": (0.0, 1.0),
+}
 
 
 @dataclass
@@ -85,31 +111,65 @@ def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = 
         if not path.exists():
             return cfg
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = read_toml(Path(path))
     except FileNotFoundError:
         if explicit:
             raise ConfigError(f"{path}: config file not found") from None
         return cfg
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    apply(cfg, data, str(path), {s.name for s in specs})
+    apply(cfg, data, str(path), {s.name for s in specs}, spec_choices(specs))
     cfg.files.append(str(path))
     cfg.source = str(path)
     return cfg
 
 
-def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[str]) -> None:
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file read as untrusted input: bounded in size, UTF-8, nesting and numbers the parser can hold. Every
+    failure is a ConfigError naming the file, except FileNotFoundError (the caller decides what a missing file is)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES >> 10} KiB; not a config file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {exc.start}: {raw[exc.start]:#04x})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def spec_choices(specs: Iterable[Any]) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of every enum-like key: the agent's, and those the specs declare (`choices`)."""
+    out = dict(_CHOICES)
+    for spec in specs:
+        out.update({f"checks.{spec.name}.{k}": tuple(v) for k, v in getattr(spec, "choices", {}).items()})
+    return out
+
+
+def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[str],
+          choices: Mapping[str, tuple[Any, ...]] | None = None) -> None:
+    choices = _CHOICES if choices is None else choices
     for key, value in data.items():
         if key == "agent":
-            _merge(cfg, cfg.agent, _table(value, "agent", origin), "agent", origin)
+            _merge(cfg, cfg.agent, _table(value, "agent", origin), "agent", origin, choices)
         elif key == "checks":
             for name, table in _table(value, "checks", origin).items():
                 if name not in check_names:
                     known = ", ".join(sorted(check_names))
                     raise ConfigError(f"{origin}: unknown check 'checks.{name}' (known: {known})")
-                _merge(cfg, cfg.checks[name], _table(table, f"checks.{name}", origin), f"checks.{name}", origin)
+                _merge(cfg, cfg.checks[name], _table(table, f"checks.{name}", origin), f"checks.{name}", origin,
+                       choices)
         else:
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent] and [checks.<name>])")
     unknown_checks = [c for c in cfg.agent["checks"] if c not in check_names]
@@ -123,41 +183,80 @@ def _table(value: Any, name: str, origin: str) -> Mapping[str, Any]:
     return value
 
 
-def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefix: str, origin: str) -> None:
+def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefix: str, origin: str,
+           choices: Mapping[str, tuple[Any, ...]]) -> None:
     for key, value in values.items():
         full = f"{prefix}.{key}"
         if key not in target:
             raise ConfigError(f"{origin}: unknown key '{full}' (known: {', '.join(sorted(target)) or 'none'})")
-        target[key] = coerce(full, value, target[key], origin, cfg.list_types.get(full))
+        target[key] = coerce(full, value, target[key], origin, cfg.list_types.get(full), choices.get(full))
 
 
-def coerce(key: str, value: Any, default: Any, origin: str, item_type: type | None = None) -> Any:
-    """Check `value` has the type of `default` (int is accepted where a float is expected)."""
-    def bad(expected: str) -> ConfigError:
-        return ConfigError(f"{origin}: '{key}' must be {expected}, got {value!r}")
+def set_flag(cfg: Config, key: str, value: Any, flag: str) -> None:
+    """A command-line value for agent.`key`, checked as the file's would be; the error names the flag."""
+    cfg.agent[key] = coerce(f"agent.{key}", value, AGENT_DEFAULTS[key], "command line", choices=_CHOICES.get(
+        f"agent.{key}"), name=flag)
 
+
+def bounds(key: str, default: Any) -> tuple[float, float]:
+    """The range a number under `key` must lie in (`default` gives its type)."""
+    if key in _RANGES:
+        return _RANGES[key]
     short = key.rsplit(".", 1)[-1]
+    if short.endswith("_s"):
+        timeout = "timeout" in short or short == "budget_s" or isinstance(default, int)
+        return 0, TIMEOUT_MAX_S if timeout else DURATION_MAX_S
+    return (0, INT_MAX) if isinstance(default, int) else (0.0, FLOAT_MAX)
+
+
+def coerce(key: str, value: Any, default: Any, origin: str, item_type: type | None = None,
+           choices: tuple[Any, ...] | None = None, name: str | None = None) -> Any:
+    """Check `value` has the type of `default` (int is accepted where a float is expected), lies in the key's
+    range and, with `choices`, is one of them. `name`: how the error names the value (default: the key)."""
+    def bad(expected: str) -> ConfigError:
+        shown = repr(value) if not isinstance(value, (str, list)) or len(value) <= 80 else \
+            f"{type(value).__name__} of length {len(value)}"
+        return ConfigError(f"{origin}: '{name or key}' must be {expected}, got {shown}")
+
+    def in_range(number: int | float) -> None:
+        low, high = bounds(key, default)
+        if not math.isfinite(number) or not low <= number <= high:
+            raise bad(f"a number from {low:g} to {high:g}")
+
+    if choices is None:
+        choices = _CHOICES.get(key)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise bad("true or false")
     elif isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad("an integer")
+        if choices is None:
+            in_range(value)
     elif isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("a number")
+        if isinstance(value, int) and abs(value) > INT_MAX:
+            raise bad(f"a number from {bounds(key, default)[0]:g} to {bounds(key, default)[1]:g}")
         value = float(value)
-        if value < 0:
-            raise bad("a number >= 0")
+        in_range(value)
     elif isinstance(default, str):
         if not isinstance(value, str):
             raise bad("a string")
-        if short in _CHOICES and value not in _CHOICES[short]:
-            raise bad("one of " + ", ".join(_CHOICES[short]))
+        if len(value) > MAX_STR:
+            raise bad(f"a string of at most {MAX_STR} characters")
     elif isinstance(default, list):
         if not isinstance(value, list):
             raise bad("a list")
+        if len(value) > MAX_LIST:
+            raise bad(f"a list of at most {MAX_LIST} items")
         kind = item_type or (type(default[0]) if default else None)
         if kind is not None and any(not isinstance(v, kind) or isinstance(v, bool) != (kind is bool) for v in value):
             raise bad(f"a list of {kind.__name__}")
+        if any(isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= INT_MAX for v in value):
+            raise bad(f"a list of integers from 0 to {INT_MAX}")
+        if any(isinstance(v, str) and len(v) > MAX_STR for v in value):
+            raise bad(f"a list of strings of at most {MAX_STR} characters")
+    if choices is not None and value not in choices:
+        raise bad("one of " + ", ".join(repr(c) if isinstance(c, str) and not c else str(c) for c in choices))
     return value

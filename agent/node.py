@@ -4,11 +4,11 @@ from __future__ import annotations
 import copy
 import socket
 import threading
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import read_toml
 from .errors import ConfigError, NvmlError, SourceError
 from .sku import KNOWN_SKUS, sku_from_gpu_name
 from .sources.dcgm import Dcgm
@@ -35,11 +35,9 @@ class NodeInfo:
     @classmethod
     def from_toml(cls, path: Path) -> "NodeInfo":
         try:
-            data = tomllib.loads(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+            data = read_toml(path)  # bounded, UTF-8, not nested too deeply: a scenario is untrusted input
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: cannot read: No such file or directory") from None
         unknown = sorted(set(data) - NODE_TOML_KEYS)
         if unknown:
             raise ConfigError(f"{path}: unknown key '{unknown[0]}' (known: {', '.join(sorted(NODE_TOML_KEYS))})")

@@ -49,6 +49,7 @@ class PassiveSpec:
     interval_s: float  # production poll interval
     defaults: Mapping[str, Any] = field(default_factory=dict)
     list_types: Mapping[str, type] = field(default_factory=dict)
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # allowed values of enum-like keys
     timeout_s: float = 10.0  # a sample that takes longer is UNKNOWN; it never blocks the other checks
     # "event": sampled by its own thread as fast as the source delivers (the kernel-log follower), not on
     # a timer; interval_s is then the longest wait between two samples.
@@ -113,6 +114,7 @@ class KernelConsumer:
     judge: "Callable[[Mapping[str, Any], KernelBatch, Mapping[str, Any], float], Judgement]"
     defaults: Mapping[str, Any] = field(default_factory=dict)
     list_types: Mapping[str, type] = field(default_factory=dict)
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # allowed values of enum-like keys
     # Substrings of the messages this consumer reads; the follower builds records only for those (a flood of
     # unrelated lines then costs a header check each). Empty: every record.
     interest: tuple[str, ...] = ()

@@ -23,7 +23,7 @@ import structlog
 from .errors import NvmlError, SourceError, ToolError, ToolMissing
 from .sources.dcgm import Dcgm
 from .sources.gemm import Gemm, GemmResult
-from .sources.tools import ToolOutput, ToolRunner
+from .sources.tools import ToolOutput, ToolRunner, ToolTimeout
 
 log = structlog.get_logger("gpuwarden.record")
 TOOL_SUFFIXES = (".out", ".rc", ".hang")
@@ -45,12 +45,15 @@ class RecordedFiles:
         with self._lock:
             self._running[name] = suffixes
 
-    def end(self, name: str, suffixes: tuple[str, ...], contents: dict[str, str | bytes]) -> None:
+    def end(self, name: str, suffixes: tuple[str, ...], contents: dict[str, str | bytes],
+            problem: str | None = None) -> None:
         """Replace whatever tools/<name>.* held by `contents` ({} = nothing: replayed as not installed)."""
         with self._lock:
             self._running.pop(name, None)
             if not self._closed:
                 self._write(name, suffixes, contents)
+                if problem:
+                    self.problems.append(problem)
 
     def close(self) -> None:
         with self._lock:
@@ -92,9 +95,11 @@ class RecordingTools(ToolRunner):
             raise
         except ToolError as exc:
             hung = time.monotonic() - start >= timeout_s  # killed at its timeout (a failure to start is at once)
-            self.files.end(name, TOOL_SUFFIXES, {".hang": ""} if hung else {})
-            if not hung:
-                self.files.problems.append(f"tools/{name}: {exc}; not recorded (replays as not installed)")
+            if isinstance(exc, ToolTimeout):  # its check ran out of time (or was stopped) first
+                self.files.end(name, TOOL_SUFFIXES, {".hang": ""}, f"tools/{name}: {exc}; recorded as a hang")
+            else:
+                self.files.end(name, TOOL_SUFFIXES, {".hang": ""} if hung else {},
+                               None if hung else f"tools/{name}: {exc}; not recorded (replays as not installed)")
             raise
         self.files.end(name, TOOL_SUFFIXES, {".out": out.output, ".rc": f"{out.returncode}\n"})
         return out

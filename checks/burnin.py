@@ -14,7 +14,7 @@ from gpuwarden.checks.parse_dcgmi_diag import TestResult, parse_dcgmi_diag_json
 from gpuwarden.agent.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.sources.gemm import Gemm, GemmResult
+from gpuwarden.agent.sources.gemm import DTYPES, Gemm, GemmResult
 from gpuwarden.agent.thresholds import sku_table, threshold
 
 CHECK_NAME = "burnin"
@@ -170,6 +170,7 @@ CHECK = CheckSpec(
         "use_torch": True,  # false: DCGM targeted_stress even where PyTorch is installed
         "dcgm_timeout_s": 240.0,
     },
+    choices={"dtype": DTYPES, "device": ("cuda", "cpu")},
     timeout_s=300,
     level="full",
     resources=("gpu",),

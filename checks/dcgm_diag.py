@@ -176,6 +176,7 @@ CHECK = CheckSpec(
         "timeout_s": 870.0,  # dcgmi's own limit, under the check's 900 s so its error wins over the runner's
     },
     list_types={"ignore_tests": str},
+    choices={"level": (1, 2, 3, 4)},
     timeout_s=900,
     level="full",
     resources=("gpu",),

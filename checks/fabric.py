@@ -29,7 +29,7 @@ from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.sources.nvml import ERROR_NAMES
 
-from .fabric_manager import FmReading, judge_fabric_manager, read_fabric_manager, watched
+from .fabric_manager import MODES, FmReading, judge_fabric_manager, read_fabric_manager, watched
 
 CHECK_NAME = "fabric"
 COMPLETED = 3
@@ -191,5 +191,6 @@ SPEC = PassiveSpec(
         "fabric_manager": "auto",  # auto: watch Fabric Manager on HGX SKUs | required: on any SKU | off
         "tool_timeout_s": 5.0,  # systemctl is-active nvidia-fabricmanager
     },
+    choices={"fabric_manager": MODES},
     timeout_s=15.0,
 )

@@ -325,5 +325,6 @@ CHECK = CheckSpec(
         "topo_timeout_s": 20.0,
     },
     list_types={"ignore_devices": str},
+    choices={"gpu_nic_max_distance": ("", *PCIE_DISTANCE, "off")},
     timeout_s=45,
 )

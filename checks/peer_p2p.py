@@ -272,6 +272,8 @@ CHECK = CheckSpec(
         "nvlink_replay_max": 0,
         "nvlink_recovery_max": 0,
     },
+    choices={"expect_nvlink": ("auto", "yes", "no"), "bandwidth_method": ("auto", "nvbandwidth", "torch", "none"),
+             "device": ("cuda", "cpu")},
     timeout_s=180,
     level="full",
     resources=("gpu",),

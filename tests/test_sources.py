@@ -153,3 +153,19 @@ def test_dcgm_diag_garbage_and_failures_are_clear_errors(tmp_path):
         Dcgm(ToolRunner(recorded_dir=tmp_path)).diag(2, timeout_s=5)
     with pytest.raises(ToolMissing):
         Dcgm(ToolRunner(recorded_dir=tmp_path / "none")).diag(2, timeout_s=5)
+
+
+def test_tool_output_is_bounded_and_a_recorded_status_must_be_a_number(tmp_path, monkeypatch):
+    from gpuwarden.agent.sources import tools as tools_mod
+
+    monkeypatch.setattr(tools_mod, "MAX_OUTPUT_BYTES", 1000)
+    with pytest.raises(ToolError, match="printed more than"):
+        ToolRunner().run("chatty", [sys.executable, "-c", "print('x' * 5000)"], timeout_s=30)
+    (tmp_path / "chatty.out").write_text("y" * 5000)
+    with pytest.raises(ToolError, match="printed more than"):
+        ToolRunner(recorded_dir=tmp_path).run("chatty", ["chatty"], timeout_s=5)
+    (tmp_path / "dcgmi.out").write_text("{}")
+    for rc in ("²\n", "1" * 5000, "\xff"):
+        (tmp_path / "dcgmi.rc").write_text(rc, errors="surrogateescape")
+        with pytest.raises(ToolError, match="not an exit status"):
+            ToolRunner(recorded_dir=tmp_path).run("dcgmi", ["dcgmi"], timeout_s=5)

@@ -1,25 +1,28 @@
 """perftest loopback on one HCA port: an `ib_write_bw` server in the background and a client to localhost on the
 same host, as perftest's own run_perftest_loopback script does (server &, sleep, client localhost, wait).
 
-Live, the server is spawned here (no shell, looked up on PATH like ToolRunner) and is always killed before
-returning; the client goes through the ToolRunner. On a recorded node the client's output is replayed from
+Live, the server is spawned here (no shell, looked up on PATH like ToolRunner) in a process group of its own,
+registered in the running check's scope like any tool (agent/sources/tools.py), and always ended before returning;
+the client goes through the ToolRunner. Both are bounded by the check's time and the budget, and both are ended when
+the check is cancelled. On a recorded node the client's output is replayed from
 tools/ib_write_bw-<hca>-<port>.out (+ .rc / .hang), and the server's from ...-server.out when present.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import ToolError, ToolMissing
-from .tools import ToolOutput, ToolRunner
+import structlog
+
+from ..errors import ToolMissing
+from .tools import Scope, ToolOutput, ToolProcess, ToolRunner, ToolTimeout, read_output, current_scope
+
+log = structlog.get_logger("gpuwarden.perftest")
 
 TOOL = "ib_write_bw"
 # The client tried before the server listened: perftest's messages for a refused TCP connection
@@ -45,19 +48,23 @@ def _free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
-    """Let the server finish on its own (it exits after the client's report), then TERM, then KILL its group."""
-    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-        if sig is not None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _stop(server: ToolProcess, grace_s: float) -> None:
+    """Let the server finish on its own (it exits after the client's report), then end its group."""
+    scope = current_scope()
+    if scope is not None:
+        left = scope.left()
+        grace_s = 0.0 if scope.cancelled else grace_s if left is None else min(grace_s, left)
+    server.wait(grace_s)
+    problem = server.end()
+    if problem:
+        log.warning("ib_write_bw server left running", problem=problem)
+
+
+def _pause(seconds: float, scope: Scope | None) -> None:
+    if scope is None:
+        time.sleep(seconds)
+    elif scope.sleep(seconds):
+        raise ToolTimeout(f"{TOOL}: ended: {scope.reason}")
 
 
 def loopback_pair(tools_runner: ToolRunner, hca: str, port: int | str, args: Sequence[str], timeout_s: float, *,
@@ -79,36 +86,35 @@ def loopback_pair(tools_runner: ToolRunner, hca: str, port: int | str, args: Seq
     if exe is None:
         raise ToolMissing(f"{TOOL}: not installed (not on PATH; perftest package)")
     tcp = ["-p", str(_free_tcp_port())]
-    deadline = time.monotonic() + timeout_s
+    scope = current_scope()
+    limit, _ = scope.bound(timeout_s) if scope is not None else (timeout_s, False)
+    deadline = time.monotonic() + limit
     with tempfile.TemporaryFile() as server_out:
         start = time.monotonic()
-        try:
-            server = subprocess.Popen([exe, *args, *tcp], stdout=server_out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            raise ToolError(f"{TOOL} server: cannot run: {exc.strerror or exc}") from None
+        server = ToolProcess([exe, *args, *tcp], server_out, scope)
         client_ok = False
         try:
-            time.sleep(startup_s)  # run_perftest_loopback: "give server time to start"
+            _pause(startup_s, scope)  # run_perftest_loopback: "give server time to start"
             runs = 0
             while True:
                 runs += 1
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ToolError(f"{TOOL} client on {hca}/{port}: no result within {timeout_s:g}s (killed)")
+                    if scope is not None and limit < timeout_s:
+                        scope.expired = True  # the check's time, not the pair's own, ran out
+                    raise ToolTimeout(f"{TOOL} client on {hca}/{port}: no result within {limit:.3g}s (killed)")
                 client = tools_runner.run(name, [TOOL, *args, *tcp, "localhost"], left)
                 retry = (client.returncode != 0 and _NOT_LISTENING.search(client.output) is not None
                          and server.poll() is None and runs < attempts)
                 if not retry:
                     break
-                time.sleep(retry_delay_s)
+                _pause(retry_delay_s, scope)
             client_ok = client.returncode == 0
         finally:
             # After a good run the server exits by itself once it has sent its report; otherwise it would wait
             # for a client forever.
             _stop(server, server_grace_s if client_ok else 0.1)
-        server_out.seek(0)
-        text = server_out.read().decode(errors="replace")
+        text = read_output(server_out, f"{TOOL} server")
     rc = server.returncode if server.returncode is not None else -9
     return LoopbackOutput(client, ToolOutput(f"{name}-server", (TOOL, *args, *tcp), text, rc,
                                              time.monotonic() - start), runs)
