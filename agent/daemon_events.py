@@ -77,7 +77,7 @@ class EventLoops:
     def _nvml_xid_loop(self) -> None:
         """NVML's XID events, the second XID source (docs/daemon.md): each batch goes to the kernel-log consumers,
         which count an XID once whichever sources saw it. Where the node has no events it says so once and ends.
-        An NVML error makes xid_watch UNKNOWN (kept in its state, so kernel-log ticks do not hide it) and the
+        An NVML error makes xid UNKNOWN (kept in its state, so kernel-log ticks do not hide it) and the
         subscription is rebuilt after a backoff (without a GPU that fell off the bus); incidents are kept."""
 
         def feed(xids: list, error: str | None) -> None:

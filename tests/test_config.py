@@ -71,8 +71,8 @@ def test_every_config_key_is_documented():
     ("[agent]\nbudget_s = -inf\n", "agent.budget_s"),
     ("[agent]\nbudget_s = 1" + "0" * 400 + "\n", "agent.budget_s"),  # an int too large for a float
     ("[checks.pcie_link]\ntopo_timeout_s = 1e9\n", "checks.pcie_link.topo_timeout_s"),  # over a day
-    ("[checks.ib_downtime]\nwindow_s = -1.0\n", "checks.ib_downtime.window_s"),
-    ("[checks.xid]\nwindow_s = nan\n", "checks.xid.window_s"),
+    ("[checks.ib_port]\nwindow_s = -1.0\n", "checks.ib_port.window_s"),
+    ("[checks.xid]\nhold_s = nan\n", "checks.xid.hold_s"),
     ("[checks.nvlink_lanes]\ncrc_fail_per_minute = inf\n", "checks.nvlink_lanes.crc_fail_per_minute"),
     ("[checks.clock_events]\nhw_fail_ratio = 1.5\n", "checks.clock_events.hw_fail_ratio"),
     ("[checks.ecc]\nvolatile_uncorrected_max = -3\n", "checks.ecc.volatile_uncorrected_max"),
@@ -119,7 +119,7 @@ def test_enum_like_settings_are_checked_when_loaded(tmp_path, text, needle, allo
     ("[checks.pcie_link]\ngpu_nic_max_distance = \"NODE\"\n", ("pcie_link", "gpu_nic_max_distance"), "NODE"),
     ("[checks.clock_events]\nhw_fail_ratio = 1\n", ("clock_events", "hw_fail_ratio"), 1.0),
     ("[checks.dcgm_diag]\ntimeout_s = 86400\n", ("dcgm_diag", "timeout_s"), 86400.0),
-    ("[checks.ib_downtime]\nwindow_s = 604800\n", ("ib_downtime", "window_s"), 604800.0),  # a week
+    ("[checks.ib_port]\nwindow_s = 604800\n", ("ib_port", "window_s"), 604800.0),  # a week
 ])
 def test_values_at_the_edges_are_accepted(tmp_path, text, key, value):
     cfg = config.load(ALL_SPECS, write(tmp_path, text), explicit=True)

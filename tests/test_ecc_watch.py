@@ -1,4 +1,4 @@
-"""The daemon form of ecc driven through time on recorded nodes: the `ecc` judgement every minute, and the counts as metrics."""
+"""The daemon form of ecc on recorded nodes: the `ecc` judgement every minute, and the counts as metrics."""
 from __future__ import annotations
 
 import shutil

@@ -174,14 +174,14 @@ def test_abuse_of_the_endpoint_takes_nothing_from_the_checks(scenario_copy, tmp_
         (port_dir / "state").write_text("1: DOWN\n")
         (port_dir / "phys_state").write_text("2: Polling\n")
         wait_for(sampled(lambda: any(f["code"] == "ib-port-down"
-                                     for f in checks(state).get("ib_downtime", {}).get("findings", []))),
+                                     for f in checks(state).get("ib_port", {}).get("findings", []))),
                  timeout_s=90, what="ib-port-down found under abuse")
         last = max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit())
         with open(root / "kmsg", "a") as f:
             f.write(f"3,{last + 1},{(last + 1) * 1000},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', "
                     "name=<unknown>, GPU has fallen off the bus.\n")
         wait_for(sampled(lambda: any(f["code"] == "79"
-                                     for f in checks(state).get("xid_watch", {}).get("findings", []))),
+                                     for f in checks(state).get("xid", {}).get("findings", []))),
                  timeout_s=90, what="XID 79 found under abuse")
         # A normal scrape still succeeds, and shows the node as it is.
         code, body = scrape(port)

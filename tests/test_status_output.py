@@ -45,7 +45,7 @@ def _store(tmp_path, now: float) -> None:
     since = now - (3 * 3600 + 2 * 60)  # 3h02m ago: the age's minute cannot roll over while the test runs
     store = Store(tmp_path / "state.db")
     try:
-        store.commit(checks=[CheckRecord("xid_watch", {}, Status.FAIL, None, (finding,), now - 2 * 86400, 0.01)],
+        store.commit(checks=[CheckRecord("xid", {}, Status.FAIL, None, (finding,), now - 2 * 86400, 0.01)],
                      node=NodeRecord(NodeState.CORDONED, since, "XID 79 on GPU 2"),
                      transition=Transition(NodeState.HEALTHY, NodeState.CORDONED, "XID 79 on GPU 2", ("cordon",),
                                            since),
@@ -61,7 +61,7 @@ def test_status_table_shows_iso_times_with_their_age(tmp_path, capsys):
     out = capsys.readouterr().out
     since = iso_utc(now - (3 * 3600 + 2 * 60))
     assert f"node state: cordoned since {since} (3h02m ago): XID 79 on GPU 2" in out
-    assert re.search(r"xid_watch +fail +updated " + ISO.pattern + r" \(2d00h ago\)", out)
+    assert re.search(r"xid +fail +updated " + ISO.pattern + r" \(2d00h ago\)", out)
     assert f"  {since} (3h02m ago) healthy -> cordoned: XID 79 on GPU 2 ['cordon']" in out
     assert f"  cordon since {since} (3h02m ago)" in out
     # no raw epoch seconds anywhere (ten digits in a row)
