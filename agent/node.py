@@ -10,6 +10,7 @@ from typing import Any
 
 from .errors import ConfigError, NvmlError, SourceError
 from .sku import KNOWN_SKUS, sku_from_gpu_name
+from .sources import confine
 from .sources.dcgm import Dcgm
 from .sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
 from .sources.nvml import Gpu, Nvml, XidEvents
@@ -138,7 +139,7 @@ class Node:
         root = Path(root)
         if not root.is_dir():
             raise ConfigError(f"{root}: not a scenario folder")
-        info = NodeInfo.from_toml(root / "node.toml")
+        info = NodeInfo.from_toml(Path(confine.check(root / "node.toml", confine.scenario_prefix(root))))
         return cls(info, root, Sysfs(root), KernelLog(root / "kmsg", live=False, boot_id=info.boot_id, name="kmsg"),
                    ToolRunner(recorded_dir=root / "tools"), lambda: Nvml.recorded(root / "nvml.json"))
 

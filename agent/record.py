@@ -19,7 +19,7 @@ from . import config as config_mod
 from .errors import ConfigError, GpuwardenError, NvmlError, SourceError
 from .node import Node
 from .record_tools import capture_always, capture_full
-from .sources.nvml import SNAPSHOT_FORMAT, XidEvents
+from .sources.nvml import SNAPSHOT_FORMAT, XidEvents, load_snapshot
 from .sources.procs import COMM_LEN
 from .sources.sysfs import Sysfs
 
@@ -155,7 +155,7 @@ def _xid_event_support(node: Node, snapshot: dict[str, Any]) -> None:
             entry.setdefault("errors", {})[exc.call] = exc.code
     listed: list[Any] = []
     if node.root is not None:
-        listed = json.loads((Path(node.root) / "nvml.json").read_text()).get("xid_events", [])
+        listed = load_snapshot(Path(node.root) / "nvml.json").get("xid_events", [])
     snapshot["xid_events"] = listed
 
 
@@ -180,8 +180,11 @@ def _copy_processes(src: Sysfs, dst: Sysfs) -> list[str]:
             _copy_file(src, dst, f"{base}/comm", problems)
         if comm in fm_comms:
             try:  # raw: arguments end in NULs, and a zombie's cmdline is empty
-                data = src.path(f"{base}/cmdline").read_bytes()
+                data = src.read_bytes(f"{base}/cmdline")
             except OSError:
+                continue
+            except SourceError as exc:
+                problems.append(str(exc))
                 continue
             target = dst.path(f"{base}/cmdline")
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -197,8 +197,8 @@ def test_fabric_info_layout_is_nvml_h_and_the_bindings_agree_where_theirs_is_rig
 
 
 def test_a_uuid_byte_of_zero_survives():
-    snap = {**SNAPSHOT, "gpus": [dict(SNAPSHOT["gpus"][0], fabric={**SNAPSHOT["gpus"][0]["fabric"],
-                                                                   "cluster_uuid": "00000000-7b8f-4c2d-9e01-2345678900cd"})]}
+    fabric = {**SNAPSHOT["gpus"][0]["fabric"], "cluster_uuid": "00000000-7b8f-4c2d-9e01-2345678900cd"}
+    snap = {**SNAPSHOT, "gpus": [dict(SNAPSHOT["gpus"][0], fabric=fabric)]}
     n = Nvml(RecordedNvml(snap), "test")
     n._call("nvmlInit")
     assert n.fabric_info(n.gpus()[0])["cluster_uuid"] == "00000000-7b8f-4c2d-9e01-2345678900cd"

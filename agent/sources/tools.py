@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import ToolError, ToolMissing
+from ..errors import SourceError, ToolError, ToolMissing
+from . import confine
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,16 @@ class ToolRunner:
             # Scenario-relative: the message lands in findings, which must not depend on where a scenario lives.
             raise ToolMissing(f"{argv[0]}: not installed (no recorded tools/{out.name})")
         rc_file = base.with_suffix(".rc")
+        inside = confine.scenario_prefix(self.recorded_dir.parent)  # a scenario's tools/: nothing outside it is read
         try:
-            rc = int(rc_file.read_text().strip()) if rc_file.exists() else 0
+            rc_text = confine.read_text(rc_file, inside) if rc_file.exists() else "0"
+            output = confine.read_text(out, inside)
+        except OSError as exc:
+            raise ToolError(f"{exc.filename or out}: cannot read the recorded run: {exc.strerror or exc}") from None
+        except SourceError as exc:  # refused: a link out of the scenario
+            raise ToolError(str(exc)) from None
+        try:
+            rc = int(rc_text.strip())
         except ValueError:
             raise ToolError(f"{rc_file}: not an exit status") from None
-        return ToolOutput(name, argv, out.read_text(errors="replace"), rc, 0.0)
+        return ToolOutput(name, argv, output, rc, 0.0)

@@ -23,6 +23,7 @@ import pynvml
 
 from ...errors import NvmlError, SourceError
 from ...model import Entity
+from .. import confine
 from .bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
 from .events import XidEvents
 from .recorded import RecordedNvml
@@ -319,8 +320,9 @@ def _uuid_text(raw: bytes) -> str:
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:
+    """nvml.json, which must resolve inside its own folder (a scenario is a bundle from another machine)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(confine.read_text(path, confine.scenario_prefix(Path(path).parent)))
     except OSError as exc:
         raise SourceError(f"{path}: cannot read recorded NVML: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
