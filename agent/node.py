@@ -16,6 +16,7 @@ from .sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
 from .sources.nvml import Gpu, Nvml, XidEvents
 from .sources.sysfs import Sysfs
 from .sources.tools import ToolRunner
+from .sources.udev import RecordedUdev, UdevMonitor
 
 NODE_TOML_KEYS = {"hostname", "sku", "rack", "nvlink_domain", "boot_id", "recorded_at", "versions"}
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -128,6 +129,11 @@ class Node:
                 current.close()
             current = self._follower = KmsgFollower(self.kmsg, cursor, keep)
         return current
+
+    def udev_monitor(self) -> UdevMonitor | RecordedUdev:
+        """Device add/remove events (agent/sources/udev.py): the kernel's uevents live, the scenario's `udev` file on
+        a recorded node (events appended after this call). Raises SourceError where no monitor can be had."""
+        return RecordedUdev(self.root) if self.root is not None else UdevMonitor()
 
     def xid_events(self) -> XidEvents:
         """A subscription to NVML's XID events, the daemon's second XID source beside the kernel log (a recorded
