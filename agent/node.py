@@ -11,11 +11,13 @@ from typing import Any
 from .config import read_toml
 from .errors import ConfigError, NvmlError, SourceError
 from .sku import KNOWN_SKUS, sku_from_gpu_name
+from .sources import confine
 from .sources.dcgm import Dcgm
 from .sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
 from .sources.nvml import Gpu, Nvml, XidEvents
 from .sources.sysfs import Sysfs
 from .sources.tools import ToolRunner
+from .sources.udev import RecordedUdev, UdevMonitor
 
 NODE_TOML_KEYS = {"hostname", "sku", "rack", "nvlink_domain", "boot_id", "recorded_at", "versions"}
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -134,6 +136,11 @@ class Node:
         view.kmsg = self.kmsg.after(cursor)
         return view
 
+    def udev_monitor(self) -> UdevMonitor | RecordedUdev:
+        """Device add/remove events (agent/sources/udev.py): the kernel's uevents live, the scenario's `udev` file on
+        a recorded node (events appended after this call). Raises SourceError where no monitor can be had."""
+        return RecordedUdev(self.root) if self.root is not None else UdevMonitor()
+
     def xid_events(self) -> XidEvents:
         """A subscription to NVML's XID events, the daemon's second XID source beside the kernel log (a recorded
         node serves nvml.json's "xid_events", appended ones included). Raises NvmlError when NVML fails."""
@@ -144,7 +151,7 @@ class Node:
         root = Path(root)
         if not root.is_dir():
             raise ConfigError(f"{root}: not a scenario folder")
-        info = NodeInfo.from_toml(root / "node.toml")
+        info = NodeInfo.from_toml(Path(confine.check(root / "node.toml", confine.scenario_prefix(root))))
         return cls(info, root, Sysfs(root), KernelLog(root / "kmsg", live=False, boot_id=info.boot_id, name="kmsg"),
                    ToolRunner(recorded_dir=root / "tools"), lambda: Nvml.recorded(root / "nvml.json"))
 

@@ -7,18 +7,24 @@ import json
 import os
 import platform
 import shutil
+import tempfile
+import traceback
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from . import config as config_mod
-from .errors import ConfigError, NvmlError, SourceError
+from .errors import ConfigError, GpuwardenError, NvmlError, SourceError
 from .node import Node
 from .record_tools import capture_always, capture_full
-from .sources.nvml import SNAPSHOT_FORMAT, XidEvents
+from .sources.nvml import SNAPSHOT_FORMAT, XidEvents, load_snapshot
 from .sources.procs import COMM_LEN
 from .sources.sysfs import Sysfs
 
+log = structlog.get_logger("gpuwarden.record")
+PARTIAL = ".partial"  # suffix of the hidden folder a recording is written into before it is renamed into place
 PCI_DEVICES = "/sys/bus/pci/devices"
 IB_CLASS = "/sys/class/infiniband"
 DRIVER_GPUS = "/proc/driver/nvidia/gpus"
@@ -34,14 +40,70 @@ def record(node: Node, out: Path, cfg: Any = None, with_tools: bool = False,
            budget_s: float | None = None) -> list[str]:
     """Write the scenario; returns the problems met (a part that could not be read is noted, not fatal). `cfg` (the
     agent's config: defaults when None) sets the tools' argv and timeouts; `with_tools` also runs the full-level
-    checks' tools (minutes, loads the GPUs), within `budget_s` when given."""
-    if node.root is not None and Path(out).resolve() == Path(node.root).resolve():
+    checks' tools (minutes, loads the GPUs), within `budget_s` when given.
+
+    All or nothing: the scenario is written into a hidden folder beside `out` and renamed into place once complete, so
+    a recording that fails (a full disk, Ctrl-C) leaves no half-written bundle to be taken for a node's state. An
+    earlier recording at `out` is replaced whole; any other non-empty folder is refused. A failure is a
+    GpuwardenError saying why."""
+    out = Path(out)
+    if node.root is not None and out.resolve() == Path(node.root).resolve():
         raise ConfigError(f"{out}: is the scenario being re-recorded; write to another folder")
+    _check_out(out)
     if cfg is None:
         from gpuwarden.checks import all_specs
 
         cfg = config_mod.defaults(all_specs())
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PARTIAL, dir=out.parent))
+    except OSError as exc:
+        raise SourceError(f"{out}: cannot create the recording: {exc.strerror or exc}") from None
+    try:
+        problems = _record_into(node, work, cfg, with_tools, budget_s)
+        _put_in_place(work, out)
+    except BaseException as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        if isinstance(exc, GpuwardenError) or not isinstance(exc, Exception):
+            raise  # the project's own error says why; KeyboardInterrupt and SystemExit go on up
+        log.debug("recording failed", out=str(out), error=repr(exc), traceback=traceback.format_exc())
+        raise SourceError(f"{out}: nothing recorded: {type(exc).__name__}: {exc}") from exc
+    return problems
+
+
+def _check_out(out: Path) -> None:
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{out}: exists and is not a folder")
+    try:
+        entries = set(os.listdir(out))
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot list: {exc.strerror or exc}") from None
+    if entries and "node.toml" not in entries:
+        raise ConfigError(f"{out}: exists and is neither empty nor an earlier recording (no node.toml); "
+                          "name a new or empty folder")
+
+
+def _put_in_place(work: Path, out: Path) -> None:
+    """Rename the finished recording to `out`, replacing an earlier one there (renamed aside, then removed)."""
+    os.chmod(work, 0o777 & ~_umask())  # mkdtemp makes it 0700; a recording is as readable as a mkdir'd folder
+    old = None
+    if out.exists() or out.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.rename(out, old / "recording")
+    os.rename(work, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _record_into(node: Node, out: Path, cfg: Any, with_tools: bool, budget_s: float | None) -> list[str]:
     problems: list[str] = []
     info = node.info
     info.recorded_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
@@ -64,8 +126,6 @@ def record(node: Node, out: Path, cfg: Any = None, with_tools: bool = False,
         problems.append(f"kmsg: {exc}")
     problems += _copy_sys(node.sysfs, Sysfs(out))
     problems += _copy_processes(node.sysfs, Sysfs(out))
-    if with_tools:  # every output then comes from this run: an absent one is a tool that was missing
-        shutil.rmtree(out / "tools", ignore_errors=True)
     problems += capture_always(node, out, cfg)
     if with_tools:  # after nvml.json: its NVLink counters are the "before" of peer_p2p's copies
         problems += capture_full(node, out, cfg, budget_s)
@@ -95,7 +155,7 @@ def _xid_event_support(node: Node, snapshot: dict[str, Any]) -> None:
             entry.setdefault("errors", {})[exc.call] = exc.code
     listed: list[Any] = []
     if node.root is not None:
-        listed = json.loads((Path(node.root) / "nvml.json").read_text()).get("xid_events", [])
+        listed = load_snapshot(Path(node.root) / "nvml.json").get("xid_events", [])
     snapshot["xid_events"] = listed
 
 
@@ -120,8 +180,11 @@ def _copy_processes(src: Sysfs, dst: Sysfs) -> list[str]:
             _copy_file(src, dst, f"{base}/comm", problems)
         if comm in fm_comms:
             try:  # raw: arguments end in NULs, and a zombie's cmdline is empty
-                data = src.path(f"{base}/cmdline").read_bytes()
+                data = src.read_bytes(f"{base}/cmdline")
             except OSError:
+                continue
+            except SourceError as exc:
+                problems.append(str(exc))
                 continue
             target = dst.path(f"{base}/cmdline")
             target.parent.mkdir(parents=True, exist_ok=True)

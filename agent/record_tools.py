@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import structlog
 
 from .errors import NvmlError, SourceError, ToolError, ToolMissing
+from .sources import confine
 from .sources.dcgm import Dcgm
 from .sources.gemm import Gemm, GemmResult
 from .sources.tools import ToolOutput, ToolRunner, ToolTimeout
@@ -126,7 +127,8 @@ class RecordingGemm(Gemm):
     def run(self, devices: Sequence[str], n: int, dtype: str, seconds: float, seed: int,
             parallel: bool = True) -> dict[str, GemmResult | SourceError]:
         if self.recorded_dir is not None:  # re-recording: the file itself, errors and all
-            saved = {s: (self.recorded_dir / f"{GEMM_NAME}{s}").read_bytes() for s in GEMM_SUFFIXES
+            inside = confine.scenario_prefix(self.recorded_dir.parent)
+            saved = {s: confine.read_bytes(self.recorded_dir / f"{GEMM_NAME}{s}", inside) for s in GEMM_SUFFIXES
                      if (self.recorded_dir / f"{GEMM_NAME}{s}").exists()}
             self.files.end(GEMM_NAME, GEMM_SUFFIXES, saved)
             if ".hang" in saved:

@@ -87,8 +87,9 @@ def _result(name: str, outcome: _Outcome, duration: float) -> CheckResult:
     findings = tuple(outcome.findings or ())
     if exc is None:
         return CheckResult(name, fold_status(findings), findings, None, duration)
-    if isinstance(exc, (NotApplicable, ToolMissing)) and not findings:
-        return CheckResult(name, Status.SKIPPED, error=str(exc), duration_s=duration)
+    if isinstance(exc, (NotApplicable, ToolMissing)):
+        # Findings always win over "does not apply": what was found stands; only the rest did not apply.
+        return CheckResult(name, fold_status(findings) if findings else Status.SKIPPED, findings, str(exc), duration)
     if isinstance(exc, GpuwardenError):
         error = str(exc)
     else:

@@ -12,7 +12,11 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 
 CHECK_NAME = "ib_port"
 IB_CLASS = "/sys/class/infiniband"
-_RATE = re.compile(r"^\s*([\d.]+)\s*Gb/sec")
+# What the kernel prints in ports/<n>/state ("%d: %s", drivers/infiniband/core/sysfs.c state_show), by number; it
+# prints "UNKNOWN" for a number outside this table.
+PORT_STATES = ("NOP", "DOWN", "INIT", "ARMED", "ACTIVE", "ACTIVE_DEFER")
+# ports/<n>/rate ("%d%s Gb/sec (%dX %s)", rate_show): bounded digits, so a number is finite and the match linear.
+_RATE = re.compile(r"\s*(\d{1,6}(?:\.\d{1,3})?) Gb/sec(?: \(|$)")
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,21 @@ def _after_colon(text: str) -> str:
 
 
 def parse_rate(text: str) -> float | None:
+    """"400 Gb/sec (4X NDR)" -> 400.0; None for anything else (the port's rate is then not known)."""
     m = _RATE.match(text)
     return float(m.group(1)) if m else None
+
+
+def parse_state(text: str) -> str | None:
+    """"4: ACTIVE" -> "ACTIVE" (a bare name, as some captures hold, too); None for what is not a port state: empty,
+    garbage, a number that disagrees with its name, or the kernel's own "UNKNOWN"."""
+    number, sep, name = text.strip().partition(":")
+    if not sep:
+        return number if number in PORT_STATES else None
+    name = name.strip()
+    if name not in PORT_STATES or not (number.isascii() and number.isdigit() and len(number) <= 3):
+        return None
+    return name if int(number) < len(PORT_STATES) and PORT_STATES[int(number)] == name else None
 
 
 def expected_rates(ports: Iterable[PortReading], configured: float) -> dict[str, float]:
@@ -77,17 +94,26 @@ def read_ports(sysfs: Any, detail: bool = True) -> tuple[list[PortReading], list
     unreadable: list[Finding] = []
     for hca, name, base in port_dirs(sysfs):
         pci = sysfs.link_target_name(f"{IB_CLASS}/{hca}/device")
-        phys, rate, layer = "", None, ""
+        phys, rate, layer, rate_text = "", None, "", ""
+        entity = Entity("ib_port", name, pci=pci)
         try:
-            state = _after_colon(sysfs.read(f"{base}/state"))
+            text = sysfs.read(f"{base}/state")
+            state = parse_state(text)
+            if state is None:  # cannot tell up from down: say so, never "down" (a drain) on bytes we cannot read
+                raise SourceError(f"{sysfs.path(base + '/state')}: not a port state: {text[:40]!r}")
             if detail:
                 phys = _after_colon(sysfs.read(f"{base}/phys_state"))
-                rate = parse_rate(sysfs.read(f"{base}/rate"))
+                rate_text = sysfs.read(f"{base}/rate")
+                rate = parse_rate(rate_text)
                 layer = sysfs.read(f"{base}/link_layer") if sysfs.exists(f"{base}/link_layer") else "InfiniBand"
         except SourceError as err:
-            unreadable.append(Finding(CHECK_NAME, "ib-port-unreadable", Entity("ib_port", name, pci=pci),
-                                      Status.UNKNOWN, f"{name}: could not read port state: {err}"))
+            unreadable.append(Finding(CHECK_NAME, "ib-port-unreadable", entity, Status.UNKNOWN,
+                                      f"{name}: could not read port state: {err}"))
             continue
+        if detail and rate is None and state == "ACTIVE":  # up, at a speed nobody can say: not judged, not OK
+            unreadable.append(Finding(CHECK_NAME, "ib-port-rate-unreadable", entity, Status.UNKNOWN,
+                                      f"{name}: rate {rate_text[:40]!r} is not a link rate: whether the port runs "
+                                      "at its expected speed is not judged"))
         try:
             downed: int | None = sysfs.read_int(f"{base}/counters/link_downed")
         except SourceError:

@@ -12,6 +12,7 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import (ConfigError, NotApplicable, NvmlError, ParseError, SourceError, ToolError,
                                     ToolMissing)
 from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.node import nvidia_pci_gpus
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.thresholds import sku_table
 
@@ -215,11 +216,47 @@ def decide_affinity(matrix: TopoMatrix, worst: str, entity_of: Callable[[int], E
     return out
 
 
-def _gpus(node: Any) -> list[Any]:
+def _gpus(node: Any) -> list[Any] | None:
+    """NVML's GPUs (lost ones named by the driver's view); None when NVML cannot be read at all."""
     try:
         return node.gpus()
     except SourceError:
-        return []
+        return None
+
+
+def decide_missing(on_bus: Iterable[str], nvml_gpus: list[Any], node_entity: Entity,
+                   driver_lists: Callable[[str], bool]) -> list[Finding]:
+    """GPUs on the PCI bus that NVML does not count: gone from the driver (fallen off the bus and removed, or failed
+    to initialise). Named by BDF; where NVML holds GPUs it cannot identify, only the count can be compared."""
+    on_bus = sorted(set(on_bus))
+    known = {g.pci for g in nvml_gpus if g.pci}
+    unnamed = sum(1 for g in nvml_gpus if not g.pci)
+    missing = [bdf for bdf in on_bus if bdf not in known]
+    if len(missing) <= unnamed:
+        return []  # each may be one of the GPUs NVML lists without an address
+    if unnamed:
+        return [Finding(CHECK_NAME, "gpu-missing-from-nvml", node_entity, Status.FAIL,
+                        f"{len(on_bus)} GPUs on the PCI bus, NVML counts "
+                        f"{len(nvml_gpus)}: {len(missing) - unnamed} of {', '.join(missing)} are gone from the driver; "
+                        "reboot to recover them, and replace what stays missing", Action.REBOOT,
+                        {"bdfs": missing, "nvml_gpus": len(nvml_gpus)})]
+    out = []
+    for bdf in missing:
+        entity = Entity("gpu", bdf, pci=bdf)
+        probed = driver_lists(bdf)
+        out.append(Finding(CHECK_NAME, "gpu-missing-from-nvml", entity, Status.FAIL,
+                           f"GPU {bdf} is on the PCI bus but NVML does not count it ("
+                           + ("the NVIDIA driver probed it" if probed else "the NVIDIA driver does not list it")
+                           + "): it is gone from the driver; reboot to recover it, replace it if it stays missing "
+                           "(ignore_devices for a GPU passed through to a VM)", Action.REBOOT,
+                           {"bdf": bdf, "driver_lists": probed, "nvml_gpus": len(nvml_gpus)}))
+    return out
+
+
+def _gpus_on_bus(sysfs: Any, ignore: set[str]) -> list[str]:
+    """NVIDIA display/3D functions 0 on the PCI bus (virtual functions and ignored devices left out)."""
+    return [bdf for bdf in nvidia_pci_gpus(sysfs)
+            if bdf not in ignore and bdf.endswith(".0") and not sysfs.exists(f"{PCI_DEVICES}/{bdf}/physfn")]
 
 
 def _read_nvml(node: Any, gpu: Any) -> NvmlLink:
@@ -283,14 +320,26 @@ def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
         problems = [Finding(CHECK_NAME, "pcie-nvml-unreadable", Entity.node(node.hostname), Status.UNKNOWN,
                             f"NVML could not be read ({err}): GPU link generation and replay counters not judged")]
     readings = [(g, r) for g, r in readings if g.pci not in ignore]
+    here = Entity.node(node.hostname)
+    if not node.sysfs.exists(PCI_DEVICES):  # no PCI tree at all: nothing was looked at, which is not "no device"
+        yield from problems
+        yield Finding(CHECK_NAME, "pcie-sysfs-missing", here, Status.UNKNOWN,
+                      f"{node.sysfs.path(PCI_DEVICES)} is missing: the PCIe links of GPUs, NICs and switches are not "
+                      "judged")
+        return
     links, unreadable = read_links(node.sysfs, ignore)
-    if not links and not readings and not unreadable:
-        raise NotApplicable(f"no NVIDIA or Mellanox PCIe device under {node.sysfs.path(PCI_DEVICES)}")
     if problems and not any(lk.role == "gpu" for lk in links) and not readings:
         problems = [p for p in problems if p.code != "pcie-nvml-unreadable"]  # no GPU here to read
+    nvml_gpus = _gpus(node)
+    missing = [] if nvml_gpus is None else decide_missing(
+        _gpus_on_bus(node.sysfs, ignore), nvml_gpus, here,
+        lambda bdf: node.sysfs.exists(f"/proc/driver/nvidia/gpus/{bdf}"))
+    if not links and not readings and not unreadable and not problems and not missing:
+        raise NotApplicable(f"no NVIDIA or Mellanox PCIe device under {node.sysfs.path(PCI_DEVICES)}")
     by_pci = {g.pci: (g, r) for g, r in readings}
-    gpu_at = {g.pci: g for g in _gpus(node) if g.pci}  # lost GPUs too: the driver's view names them
+    gpu_at = {g.pci: g for g in nvml_gpus or () if g.pci}  # lost GPUs too: the driver's view names them
     yield from problems
+    yield from missing
     yield from unreadable
     flagged: set[str] = set()
     for link in links:

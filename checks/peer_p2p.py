@@ -21,6 +21,7 @@ from gpuwarden.agent.errors import (ConfigError, NotApplicable, NvmlError, Parse
                                     ToolMissing)
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.per_gpu import device_error_finding, read_each_gpu
+from gpuwarden.agent.sources import confine
 from gpuwarden.agent.sources.gemm import CopyMismatch, Gemm
 from gpuwarden.agent.thresholds import threshold
 
@@ -183,7 +184,7 @@ def _after(node: Any, gpus: list[Any]) -> tuple[dict[int, list[dict[str, Any]]],
     if not path.exists():
         return {}, []
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(confine.read_text(path, confine.scenario_prefix(node.root)))
         after = {int(k): [{"link": int(link["link"]), "state": int(link["state"]),
                            "errors": {c: int(link["errors"][c]) for c in COUNTERS}} for link in v]
                  for k, v in data.items()}

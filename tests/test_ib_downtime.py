@@ -298,3 +298,19 @@ def test_no_infiniband_is_not_applicable(tmp_path):
     (root / "node.toml").write_text('hostname = "n1"\n')
     with pytest.raises(NotApplicable, match="no InfiniBand"):
         step(SPEC, Node.recorded_at(root), dict(SPEC.defaults), {}, T0)
+
+
+@pytest.mark.parametrize("garbage", ["", "\n", "garbage", "1: ACTIVE", "4: UNKNOWN", "9: DOWN", "\x00\x00"])
+def test_a_state_file_that_cannot_be_read_as_a_state_is_unknown_not_down(clock, garbage):
+    """Bytes that are not a port state cannot tell up from down: never an outage (a drain), UNKNOWN, the port's
+    accounting untouched."""
+    c = clock(down_fail_s=2.0)
+    c.tick()
+    before = c.state["ports"][PORT]
+    (c.root / "sys/class/infiniband/mlx5_5/ports/1/state").write_text(garbage)
+    for _ in range(5):
+        c.tick()
+    (f,) = c.findings()
+    assert (f.check, f.code, f.status) == ("ib_downtime", "ib-port-unreadable", Status.UNKNOWN)
+    assert "not a port state" in f.message
+    assert c.state["ports"][PORT]["up"] and c.state["ports"][PORT]["intervals"] == before["intervals"]

@@ -80,3 +80,33 @@ def test_no_hca_is_not_applicable(tmp_path):
                                         ("2.5 Gb/sec (1X SDR)", 2.5), ("garbage", None), ("", None)])
 def test_parse_rate(text, gbps):
     assert ib_port.parse_rate(text) == gbps
+
+
+@pytest.mark.parametrize("garbage", ["", "garbage", "4: BOGUS", "2: ACTIVE", "4: UNKNOWN", "4444: ACTIVE", "4:",
+                                     "\u0664: ACTIVE"])
+def test_state_that_is_not_a_port_state_is_unknown_not_a_down_port(capture, garbage):
+    port_file(capture, "mlx5_5", "state").write_text(garbage)
+    (f,) = list(ib_port.run(SysfsNode(capture), POLICY))
+    assert (f.code, f.entity.id, f.status, f.action) == ("ib-port-unreadable", "mlx5_5/1", Status.UNKNOWN, Action.NONE)
+    assert "not a port state" in f.message
+
+
+@pytest.mark.parametrize("rate", ["fast", "", "1.2.3 Gb/sec", "9" * 400 + " Gb/sec", "400 Gb/secX"])
+def test_rate_that_is_not_a_rate_is_unknown_for_that_port(capture, rate):
+    port_file(capture, "mlx5_7", "rate").write_text(rate)
+    found = list(ib_port.run(SysfsNode(capture), POLICY))
+    assert [(f.code, f.entity.id, f.status) for f in found] == [("ib-port-rate-unreadable", "mlx5_7/1",
+                                                                  Status.UNKNOWN)]
+
+
+def test_a_down_port_with_a_garbage_rate_is_still_down(capture):
+    port_file(capture, "mlx5_5", "state").write_text("1: DOWN\n")
+    port_file(capture, "mlx5_5", "rate").write_text("fast\n")
+    (f,) = list(ib_port.run(SysfsNode(capture), POLICY))
+    assert (f.code, f.status) == ("ib-port-down", Status.FAIL)
+
+
+@pytest.mark.parametrize("text, state", [("4: ACTIVE", "ACTIVE"), ("1: DOWN\n", "DOWN"), ("ACTIVE", "ACTIVE"),
+                                         ("5: ACTIVE_DEFER", "ACTIVE_DEFER"), ("0: NOP", "NOP"), ("", None)])
+def test_parse_state(text, state):
+    assert ib_port.parse_state(text) == state

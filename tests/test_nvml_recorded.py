@@ -1,5 +1,6 @@
 """The recorded NVML must not be laxer than the real library: same names, signatures, types and errors."""
 import ast
+import ctypes
 import inspect
 from pathlib import Path
 
@@ -7,7 +8,8 @@ import pynvml
 import pytest
 
 from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.sources.nvml import Nvml, canonical_bdf
+from gpuwarden.agent.sources.nvml import P2P_CAPS, Nvml, canonical_bdf
+from gpuwarden.agent.sources.nvml.bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +86,7 @@ def test_return_types_match_pynvml():
     fv = lib.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP])
     assert isinstance(fv[0], pynvml.c_nvmlFieldValue_t) and fv[0].value.uiVal == 46
     assert isinstance(lib.nvmlDeviceGetRemappedRows(h), tuple)
-    info = pynvml.c_nvmlGpuFabricInfoV_t()
+    info = GpuFabricInfoV2(version=GPU_FABRIC_INFO_V2)  # what the source hands NVML (nvml.h's layout)
     assert lib.nvmlDeviceGetGpuFabricInfoV(h, pynvml.byref(info)) == pynvml.NVML_SUCCESS
     assert info.cliqueId == 32766 and info.state == 3 and info.healthMask == 426
 
@@ -176,3 +178,70 @@ def test_a_handle_stays_valid_when_the_recording_is_read_again():
     handle = first.nvmlDeviceGetHandleByIndex(3)
     assert second.nvmlDeviceGetUUID(handle) == first.nvmlDeviceGetUUID(handle)
     assert second.nvmlDeviceGetNvLinkState(handle, 0) == first.nvmlDeviceGetNvLinkState(handle, 0)
+
+
+# ---------------------------------------------------------------- every allowed nvidia-ml-py (.ci/run runs both ends)
+def test_constants_are_ints_whatever_the_bindings_write():
+    """Every release defines NVML_P2P_CAPS_INDEX_READ = 0, (a tuple): handed to NVML it raised ctypes.ArgumentError
+    and crashed peer_p2p and `record` on every live node."""
+    assert const("NVML_P2P_CAPS_INDEX_READ") == 0
+    assert all(type(v) is int for v in P2P_CAPS.values()) and len(set(P2P_CAPS.values())) == 4
+
+
+def test_fabric_info_layout_is_nvml_h_and_the_bindings_agree_where_theirs_is_right():
+    assert ctypes.sizeof(GpuFabricInfoV2) == 36 and GPU_FABRIC_INFO_V2 == 0x02000024  # nvml.h nvmlGpuFabricInfo_v2
+    theirs = pynvml.c_nvmlGpuFabricInfoV_t
+    if ctypes.sizeof(theirs) == ctypes.sizeof(GpuFabricInfoV2):  # 12.570 on; 12.550-12.560 declare 80 UUID bytes
+        for name in ("clusterUuid", "status", "cliqueId", "state", "healthMask"):
+            assert getattr(theirs, name).offset == getattr(GpuFabricInfoV2, name).offset, name
+
+
+def test_a_uuid_byte_of_zero_survives():
+    fabric = {**SNAPSHOT["gpus"][0]["fabric"], "cluster_uuid": "00000000-7b8f-4c2d-9e01-2345678900cd"}
+    snap = {**SNAPSHOT, "gpus": [dict(SNAPSHOT["gpus"][0], fabric=fabric)]}
+    n = Nvml(RecordedNvml(snap), "test")
+    n._call("nvmlInit")
+    assert n.fabric_info(n.gpus()[0])["cluster_uuid"] == "00000000-7b8f-4c2d-9e01-2345678900cd"
+
+
+def test_the_recorded_backend_refuses_what_ctypes_refuses():
+    """Not laxer than the live library: a tuple where NVML takes an unsigned int is a ctypes.ArgumentError."""
+    lib = RecordedNvml(SNAPSHOT)
+    lib.nvmlInit()
+    h = lib.nvmlDeviceGetHandleByIndex(0)
+    for call in (lambda: lib.nvmlDeviceGetP2PStatus(h, h, (0,)), lambda: lib.nvmlDeviceGetNvLinkState(h, (0,)),
+                 lambda: lib.nvmlDeviceGetTemperature(h, (0,)), lambda: lib.nvmlDeviceGetHandleByIndex((0,))):
+        with pytest.raises(ctypes.ArgumentError):
+            call()
+
+
+class Raising:
+    """A backend whose every call raises `exc`: what the bindings can throw besides NVMLError."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __getattr__(self, name):
+        def call(*args):
+            raise self.exc
+        return call
+
+
+@pytest.mark.parametrize("exc", [ctypes.ArgumentError("argument 3: TypeError: Don't know how to convert parameter 3"),
+                                 RuntimeError("driver/library version mismatch"), AttributeError("_fields_"),
+                                 pynvml.NVMLError(999999), OverflowError("int too big to convert")],
+                         ids=lambda e: type(e).__name__)
+def test_no_library_error_type_leaves_the_source(exc):
+    n = Nvml(Raising(exc), "test")
+    with pytest.raises(NvmlError) as caught:
+        n.driver_version()
+    assert caught.value.call == "nvmlSystemGetDriverVersion"
+    assert type(caught.value) is NvmlError and caught.value.__cause__ is None
+
+
+def test_p2p_status_through_the_live_code_path_with_every_capability():
+    n = Nvml(RecordedNvml({**SNAPSHOT, "gpus": [dict(SNAPSHOT["gpus"][0], p2p={"1": dict.fromkeys(P2P_CAPS, "OK")}),
+                                                dict(SNAPSHOT["gpus"][0], index=1, p2p={})]}), "test")
+    n._call("nvmlInit")
+    g0, g1 = n.gpus()
+    assert n.p2p_status(g0, g1) == dict.fromkeys(P2P_CAPS, "OK")

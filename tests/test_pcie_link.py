@@ -302,3 +302,71 @@ def test_decide_link_uses_the_weaker_end():
     assert f.status is Status.FAIL and "50%" in f.message
     (w,) = decide_link(Link("x", "other", 32.0, 1, 32.0, 2), e, True)  # an NVSwitch's management link
     assert w.status is Status.WARN
+
+
+# -- damaged or partial input: findings win over "does not apply", and "could not look" is never OK -----------------
+def lose_every_gpu(root: Path) -> None:
+    path = root / "nvml.json"
+    data = json.loads(path.read_text())
+    for gpu in data["gpus"]:
+        gpu["errors"] = {"*": "GPU_IS_LOST"}
+    path.write_text(json.dumps(data))
+
+
+def test_every_gpu_lost_with_no_device_of_ours_in_sysfs_is_a_fail_not_skipped(scenario_copy):
+    root = scenario_copy("gb200-nvl72-faulty")
+    lose_every_gpu(root)
+    shutil.rmtree(root / DEV)
+    write(root / DEV / "0000:00:1f.0/vendor", "0x8086")  # the PCI tree is there, holding nothing of ours
+    write(root / DEV / "0000:00:1f.0/class", "0x060100")
+    res = result(root)
+    assert res.status is Status.FAIL
+    assert [(c, s) for c, s, _ in problems(res)] == [("gpu-lost", Status.FAIL)] * 4
+
+
+def test_findings_yielded_before_not_applicable_decide_the_status():
+    from gpuwarden.agent.check import CheckSpec
+    from gpuwarden.agent.errors import NotApplicable
+    from gpuwarden.agent.model import Finding
+
+    def run(node, cfg):
+        yield Finding("odd", "odd-warn", Entity.node("n"), Status.WARN, "a warning", Action.MONITOR)
+        raise NotApplicable("the rest does not apply")
+
+    res = run_one(CheckSpec(name="odd", summary="", run=run), None, {}, timeout_s=10)
+    assert res.status is Status.WARN and len(res.findings) == 1 and res.error == "the rest does not apply"
+
+
+def test_gpu_on_the_bus_that_nvml_does_not_count_fails_by_its_address(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    path = root / "nvml.json"
+    data = json.loads(path.read_text())
+    gone = data["gpus"].pop(1)  # GPU 1, 0000:3b:00.0: NVML no longer counts it
+    for i, gpu in enumerate(data["gpus"]):
+        gpu["index"] = i
+    path.write_text(json.dumps(data))
+    res = result(root)
+    assert res.status is Status.FAIL
+    (f,) = [f for f in res.findings if f.code == "gpu-missing-from-nvml"]
+    assert f.entity == Entity("gpu", "0000:3b:00.0", pci="0000:3b:00.0") and f.action is Action.REBOOT
+    assert "0000:3b:00.0" in f.message and f.evidence["driver_lists"] is True and gone["uuid"] not in f.message
+    assert problems(result(root, ignore_devices=["0000:3b:00.0"])) == []
+
+
+def test_gpu_missing_while_another_is_unnamed_is_judged_by_count():
+    lost = type("Gpu", (), {"pci": None})()
+    named = type("Gpu", (), {"pci": "0000:19:00.0"})()
+    node = Entity.node("n")
+    bus = ["0000:19:00.0", "0000:3b:00.0", "0000:4c:00.0"]
+    assert pcie_link.decide_missing(bus[:2], [named, lost], node, lambda b: True) == []  # the lost one may be it
+    (f,) = pcie_link.decide_missing(bus, [named, lost], node, lambda b: True)
+    assert (f.code, f.entity, f.status) == ("gpu-missing-from-nvml", node, Status.FAIL)
+    assert "3 GPUs on the PCI bus, NVML counts 2" in f.message
+
+
+def test_missing_sys_tree_is_unknown_not_ok(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    shutil.rmtree(root / "sys")
+    res = result(root)
+    assert res.status is Status.UNKNOWN
+    assert problems(res) == [("pcie-sysfs-missing", Status.UNKNOWN, "g021")]

@@ -225,7 +225,7 @@ def test_missing_tool_is_recorded_as_missing_and_replays_as_missing(scenario_cop
     fake_bin("systemctl", "echo active")  # and no nvidia-smi on PATH
     live = with_live_tools(Node.recorded_at(scenario_copy("h100-hgx-healthy")))
     out = tmp_path / "recorded"
-    (out / "tools").mkdir(parents=True)
+    shutil.copytree(NODES / "h100-hgx-healthy", out)  # an earlier recording, with an output this run will not have
     (out / "tools" / "nvidia-smi-topo-m.out").write_text("stale output of an earlier recording\n")
     assert record(live, out) == []
     assert sorted(p.name for p in (out / "tools").iterdir()) == ["systemctl-fabricmanager.out",
@@ -391,3 +391,68 @@ def test_device_check_script_parses():
     if shutil.which("shellcheck"):
         subprocess.run(["shellcheck", str(script)], check=True)
 
+
+
+# ---------------------------------------------------------------- all or nothing
+def test_a_library_error_on_one_nvml_call_is_recorded_not_fatal(scenario_copy, tmp_path, monkeypatch):
+    """The shipped bindings' NVML_P2P_CAPS_INDEX_READ is the tuple (0,): a call with it fails in ctypes. The call's
+    failure is kept in nvml.json; the rest of the node is recorded and replays."""
+    from gpuwarden.agent.sources import nvml as nvml_source
+
+    monkeypatch.setitem(nvml_source.P2P_CAPS, "read", (0,))
+    out = tmp_path / "bundle"
+    problems = record(Node.recorded_at(scenario_copy("h100-hgx-healthy")), out)
+    assert problems == []
+    snap = json.loads((out / "nvml.json").read_text())
+    assert all(g["errors"]["nvmlDeviceGetP2PStatus"] == "UNKNOWN" for g in snap["gpus"])
+    assert all("ecc_errors" in g for g in snap["gpus"])
+    monkeypatch.undo()
+    (result,) = run_checks(Node.recorded_at(out), [pcie_link.CHECK], config.defaults([pcie_link.CHECK]))
+    assert result.status is Status.OK
+
+
+def _record_cli(args, fsize=None):
+    """`gpuwarden record` in a child process, optionally with a file-size limit (writes past it fail with EFBIG:
+    a full disk as far as the recording can tell)."""
+    import os
+    import resource
+    import signal
+    import sys
+
+    def limit():
+        if fsize is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    return subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", "record", *args], capture_output=True,
+                          text=True, preexec_fn=limit, timeout=120, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def test_a_failed_record_says_why_and_leaves_nothing_half_written(tmp_path):
+    out = tmp_path / "bundle"
+    proc = _record_cli(["--root", str(NODES / "h100-hgx-healthy"), "--out", str(out)], fsize=4096)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuwarden record: error: ") and "nothing recorded" in last and "too large" in last
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the bundle nor its hidden work folder
+
+
+def test_a_failed_re_record_keeps_the_earlier_recording(tmp_path):
+    out = tmp_path / "bundle"
+    assert _record_cli(["--root", str(NODES / "h100-hgx-healthy"), "--out", str(out)]).returncode == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = _record_cli(["--root", str(NODES / "gb200-nvl72-faulty"), "--out", str(out)], fsize=4096)
+    assert proc.returncode == 2 and "nothing recorded" in proc.stderr
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+
+
+def test_record_refuses_a_folder_that_is_not_a_recording(tmp_path):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match="neither empty nor an earlier recording"):
+        record(Node.recorded_at(NODES / "h100-hgx-healthy"), out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["home"]

@@ -116,3 +116,73 @@ def test_daemon_only_faults_fail_preflight_too(scenario_copy):
     (down,) = [f for f in results["nvlink_lanes"].findings if f.status is Status.FAIL]
     assert (down.entity.index, down.entity.link) == (1, 5)
     assert any(f.status is Status.FAIL and f.entity.index == 1 for f in results["fabric"].findings)
+
+
+# ---------------------------------------------------------------- a scenario cannot read outside itself
+SECRET = "s3cr3t-ssh-key-material"
+
+
+def outside_secret(tmp_path):
+    """A 0600 file beside (not inside) the scenario, as a private key on the machine that replays a bundle."""
+    secret = tmp_path / "outside" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_text(f"4: ACTIVE {SECRET}\n")
+    secret.chmod(0o600)
+    return secret
+
+
+def cli_preflight(root, *args):
+    import contextlib
+    import io
+
+    from gpuwarden.agent.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["preflight", "--root", str(root), "--json", *args])
+    return code, out.getvalue() + err.getvalue()
+
+
+def test_a_symlink_in_sys_to_a_file_outside_is_refused_and_its_content_never_shown(scenario_copy, tmp_path):
+    root = scenario_copy("h100-hgx-healthy")
+    secret = outside_secret(tmp_path)
+    state = root / "sys/class/infiniband/mlx5_5/ports/1/state"
+    state.unlink()
+    state.symlink_to(secret)
+    code, text = cli_preflight(root, "--checks", "ib_port")
+    assert SECRET not in text and code == 2
+    (f,) = json.loads(text)["findings"]
+    assert (f["entity"]["id"], f["code"], f["status"]) == ("mlx5_5/1", "ib-port-unreadable", "unknown")
+    assert f"{state}: resolves outside the recorded node" in f["message"]
+    # A folder that leads outside is not even listed: the check says it could not look.
+    state.unlink()
+    (root / "sys/class/infiniband/mlx5_7/ports").rename(root / "ports-aside")
+    (root / "sys/class/infiniband/mlx5_7/ports").symlink_to(secret.parent)
+    code, text = cli_preflight(root, "--checks", "ib_port")
+    assert "id_rsa" not in text and code == 2
+    (result,) = json.loads(text)["results"]
+    assert result["status"] == "unknown" and "mlx5_7/ports: resolves outside the recorded node" in result["error"]
+
+
+def test_kmsg_nvml_json_and_tool_outputs_that_lead_outside_are_refused(scenario_copy, tmp_path):
+    root = scenario_copy("h100-hgx-healthy", with_tools=True)
+    secret = outside_secret(tmp_path)
+    for name in ("kmsg", "nvml.json", "tools/nvidia-smi-topo-m.out", "tools/dcgmi-diag-r2.out"):
+        (root / name).unlink()
+        (root / name).symlink_to(secret)
+    code, text = cli_preflight(root, "--level", "full")
+    assert SECRET not in text
+    results = {r["check"]: r for r in json.loads(text)["results"]}
+    assert results["xid"]["status"] == "unknown" and "resolves outside" in results["xid"]["error"]
+    assert results["ecc"]["status"] == "unknown" and "resolves outside" in results["ecc"]["error"]
+    assert "resolves outside" in json.dumps(results["dcgm_diag"]) and results["dcgm_diag"]["status"] == "unknown"
+    assert code == 2
+
+
+def test_links_inside_the_scenario_still_work(scenario_copy):
+    """A recording's own links (an HCA's device -> ../../../bus/pci/devices/...) resolve inside: read as before."""
+    root = scenario_copy("h100-hgx-healthy")
+    (root / "sys/class/infiniband/mlx5_5/ports/1/state").unlink()
+    (root / "sys/class/infiniband/mlx5_5/ports/1/state").symlink_to("../../../mlx5_4/ports/1/state")
+    results = preflight(root)
+    assert results["ib_port"].status is Status.OK

@@ -169,3 +169,58 @@ def test_tool_output_is_bounded_and_a_recorded_status_must_be_a_number(tmp_path,
         (tmp_path / "dcgmi.rc").write_text(rc, errors="surrogateescape")
         with pytest.raises(ToolError, match="not an exit status"):
             ToolRunner(recorded_dir=tmp_path).run("dcgmi", ["dcgmi"], timeout_s=5)
+
+
+# -- a recorded root is a bundle from another machine: nothing outside it is read -------------------------------
+def scenario_with_links(tmp_path):
+    root, outside = tmp_path / "scenario", tmp_path / "outside"
+    (root / "sys/a").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret").write_text("secret\n")
+    (root / "sys/a/inside").write_text("4: ACTIVE\n")
+    (root / "sys/a/escape").symlink_to(outside / "secret")
+    (root / "sys/a/relative-escape").symlink_to("../../../outside/secret")
+    (root / "sys/a/link-inside").symlink_to("inside")
+    (root / "sys/dir-out").symlink_to(outside)
+    os.mkfifo(root / "sys/a/fifo")
+    return root
+
+
+def test_sysfs_under_a_recorded_root_refuses_paths_that_resolve_outside(tmp_path):
+    sysfs = Sysfs(scenario_with_links(tmp_path))
+    assert sysfs.read("/sys/a/inside") == sysfs.read("/sys/a/link-inside") == "4: ACTIVE"
+    for path in ("/sys/a/escape", "/sys/a/relative-escape", "/sys/dir-out/secret", "/sys/a/../../../outside/secret"):
+        with pytest.raises(SourceError, match="resolves outside the recorded node"):
+            sysfs.read(path)
+        with pytest.raises(SourceError, match="resolves outside the recorded node"):
+            sysfs.open_fd(path)
+    with pytest.raises(SourceError, match="dir-out: resolves outside the recorded node"):
+        sysfs.listdir("/sys/dir-out")
+    with pytest.raises(SourceError, match="not a regular file"):  # a FIFO would block the read for good
+        sysfs.read("/sys/a/fifo")
+    assert sysfs.listdir("/sys/none") == []
+
+
+def test_a_scenario_reached_through_a_symlink_is_read_normally(tmp_path):
+    root = scenario_with_links(tmp_path)
+    (tmp_path / "alias").symlink_to(root)
+    assert Sysfs(tmp_path / "alias").read("/sys/a/link-inside") == "4: ACTIVE"
+
+
+def test_live_root_is_not_confined():
+    sysfs = Sysfs("/")
+    assert sysfs._inside is None
+    assert sysfs.read("/proc/self/comm")  # /proc/self is a link out of /proc: live, that is the kernel's own
+
+
+def test_recorded_kmsg_and_tool_output_that_lead_outside_are_refused(tmp_path):
+    root = scenario_with_links(tmp_path)
+    (root / "kmsg").symlink_to(tmp_path / "outside" / "secret")
+    with pytest.raises(SourceError, match="resolves outside the recorded node"):
+        KernelLog(root / "kmsg", live=False).raw_text()
+    with pytest.raises(SourceError, match="resolves outside the recorded node"):
+        KmsgFollower(KernelLog(root / "kmsg", live=False)).poll()
+    (root / "tools").mkdir()
+    (root / "tools" / "nvbandwidth.out").symlink_to(tmp_path / "outside" / "secret")
+    with pytest.raises(ToolError, match="resolves outside the recorded node"):
+        ToolRunner(recorded_dir=root / "tools").run("nvbandwidth", ["nvbandwidth"], timeout_s=1)

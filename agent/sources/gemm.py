@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import SourceError
+from . import confine
 from .tools import current_scope
 
 BURNIN_FILE = "burnin.json"
@@ -304,7 +305,7 @@ class Gemm:
             raise SourceError("GEMM did not return [recorded hang]")
         path = self.recorded_dir / BURNIN_FILE
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(confine.read_text(path, confine.scenario_prefix(self.recorded_dir.parent)))
         except FileNotFoundError:
             raise SourceError(f"{path}: no recorded burn-in") from None
         except OSError as exc:

@@ -18,6 +18,7 @@ import structlog
 
 from ..errors import ParseError, SourceError
 from ..kernel_log import LogRecord, parse_kmsg_filtered, parse_kmsg_text
+from . import confine
 from .inotify import FolderWaiter
 
 DEV_KMSG = "/dev/kmsg"
@@ -40,6 +41,8 @@ class KernelLog:
         self.live = live
         self.boot_id = boot_id
         self.parse_errors: list[ParseError] = []
+        # A recorded log is a scenario's file: it must resolve inside its folder (a bundle from another machine).
+        self.inside = None if live else confine.scenario_prefix(self.path.parent)
         self.after_seq: int | None = None  # records() keeps only records after this one (see after())
 
     def after(self, cursor: "Cursor | None") -> "KernelLog":
@@ -54,7 +57,7 @@ class KernelLog:
         """The log as /dev/kmsg records, one a line (what `record` saves and `records` parses)."""
         if not self.live:
             try:
-                return self.path.read_text(errors="replace")
+                return confine.read_text(self.path, self.inside)
             except FileNotFoundError:
                 raise SourceError(f"{self.path}: kernel log missing") from None
             except OSError as exc:
@@ -160,7 +163,7 @@ class KmsgFollower:
                 return ""  # nothing new: the common case of an idle poll costs one stat
             if size < self._offset:  # truncated or replaced: read it again from the start
                 self._offset, self._pending = 0, b""
-            with open(self.log.path, "rb") as f:
+            with os.fdopen(confine.open_file(self.log.path, self.log.inside), "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
         except OSError as exc:

@@ -1,7 +1,8 @@
 """Reads of kernel-provided files (/sys, /proc/driver/nvidia) under a configurable root.
 
 Live the root is "/"; on a recorded node it is the scenario folder, so the same reading code runs
-on both (node_exporter's --path.sysfs habit).
+on both (node_exporter's --path.sysfs habit). Under a recorded root every read and listing is confined to the
+scenario (confine.py): a symlink that leads out of it is refused with a SourceError.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import SourceError
+from . import confine
 
 
 class Sysfs:
@@ -18,6 +20,7 @@ class Sysfs:
         # Reads build the path by string: the daemon reads dozens of small files a second, and pathlib's
         # parsing was most of the cost of a 1 s IB-port poll.
         self._prefix = str(self.root).rstrip("/") + "/"
+        self._inside = confine.scenario_prefix(self.root)  # None live: no per-read cost there
 
     def path(self, kernel_path: str) -> Path:
         """Map an absolute kernel path ("/sys/class/infiniband") under the root."""
@@ -34,7 +37,7 @@ class Sysfs:
         p = self._str(kernel_path)
         try:
             # os-level reads: a text-mode open() costs three times as much, and the daemon polls these every second.
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            fd = confine.open_file(p, self._inside)
             try:
                 chunks = [os.read(fd, 65536)]
                 while chunks[-1]:  # sysfs attributes fit one read; a recorded /proc file may not
@@ -47,12 +50,16 @@ class Sysfs:
         except OSError as exc:
             raise SourceError(f"{p}: cannot read: {exc.strerror or exc}") from None
 
+    def read_bytes(self, kernel_path: str) -> bytes:
+        """The file's bytes as they are (a cmdline's NULs kept); OSError as open() raises it, SourceError if refused."""
+        return confine.read_bytes(self._str(kernel_path), self._inside)
+
     def open_fd(self, kernel_path: str) -> int:
         """A descriptor kept open for re-reading with os.pread(fd, n, 0): sysfs regenerates an attribute on every
         read at offset 0, without the path lookup an open() costs (and a removed device's file then fails)."""
         p = self._str(kernel_path)
         try:
-            return os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            return confine.open_file(p, self._inside)
         except OSError as exc:
             raise SourceError(f"{p}: cannot open: {exc.strerror or exc}") from None
 
@@ -67,7 +74,7 @@ class Sysfs:
         """Sorted entries; a missing directory is an empty list (absence is the caller's signal)."""
         p = self._str(kernel_path)
         try:
-            return sorted(os.listdir(p))
+            return sorted(os.listdir(p if self._inside is None else confine.check(p, self._inside)))
         except FileNotFoundError:
             return []
         except OSError as exc:

@@ -39,7 +39,8 @@ from typing import IO, Callable, Iterator, Sequence
 
 import structlog
 
-from ..errors import ToolError, ToolMissing
+from ..errors import SourceError, ToolError, ToolMissing
+from . import confine
 
 log = structlog.get_logger("gpuwarden.tools")
 
@@ -330,17 +331,20 @@ class ToolRunner:
             # Scenario-relative: the message lands in findings, which must not depend on where a scenario lives.
             raise ToolMissing(f"{argv[0]}: not installed (no recorded tools/{out.name})")
         rc_file = base.with_suffix(".rc")
+        inside = confine.scenario_prefix(self.recorded_dir.parent)  # a scenario's tools/: nothing outside it is read
         try:
-            with open(out, "rb") as f:
+            with os.fdopen(confine.open_file(out, inside), "rb") as f:
                 text = read_output(f, f"tools/{out.name}")
             rc = 0
             if rc_file.exists():
-                with open(rc_file, "rb") as f:
+                with os.fdopen(confine.open_file(rc_file, inside), "rb") as f:
                     rc = int(f.read(16).strip())
                 if not -128 <= rc <= 255:  # an exit status, or minus the signal that ended the tool (Popen's form)
                     raise ValueError(rc)
         except OSError as exc:
             raise ToolError(f"tools/{name}: cannot read: {exc.strerror or exc}") from None
+        except SourceError as exc:  # refused: a link out of the scenario
+            raise ToolError(str(exc)) from None
         except ValueError:
             raise ToolError(f"{rc_file}: not an exit status") from None
         return ToolOutput(name, argv, text, rc, 0.0)

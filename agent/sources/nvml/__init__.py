@@ -2,11 +2,17 @@
 
 `Nvml` runs the same reading code over two backends: the real pynvml module (live) or
 `RecordedNvml` (a scenario's nvml.json served through the same pynvml function names and return
-types). Every pynvml.NVMLError becomes an `NvmlError` naming the call and the GPU. `Nvml.xid_events()`
-subscribes to NVML's XID events (events.py).
+types). Every failure of a library call (pynvml.NVMLError, a ctypes.ArgumentError, anything else the bindings
+raise) becomes an `NvmlError` naming the call and the GPU: no error type of ctypes or pynvml leaves this package.
+`Nvml.xid_events()` subscribes to NVML's XID events (events.py).
+
+Works with every nvidia-ml-py from 12.550.52 (the first with nvmlDeviceGetGpuFabricInfoV) to the newest: constants
+are read through `const()`, which undoes the bindings' slips (every release defines `NVML_P2P_CAPS_INDEX_READ = 0,`,
+a tuple, which ctypes refuses), and the fabric info is read into nvml.h's own layout (bindings.py).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from dataclasses import dataclass, field
@@ -17,42 +23,44 @@ import pynvml
 
 from ...errors import NvmlError, SourceError
 from ...model import Entity
+from .. import confine
+from .bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
 from .events import XidEvents
 from .recorded import RecordedNvml
 
 # NVML error number -> its name without the NVML_ERROR_ prefix, from the installed bindings.
 ERROR_NAMES: dict[int, str] = {
-    getattr(pynvml, n): n[len("NVML_ERROR_"):] for n in dir(pynvml) if n.startswith("NVML_ERROR_")
+    const(n): n[len("NVML_ERROR_"):] for n in dir(pynvml) if n.startswith("NVML_ERROR_")
 }
 ERROR_CODES: dict[str, int] = {v: k for k, v in ERROR_NAMES.items()}
 
 NVLINK_COUNTERS = {
-    "replay": pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
-    "recovery": pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
-    "crc_flit": pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-    "crc_data": pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+    "replay": const("NVML_NVLINK_ERROR_DL_REPLAY"),
+    "recovery": const("NVML_NVLINK_ERROR_DL_RECOVERY"),
+    "crc_flit": const("NVML_NVLINK_ERROR_DL_CRC_FLIT"),
+    "crc_data": const("NVML_NVLINK_ERROR_DL_CRC_DATA"),
 }
 # Peer-to-peer capabilities NVML reports per ordered GPU pair (nvmlGpuP2PCapsIndex_t).
 P2P_CAPS = {
-    "nvlink": pynvml.NVML_P2P_CAPS_INDEX_NVLINK,
-    "read": pynvml.NVML_P2P_CAPS_INDEX_READ,
-    "write": pynvml.NVML_P2P_CAPS_INDEX_WRITE,
-    "atomics": pynvml.NVML_P2P_CAPS_INDEX_ATOMICS,
+    "nvlink": const("NVML_P2P_CAPS_INDEX_NVLINK"),
+    "read": const("NVML_P2P_CAPS_INDEX_READ"),
+    "write": const("NVML_P2P_CAPS_INDEX_WRITE"),
+    "atomics": const("NVML_P2P_CAPS_INDEX_ATOMICS"),
 }
 P2P_STATUS_NAMES: dict[int, str] = {
-    getattr(pynvml, n): n[len("NVML_P2P_STATUS_"):] for n in dir(pynvml)
+    const(n): n[len("NVML_P2P_STATUS_"):] for n in dir(pynvml)
     if n.startswith("NVML_P2P_STATUS_") and n != "NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED"  # the bindings' typo alias
 }
 P2P_STATUS_CODES: dict[str, int] = {v: k for k, v in P2P_STATUS_NAMES.items()}
 # HBM temperature is only exposed as a field value (no nvmlTemperatureSensors_t for memory).
-FI_MEMORY_TEMP = pynvml.NVML_FI_DEV_MEMORY_TEMP
+FI_MEMORY_TEMP = const("NVML_FI_DEV_MEMORY_TEMP")
 # The limits each GPU reports for itself (nvmlTemperatureThresholds_t; nvidia-smi -q "GPU Shutdown Temp",
 # "GPU Slowdown Temp", "GPU Max Operating Temp", "Memory Max Operating Temp").
 TEMPERATURE_THRESHOLDS = {
-    "shutdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
-    "slowdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
-    "gpu_max": pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX,
-    "mem_max": pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX,
+    "shutdown": const("NVML_TEMPERATURE_THRESHOLD_SHUTDOWN"),
+    "slowdown": const("NVML_TEMPERATURE_THRESHOLD_SLOWDOWN"),
+    "gpu_max": const("NVML_TEMPERATURE_THRESHOLD_GPU_MAX"),
+    "mem_max": const("NVML_TEMPERATURE_THRESHOLD_MEM_MAX"),
 }
 SNAPSHOT_FORMAT = 1
 
@@ -122,10 +130,12 @@ class Nvml:
         try:
             return fn(*args)
         except pynvml.NVMLError as exc:
-            code = ERROR_NAMES.get(getattr(exc, "value", -1), f"CODE_{getattr(exc, 'value', '?')}")
+            value = getattr(exc, "value", None)
+            code = ERROR_NAMES.get(value, f"CODE_{value}") if isinstance(value, int) else "UNKNOWN"
             raise NvmlError(name, code, device) from None
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            # A broken library install or a malformed recorded scenario: still the project's error.
+        except Exception as exc:  # noqa: BLE001 - no library error type may leave the source
+            # ctypes.ArgumentError (a constant the bindings define wrongly), a broken library install, a malformed
+            # recorded scenario: still the project's error, with the reason.
             raise NvmlError(name, "UNKNOWN", device, f"{type(exc).__name__}: {exc}") from None
 
     def _dev(self, gpu: Gpu, name: str, *args: Any) -> Any:
@@ -174,12 +184,12 @@ class Nvml:
 
     def ecc_errors(self, gpu: Gpu) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
-        for counter, ctype in (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC)):
+        for counter, ctype in (("volatile", const("NVML_VOLATILE_ECC")), ("aggregate", const("NVML_AGGREGATE_ECC"))):
             out[counter] = {
                 kind: int(self._dev(gpu, "nvmlDeviceGetTotalEccErrors", etype, ctype))
                 for kind, etype in (
-                    ("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                    ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+                    ("corrected", const("NVML_MEMORY_ERROR_TYPE_CORRECTED")),
+                    ("uncorrected", const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED")),
                 )
             }
         return out
@@ -196,7 +206,7 @@ class Nvml:
         return int(self._dev(gpu, "nvmlDeviceGetCurrentClocksEventReasons"))
 
     def temperatures(self, gpu: Gpu) -> dict[str, int | None]:
-        core = int(self._dev(gpu, "nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU))
+        core = int(self._dev(gpu, "nvmlDeviceGetTemperature", const("NVML_TEMPERATURE_GPU")))
         try:
             (fv,) = self._dev(gpu, "nvmlDeviceGetFieldValues", [FI_MEMORY_TEMP])
         except NvmlError as exc:
@@ -204,7 +214,7 @@ class Nvml:
                 raise
             return {"gpu": core, "memory": None}  # no field values on this GPU/driver: the core still counts
         # A field can fail on its own while the call succeeds (HBM sensor absent on PCIe boards).
-        memory = int(fv.value.uiVal) if fv.nvmlReturn == pynvml.NVML_SUCCESS else None
+        memory = int(fv.value.uiVal) if fv.nvmlReturn == const("NVML_SUCCESS") else None
         return {"gpu": core, "memory": memory}
 
     def temperature_thresholds(self, gpu: Gpu) -> dict[str, int | None]:
@@ -223,7 +233,7 @@ class Nvml:
 
     def nvlinks(self, gpu: Gpu) -> list[dict[str, Any]]:
         links = []
-        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        for link in range(const("NVML_NVLINK_MAX_LINKS")):
             try:
                 state = int(self._dev(gpu, "nvmlDeviceGetNvLinkState", link))
             except NvmlError as exc:
@@ -239,9 +249,8 @@ class Nvml:
         return links
 
     def fabric_info(self, gpu: Gpu) -> dict[str, Any]:
-        info = pynvml.c_nvmlGpuFabricInfoV_t()
-        info.version = pynvml.nvmlGpuFabricInfo_v2
-        self._dev(gpu, "nvmlDeviceGetGpuFabricInfoV", pynvml.byref(info))
+        info = GpuFabricInfoV2(version=GPU_FABRIC_INFO_V2)
+        self._dev(gpu, "nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
         return {
             "cluster_uuid": _uuid_text(bytes(info.clusterUuid)),
             "clique_id": int(info.cliqueId),
@@ -334,8 +343,9 @@ def _uuid_text(raw: bytes) -> str:
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:
+    """nvml.json, which must resolve inside its own folder (a scenario is a bundle from another machine)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(confine.read_text(path, confine.scenario_prefix(Path(path).parent)))
     except OSError as exc:
         raise SourceError(f"{path}: cannot read recorded NVML: {exc.strerror}") from None
     except json.JSONDecodeError as exc:

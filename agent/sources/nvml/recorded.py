@@ -19,16 +19,25 @@ import pynvml
 
 from ...errors import SourceError
 from ..inotify import FolderWaiter
+from .bindings import const
 
 EVENT_KEYS = {"gpu", "xid"}  # one entry of nvml.json "xid_events" (docs/scenario-format.md)
 _EVENT_POLL_S = 0.02  # how often a waiting recorded event set looks at nvml.json (a sleep, not a spin)
 
 
 def _error(name: str) -> pynvml.NVMLError:
-    code = getattr(pynvml, f"NVML_ERROR_{name}", None)
-    if code is None:
-        code = pynvml.NVML_ERROR_UNKNOWN
+    code = const(f"NVML_ERROR_{name}") if hasattr(pynvml, f"NVML_ERROR_{name}") else const("NVML_ERROR_UNKNOWN")
     return pynvml.NVMLError(code)
+
+
+def _uint(value: Any, position: int) -> int:
+    """An integer argument as ctypes takes it: the live bindings hand it to a C function, which refuses anything
+    else (a tuple constant) with ctypes.ArgumentError. The recorded node must refuse it alike."""
+    if isinstance(value, ctypes._SimpleCData):
+        value = value.value
+    if not isinstance(value, int):
+        raise ctypes.ArgumentError(f"argument {position}: TypeError: wrong type {type(value).__name__}")
+    return value
 
 
 _DEVICES: list[Any] = []
@@ -134,9 +143,10 @@ class RecordedNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         self._require_init()
-        if not 0 <= int(index) < len(self._devices):
+        index = _uint(index, 1)
+        if not 0 <= index < len(self._devices):
             raise _error("INVALID_ARGUMENT")
-        handle = ctypes.pointer(self._devices[int(index)])  # a new pointer object each call, as pynvml returns
+        handle = ctypes.pointer(self._devices[index])  # a new pointer object each call, as pynvml returns
         self._gpu(handle, "nvmlDeviceGetHandleByIndex")  # a lost GPU cannot even be opened
         return handle
 
@@ -169,10 +179,11 @@ class RecordedNvml:
         return [int(mode["current"]), int(mode["pending"])]
 
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
+        errorType, counterType = _uint(errorType, 2), _uint(counterType, 3)
         errors = self._field(handle, "nvmlDeviceGetTotalEccErrors", "ecc_errors")
-        counter = {pynvml.NVML_VOLATILE_ECC: "volatile", pynvml.NVML_AGGREGATE_ECC: "aggregate"}.get(counterType)
-        kind = {pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
-                pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected"}.get(errorType)
+        counter = {const("NVML_VOLATILE_ECC"): "volatile", const("NVML_AGGREGATE_ECC"): "aggregate"}.get(counterType)
+        kind = {const("NVML_MEMORY_ERROR_TYPE_CORRECTED"): "corrected",
+                const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED"): "uncorrected"}.get(errorType)
         if counter is None or kind is None:
             raise _error("INVALID_ARGUMENT")
         return int(errors[counter][kind])
@@ -193,8 +204,9 @@ class RecordedNvml:
         return int(self._field(handle, "nvmlDeviceGetCurrentClocksEventReasons", "clocks_event_reasons"))
 
     def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        sensor = _uint(sensor, 2)
         temps = self._field(handle, "nvmlDeviceGetTemperature", "temperature")
-        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+        if sensor != const("NVML_TEMPERATURE_GPU"):
             raise _error("INVALID_ARGUMENT")
         return int(temps["gpu"])
 
@@ -202,14 +214,15 @@ class RecordedNvml:
         temps = self._field(handle, "nvmlDeviceGetFieldValues", "temperature")
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
         for i, field_id in enumerate(fieldIds):
+            field_id = _uint(field_id, 2)
             values[i].fieldId = field_id
-            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP and temps.get("memory") is not None:
-                values[i].nvmlReturn = pynvml.NVML_SUCCESS
-                values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            if field_id == const("NVML_FI_DEV_MEMORY_TEMP") and temps.get("memory") is not None:
+                values[i].nvmlReturn = const("NVML_SUCCESS")
+                values[i].valueType = const("NVML_VALUE_TYPE_UNSIGNED_INT")
                 values[i].value.uiVal = int(temps["memory"])
             else:
                 # Real NVML reports a per-field failure inside a successful call.
-                values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                values[i].nvmlReturn = const("NVML_ERROR_NOT_SUPPORTED")
         return values
 
     def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
@@ -225,6 +238,7 @@ class RecordedNvml:
         return int(limits[names[threshold]])
 
     def _link(self, handle: Any, call: str, link: int) -> dict[str, Any]:
+        link = _uint(link, 2)
         for entry in self._field(handle, call, "nvlinks"):
             if int(entry["link"]) == int(link):
                 return entry
@@ -234,9 +248,10 @@ class RecordedNvml:
         return int(self._link(device, "nvmlDeviceGetNvLinkState", link)["state"])
 
     def nvmlDeviceGetNvLinkErrorCounter(self, device: Any, link: int, counter: int) -> int:
+        counter = _uint(counter, 3)
         entry = self._link(device, "nvmlDeviceGetNvLinkErrorCounter", link)
-        names = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
-                 pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data"}
+        names = {const("NVML_NVLINK_ERROR_DL_REPLAY"): "replay", const("NVML_NVLINK_ERROR_DL_RECOVERY"): "recovery",
+                 const("NVML_NVLINK_ERROR_DL_CRC_FLIT"): "crc_flit", const("NVML_NVLINK_ERROR_DL_CRC_DATA"): "crc_data"}
         if counter not in names:
             raise _error("INVALID_ARGUMENT")
         return int(entry["errors"][names[counter]])
@@ -260,15 +275,17 @@ class RecordedNvml:
         return self._pcie(handle, "nvmlDeviceGetPcieReplayCounter", "replay")
 
     def nvmlDeviceGetP2PStatus(self, device1: Any, device2: Any, p2pIndex: int) -> int:
+        p2pIndex = _uint(p2pIndex, 3)
         matrix = self._field(device1, "nvmlDeviceGetP2PStatus", "p2p")
         self._gpu(device2, "nvmlDeviceGetP2PStatus")  # a lost peer fails the call too
         peer = self._index(device2)
-        names = {pynvml.NVML_P2P_CAPS_INDEX_NVLINK: "nvlink", pynvml.NVML_P2P_CAPS_INDEX_READ: "read",
-                 pynvml.NVML_P2P_CAPS_INDEX_WRITE: "write", pynvml.NVML_P2P_CAPS_INDEX_ATOMICS: "atomics"}
+        names = {const("NVML_P2P_CAPS_INDEX_NVLINK"): "nvlink", const("NVML_P2P_CAPS_INDEX_READ"): "read",
+                 const("NVML_P2P_CAPS_INDEX_WRITE"): "write", const("NVML_P2P_CAPS_INDEX_ATOMICS"): "atomics"}
         if p2pIndex not in names or str(peer) not in matrix:
             raise _error("INVALID_ARGUMENT")
         status = matrix[str(peer)][names[p2pIndex]]
-        code = getattr(pynvml, f"NVML_P2P_STATUS_{status}", None)
+        name = f"NVML_P2P_STATUS_{status}"
+        code = const(name) if hasattr(pynvml, name) else None
         if code is None:
             raise KeyError(f"{self._origin}: GPU {self._index(device1)}: unknown P2P status {status!r}")
         return int(code)
@@ -284,7 +301,7 @@ class RecordedNvml:
         info.status = int(fabric.get("status", 0))
         if hasattr(info, "healthMask"):
             info.healthMask = int(fabric.get("health_mask", 0))
-        return pynvml.NVML_SUCCESS
+        return const("NVML_SUCCESS")
 
     # -- XID events -----------------------------------------------------------------------------------
     def nvmlEventSetCreate(self) -> Any:

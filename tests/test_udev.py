@@ -1,0 +1,121 @@
+"""The udev source: live, the kernel's uevents through pyudev (a real event is provoked where this machine lets us
+write a uevent file; skipped where netlink is refused); recorded, the scenario's `udev` file, through the same
+fileno()/poll() a consumer uses."""
+from __future__ import annotations
+
+import ast
+import os
+import select
+import time
+import tomllib
+
+import pytest
+
+from conftest import NODES, ROOT
+from gpuwarden.agent.errors import SourceError
+from gpuwarden.agent.node import Node
+from gpuwarden.agent.sources.udev import RecordedUdev, UdevEvent, UdevMonitor
+
+GPU = "/sys/devices/pci0000:15/0000:15:01.0/0000:18:00.0"
+HCA = "/sys/devices/pci0000:15/0000:15:02.0/0000:1a:00.0/infiniband/mlx5_0"
+
+
+def wait_events(monitor, want: int, deadline_s: float = 20.0) -> list[UdevEvent]:
+    """What a consumer does: select on fileno() (or look now and then without one), then poll()."""
+    got: list[UdevEvent] = []
+    end = time.monotonic() + deadline_s
+    while len(got) < want and time.monotonic() < end:
+        fd = monitor.fileno()
+        if fd is not None:
+            select.select([fd], [], [], max(0.0, end - time.monotonic()))
+        else:
+            time.sleep(0.05)
+        got += monitor.poll()
+    return got
+
+
+def append(root, text: str) -> None:
+    with open(root / "udev", "a") as f:
+        f.write(text)
+
+
+def test_recorded_events_appended_after_opening_are_delivered_in_order(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    append(root, f"remove pci {GPU}\n")  # before the monitor: the past, not delivered (as live)
+    monitor = Node.recorded_at(root).udev_monitor()
+    assert isinstance(monitor, RecordedUdev) and monitor.poll() == []
+    append(root, f"remove pci {GPU}\nremove infiniband {HCA}\n")
+    events = wait_events(monitor, 2)
+    assert events == [UdevEvent("remove", "pci", GPU), UdevEvent("remove", "infiniband", HCA)]
+    assert [e.name for e in events] == ["0000:18:00.0", "mlx5_0"]
+    assert monitor.poll() == []
+    monitor.close()
+
+
+def test_recorded_partial_lines_garbage_and_other_subsystems(scenario_copy):
+    root = scenario_copy("gb200-nvl72-healthy")
+    monitor = RecordedUdev(root)
+    append(root, f"remove pci {GPU}")  # no newline yet: still being written
+    assert monitor.poll() == []
+    append(root, "\nexplode pci /sys/x\nremove pci\n" + "x" * 5000 + "\nadd block /sys/devices/virtual/block/loop0\n"
+           "add net /sys/devices/virtual/net/ib0\n")
+    assert monitor.poll() == [UdevEvent("remove", "pci", GPU), UdevEvent("add", "net", "/sys/devices/virtual/net/ib0")]
+    assert monitor.malformed == 3  # the unknown action, the short line, the overlong line; block is just not ours
+    (root / "udev").write_text(f"add pci {GPU}\n")  # rewritten shorter: read from its start
+    assert monitor.poll() == [UdevEvent("add", "pci", GPU)]
+
+
+def test_recorded_udev_file_that_leads_outside_the_scenario_is_refused(scenario_copy, tmp_path):
+    root = scenario_copy("gb200-nvl72-healthy")
+    monitor = RecordedUdev(root)
+    outside = tmp_path / "outside"
+    outside.write_text(f"remove pci {GPU}\n")
+    (root / "udev").symlink_to(outside)
+    with pytest.raises(SourceError, match="resolves outside the recorded node"):
+        monitor.poll()
+
+
+def test_live_monitor_delivers_a_kernel_uevent():
+    try:
+        monitor = UdevMonitor()
+    except SourceError as exc:
+        pytest.skip(f"netlink uevents not permitted here: {exc}")
+    try:
+        assert isinstance(monitor.fileno(), int) and monitor.fileno() >= 0
+        try:  # a "change" uevent of the loopback netdev: harmless, and only root can ask for it
+            with open("/sys/class/net/lo/uevent", "w") as f:
+                f.write("change")
+        except OSError as exc:
+            pytest.skip(f"cannot provoke a uevent here: {exc.strerror}")
+        events = wait_events(monitor, 1)
+        seen = [e for e in events if e.subsystem == "net" and e.name == "lo"]
+        if not seen:
+            pytest.skip("no kernel uevent reached this network namespace")
+        assert seen[0].action == "change" and seen[0].sys_path.endswith("/net/lo")
+    finally:
+        monitor.close()
+
+
+def test_the_agent_uses_pyudev_and_not_psutil():
+    """Every runtime dependency is used by the agent; psutil is the bench's alone (an optional extra)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("psutil") for d in deps["dependencies"])
+    assert any(d.startswith("psutil") for d in deps["optional-dependencies"]["bench"])
+    imported: dict[str, set[str]] = {}
+    for path in [*(ROOT / "agent").rglob("*.py"), *(ROOT / "checks").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                imported.setdefault(name.split(".")[0], set()).add(path.relative_to(ROOT).as_posix())
+    assert "psutil" not in imported
+    assert imported["pyudev"] == {"agent/sources/udev.py"}
+    for dep, module in (("nvidia-ml-py", "pynvml"), ("prometheus-client", "prometheus_client"),
+                        ("structlog", "structlog"), ("pyudev", "pyudev")):
+        assert any(d.startswith(dep) for d in deps["dependencies"]) and module in imported, dep
+
+
+def test_a_bundled_scenario_without_a_udev_file_is_quiet():
+    monitor = RecordedUdev(NODES / "h100-hgx-healthy")
+    assert monitor.poll() == [] and not os.path.exists(NODES / "h100-hgx-healthy" / "udev")
+    monitor.close()
