@@ -77,6 +77,7 @@ def _gc_paused() -> Iterator[None]:
 # time. A well-formed header past these bounds (a 21-digit seq, long flags) goes to _kmsg_line, which is
 # the exact test. Possessive quantifiers: nothing needs backtracking, and a long bad line stays linear.
 _KMSG_ROW = re.compile(r"^(?:([0-9]{1,10}+),([0-9]{1,20}+),([0-9]{1,20}+),[\x00-\t\x0b-:<-\x7f]{0,30}+;)?+(.*+)", re.M)
+_U64 = 1 << 64
 _CHUNK = 1 << 16  # characters of text per findall, cut at a line end
 _LEVEL = {str(p): p & 7 for p in range(192)}  # prio = facility * 8 + level; facilities 0..23
 _FACILITY = {str(p): p >> 3 for p in range(192)}
@@ -115,8 +116,10 @@ def _kmsg_line(line: str, source: str, lineno: int) -> LogRecord | ParseError:
     if sep and len(header) == 4 and head.isascii() and len(head) < 96:
         prio, seq, usec, _ = header
         # isdigit on ASCII text is [0-9]+: rejects "", "-1", " 5", "1_0" that int() would take;
-        # the length bound keeps int() off absurd digit strings (it refuses > 4300 digits).
-        if prio.isdigit() and seq.isdigit() and usec.isdigit():
+        # the length bound keeps int() off absurd digit strings (it refuses > 4300 digits), and each
+        # number fits the kernel's u64 (seq and the timestamp are u64; prio far less).
+        if (prio.isdigit() and seq.isdigit() and usec.isdigit() and max(len(prio), len(seq), len(usec)) <= 20
+                and max(int(prio), int(seq), int(usec)) < _U64):
             return _kmsg_record(message, lineno, source, prio, seq, usec)
     return ParseError(_kmsg_complaint(line, sep, header), source, lineno)
 
@@ -211,7 +214,7 @@ def _kmsg_complaint(line: str, sep: str, header: list[str]) -> str:
     elif len(header) < 4:
         why = "header needs <prio>,<seq>,<usec>,<flags>"
     else:
-        why = "prio, seq and usec must be short unsigned decimal integers"
+        why = "prio, seq and usec must be unsigned decimal integers under 2**64"
     return f"malformed kmsg record ({why}): {shown!r}"
 
 

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import MAX_DIGITS, bounded_int, check_size, is_decimal
+from .parse_limits import MAX_DIGITS, bounded_int, check_size, is_decimal, text_lines
 
 ROOT_3X = "DCGM GPU Diagnostic"
 ROOT_4X = "DCGM Diagnostic"
@@ -111,14 +111,15 @@ def looks_like_dcgmi_diag_text(text: str) -> bool:
 
 def parse_dcgmi_diag_json(text: str, source: str) -> DiagRun:
     """`dcgmi diag -j` output. Lines before the first one starting with "{" (a banner) are skipped."""
-    lines = text.splitlines(keepends=True)
+    check_size(text, source, "dcgmi diag output")
+    lines = text.split("\n")  # as json counts lines
     start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("{")), None)
     if start is None:
         first = next((line.strip() for line in lines if line.strip()), "")
         raise ParseError(f"no JSON object in dcgmi output{': ' + repr(first[:120]) if first else ' (empty)'}",
                          source, 1 if first else None)
     try:
-        data = json.loads("".join(lines[start:]))
+        data = json.loads("\n".join(lines[start:]))
     except json.JSONDecodeError as exc:
         raise ParseError(f"malformed JSON: {exc.msg}", source, exc.lineno + start) from None
     except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of thousands of digits
@@ -364,7 +365,7 @@ def parse_dcgmi_diag_text(text: str, source: str) -> DiagRun:
     table = _Table(source)
     error_lines: list[str] = []
     rows = 0
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text_lines(text), 1):
         line = line.strip()
         if not line.startswith(("|", "+")):
             if line.startswith("Error:") and not table.tests:

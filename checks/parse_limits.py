@@ -41,3 +41,13 @@ def finite_float(token: str, what: str, source: str, line: int | None) -> float:
     if not math.isfinite(value):
         raise ParseError(f"{what}: {token!r} is not a finite number", source, line)
     return value
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of a tool output as an editor numbers them: split at "\n" only (str.splitlines also breaks at
+    "\r", "\x0c", "\u2028", ..., so the line numbers in messages would point past the end of the file). A
+    trailing "\r" is kept; the parsers strip their lines."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines

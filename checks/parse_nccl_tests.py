@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import bounded_int, check_size
+from .parse_limits import bounded_int, check_size, text_lines
 
 # Every pattern is linear in the length of a line: quantifiers are possessive (*+, ++) or bounded wherever what
 # follows could fail, so a long damaged line is read in one pass instead of being retried from every split point.
@@ -195,7 +195,7 @@ def parse_nccl_tests(text: str, source: str) -> NcclTestsRun:
     run = NcclTestsRun(source)
     columns: list[str] = []
     recognised = False
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(text_lines(text), start=1):
         line = _strip_label(raw)
         body = line.strip()
         if not body:

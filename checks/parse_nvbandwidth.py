@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import bounded_int, check_size, finite_float
+from .parse_limits import bounded_int, check_size, finite_float, text_lines
 
 # Linear in the length of a line: possessive quantifiers (*+, ++) where what follows could fail; the lazy testcase
 # name tries a one-character tail at each step. Numbers are ASCII digits, then bounded and finite (parse_limits).
@@ -81,7 +81,7 @@ def parse_nvbandwidth(text: str, source: str) -> NvbandwidthRun:
     matrices: dict[str, NvbMatrix] = {}
     waived: list[str] = []
     errors: dict[str, str] = {}
-    lines = text.splitlines()
+    lines = text_lines(text)
     current: str | None = None  # testcase named by the last "Running" line, not yet given a matrix
     i = 0
     while i < len(lines):

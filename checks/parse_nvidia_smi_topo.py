@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import check_size
+from .parse_limits import check_size, text_lines
 
 # Closeness of a PCIe path, best first (NCCL's PATH_PIX < PATH_PXB < PATH_PHB < PATH_NODE(SYS) order).
 PCIE_DISTANCE = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4, "SOC": 4}
@@ -96,7 +96,7 @@ def _header(line: str) -> tuple[list[str], list[str]] | None:
 
 def parse_topo_matrix(text: str, source: str) -> TopoMatrix:
     check_size(text, source, "nvidia-smi topo -m output")
-    lines = [_ANSI.sub("", ln).rstrip("\r") for ln in text.splitlines()]
+    lines = [_ANSI.sub("", ln).rstrip("\r") for ln in text_lines(text)]
     at = next((i for i, ln in enumerate(lines) if _header(ln) is not None), None)
     if at is None:
         raise ParseError("no topology matrix header (a line starting with GPU0)", source)

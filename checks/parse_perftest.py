@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import bounded_int, check_size
+from .parse_limits import bounded_int, check_size, text_lines
 
 _MB_PER_SEC_IN_GBPS = 0x100000 * 8 / 1e9  # one perftest "MB/sec" in Gb/s
 
@@ -172,7 +172,7 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
     recognised = banner = cuda = False
     cuda_device = None
     qps = 0
-    for num, raw in enumerate(text.splitlines(), 1):
+    for num, raw in enumerate(text_lines(text), 1):
         line = _PROMPT.sub("", raw.replace("\x00", "")).rstrip()
         stripped = line.strip()
         if not stripped or _JOB.match(line) or _META.match(line):

@@ -320,7 +320,8 @@ def test_a_number_past_its_bound_is_a_problem_naming_the_line_not_a_crash_or_a_c
 @pytest.mark.parametrize("value", ["1e999", "-1e400", "١٢٣", "²"])
 def test_an_infinite_or_non_ascii_number_in_a_row_is_a_problem_not_a_value(value):
     text = (NCCL / PASS_8X).read_text()
-    row = "           8             2     float     sum      -1    69.12    0.00    0.00      0    72.43    0.00    0.00      0"
+    row = ("           8             2     float     sum      -1    69.12    0.00    0.00      0    72.43    0.00"
+           "    0.00      0")
     assert row in text
     run = parse_nccl_tests(text.replace(row, row.replace("72.43", value)), "out")
     assert len(run.rows) == len(parse(PASS_8X).rows) - 1
