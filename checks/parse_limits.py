@@ -10,6 +10,9 @@ from gpuwarden.agent.errors import ParseError
 
 MAX_TEXT = 64 << 20  # characters of one tool output: far past anything these tools print on one node
 MAX_DIGITS = 18  # an integer field: enough for any byte count or id these tools print, always under 2**63
+# Characters of a line that the patterns telling messages apart (errors, warnings, banners) look at: every message
+# these tools print is far shorter, and a scan of a 10 MiB line by a dozen alternatives costs seconds.
+MAX_MESSAGE = 4096
 MAX_NUMBER_CHARS = 40  # a decimal number with fraction and exponent, as printed by the tools ("%.2f", "%g")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import bounded_int, check_size, text_lines
+from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
 
 # Every pattern is linear in the length of a line: quantifiers are possessive (*+, ++) or bounded wherever what
 # follows could fail, so a long damaged line is read in one pass instead of being retried from every split point.
@@ -214,16 +214,16 @@ def parse_nccl_tests(text: str, source: str) -> NcclTestsRun:
             continue
         if _ELISION.match(body):
             run.elided.append(lineno)
-        elif _WARN.search(body):
+        elif _WARN.search(head := body[:MAX_MESSAGE]):
             run.warnings.append(Line(lineno, body))
-        elif _ERROR.search(body):
+        elif _ERROR.search(head):
             run.errors.append(Line(lineno, body))
         elif (m := _TOOL_VERSION.match(body)) or (m := _NCCL_VERSION.match(body)):
             if m.re is _TOOL_VERSION:
                 run.tool, run.version = m.group(1), m.group(2)
             else:
                 run.nccl_version = m.group(1)
-        elif run.collective is None and (m := _COMMAND.search(body)):
+        elif run.collective is None and (m := _COMMAND.search(head)):
             run.collective = m.group(1)
     if not text.strip():
         raise ParseError("empty output", source)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
-from .parse_limits import bounded_int, check_size, text_lines
+from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
 
 _MB_PER_SEC_IN_GBPS = 0x100000 * 8 / 1e9  # one perftest "MB/sec" in Gb/s
 
@@ -124,6 +124,8 @@ def _params(line: str) -> dict[str, str]:
 
 
 def _columns(header: str, source: str, line: int) -> tuple[list[str], str | None]:
+    if len(header) > MAX_MESSAGE:
+        raise ParseError(f"result table header of {len(header):,} characters", source, line)
     cols = _COLUMN.findall(header)
     if cols[:2] != ["#bytes", "#iterations"] or len(cols) < 3:
         raise ParseError(f"unknown result table header {header.strip()[:80]!r}", source, line)
@@ -177,9 +179,10 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
         stripped = line.strip()
         if not stripped or _JOB.match(line) or _META.match(line):
             continue
-        if _CUDA.search(line):
+        head = line[:MAX_MESSAGE]  # what tells a message apart (the whole line is read as a row or parameters)
+        if _CUDA.search(head):
             cuda = True
-            m = _CUDA_DEVICE.search(line)
+            m = _CUDA_DEVICE.search(head)
             if m:
                 cuda_device = bounded_int(m[1] or m[2], "CUDA device", source, num, 9)
         if _PROMPT.match(raw) and "ib_" in line and " " in stripped:
@@ -195,14 +198,14 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
                 cols = None
                 section = "done"
             continue
-        m = _TITLE.match(line)
+        m = _TITLE.match(line) if len(line) <= MAX_MESSAGE else None
         if m:
             recognised = True
             fields.update(test=m["test"], kind="bw" if m["kind"] == "BW" else "lat",
                           bidirectional=bool(m["bidir"]))
             section = "params"
             continue
-        if _WARNING.search(line):
+        if _WARNING.search(head):
             warnings.append(stripped)
             continue
         if "#bytes" in line:
@@ -221,11 +224,11 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
             continue
         if _GID.match(line):
             continue
-        if section == "params" and _PARAM_LINE.search(line) and not _ERROR.search(line):
+        if section == "params" and _PARAM_LINE.search(line) and not _ERROR.search(head):
             fields["params"].update(_params(stripped))
             continue
-        if _ERROR.search(line):
-            recognised = recognised or _OWN_ERROR.search(line) is not None
+        if _ERROR.search(head):
+            recognised = recognised or _OWN_ERROR.search(head) is not None
             errors.append(stripped)
     if not recognised:
         raise ParseError("not perftest output: no test banner, result table or perftest message", source)
@@ -240,5 +243,5 @@ def last_error_line(text: str) -> str | None:
     line (what an operator should see first)."""
     lines = [ln.strip() for ln in text.splitlines()
              if ln.strip() and not _SEPARATOR.match(ln) and ln.strip().strip("*").strip()]
-    errors = [ln for ln in lines if _ERROR.search(ln) and not _WARNING.search(ln)]
+    errors = [ln for ln in lines if _ERROR.search(ln[:MAX_MESSAGE]) and not _WARNING.search(ln[:MAX_MESSAGE])]
     return errors[-1] if errors else (lines[-1] if lines else None)
