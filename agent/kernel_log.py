@@ -77,6 +77,7 @@ def _gc_paused() -> Iterator[None]:
 # time. A well-formed header past these bounds (a 21-digit seq, long flags) goes to _kmsg_line, which is
 # the exact test. Possessive quantifiers: nothing needs backtracking, and a long bad line stays linear.
 _KMSG_ROW = re.compile(r"^(?:([0-9]{1,10}+),([0-9]{1,20}+),([0-9]{1,20}+),[\x00-\t\x0b-:<-\x7f]{0,30}+;)?+(.*+)", re.M)
+_U64 = 1 << 64
 _CHUNK = 1 << 16  # characters of text per findall, cut at a line end
 _LEVEL = {str(p): p & 7 for p in range(192)}  # prio = facility * 8 + level; facilities 0..23
 _FACILITY = {str(p): p >> 3 for p in range(192)}
@@ -115,8 +116,10 @@ def _kmsg_line(line: str, source: str, lineno: int) -> LogRecord | ParseError:
     if sep and len(header) == 4 and head.isascii() and len(head) < 96:
         prio, seq, usec, _ = header
         # isdigit on ASCII text is [0-9]+: rejects "", "-1", " 5", "1_0" that int() would take;
-        # the length bound keeps int() off absurd digit strings (it refuses > 4300 digits).
-        if prio.isdigit() and seq.isdigit() and usec.isdigit():
+        # the length bound keeps int() off absurd digit strings (it refuses > 4300 digits), and each
+        # number fits the kernel's u64 (seq and the timestamp are u64; prio far less).
+        if (prio.isdigit() and seq.isdigit() and usec.isdigit() and max(len(prio), len(seq), len(usec)) <= 20
+                and max(int(prio), int(seq), int(usec)) < _U64):
             return _kmsg_record(message, lineno, source, prio, seq, usec)
     return ParseError(_kmsg_complaint(line, sep, header), source, lineno)
 
@@ -211,24 +214,29 @@ def _kmsg_complaint(line: str, sep: str, header: list[str]) -> str:
     elif len(header) < 4:
         why = "header needs <prio>,<seq>,<usec>,<flags>"
     else:
-        why = "prio, seq and usec must be short unsigned decimal integers"
+        why = "prio, seq and usec must be unsigned decimal integers under 2**64"
     return f"malformed kmsg record ({why}): {shown!r}"
 
 
 # ---------------------------------------------------------------- dmesg / journal / syslog text
-_KMSG = re.compile(r"(\d{1,10}),(\d{1,19}),(\d{1,19}),[^;]*;")
+_KMSG = re.compile(r"(\d{1,10}),(\d{1,19}),(\d{1,19}),[^;]*+;")
 # dmesg -x / --decode: "kern  :warn  : "
 _DECODE = re.compile(r"([a-z]{2,8}) *:([a-z]{3,6}) *: ")
 _LEVELS = {"emerg": 0, "alert": 1, "crit": 2, "err": 3, "warn": 4, "notice": 5, "info": 6, "debug": 7}
-_MONO = re.compile(r"\[ *(\d{1,12})\.(\d{1,9})\] ?")  # dmesg: "[ 1234.567890] "
+_MONO = re.compile(r"\[ *+(\d{1,12})\.(\d{1,9})\] ?")  # dmesg: "[ 1234.567890] "
 _CTIME = re.compile(r"\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4})\] ?")  # dmesg -T
 # dmesg --time-format iso (comma fraction) and journalctl -o short-iso[-precise] / RFC 3339 syslog
 _ISO = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?) ")
-_SYSLOG = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d) (\S+) ")  # "Jan 01 09:30:56 host "
-_HOST_KERNEL = re.compile(r"\S+ kernel: ")  # journal/syslog "host kernel: " after the timestamp
+# Possessive \S++: a long word that is not followed by a space fails at once instead of being given back
+# character by character.
+_SYSLOG = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d) (\S++) ")  # "Jan 01 09:30:56 host "
+_HOST_KERNEL = re.compile(r"\S++ kernel: ")  # journal/syslog "host kernel: " after the timestamp
 # A kernel line quoted inside other text ("mynode-066 | ERROR: ... [ 3606.832215] NVRM: Xid ..."):
 # only NVIDIA driver lines are looked for, so ordinary text is not cut at a stray "[1.5]".
-_EMBEDDED = re.compile(r"(?:\[ *(\d{1,12})\.(\d{1,9})\] )?(?=NVRM: |nvidia-nvswitch\d+: )")
+# Found by its fixed text first (a C substring scan); a pattern with an optional stamp in front cannot skip ahead,
+# and tried at every position it took ~0.2 s per MiB of a long line. The stamp is the one ending where it starts.
+_EMBEDDED = re.compile(r"NVRM: |nvidia-nvswitch\d++: ")
+_EMBEDDED_STAMP = re.compile(r"\[ *+(\d{1,12})\.(\d{1,9})\] ")
 
 
 def _usec(secs: str, frac: str) -> int:
@@ -283,9 +291,12 @@ def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, 
         return kind, s, timestamp, usec, priority, None
     if fmt:  # dmesg --decode --notime
         return fmt, s, None, None, priority, None
-    m = _EMBEDDED.search(s)
-    if m and m.end() > 0:
-        return "embedded", s[m.end():], None, _usec(m[1], m[2]) if m[1] else None, None, None
+    if "NVRM: " in s or "nvidia-nvswitch" in s:
+        m = _EMBEDDED.search(s)
+        if m and m.start() > 0:
+            at = s.rfind("[", 0, m.start())  # a stamp holds no other "["
+            stamp = _EMBEDDED_STAMP.fullmatch(s, at, m.start()) if at >= 0 else None
+            return "embedded", s[m.start():], None, _usec(stamp[1], stamp[2]) if stamp else None, None, None
     return "plain", line, None, None, None, None
 
 

@@ -157,11 +157,20 @@ def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
     yield from decide(diag, gpus, cfg, node.hostname)
 
 
+def unreadable(run: DiagRun) -> list[Finding]:
+    """Rows of a text output that could not be read: what they said is not known (the other rows still count)."""
+    if not run.problems:
+        return []
+    return [Finding(CHECK_NAME, "dcgm-unreadable-rows", Entity.node("-"), Status.UNKNOWN,
+                    f"{len(run.problems)} row(s) of the dcgmi diag output could not be read; first: {run.problems[0]}",
+                    Action.NONE, {"rows": [str(p)[:300] for p in run.problems[:10]], "source": run.source})]
+
+
 def _analyze(parse: Any) -> Any:
     def analyze(text: str, source: str) -> tuple[list[Finding], list[ParseError]]:
         diag = parse(text, source)
         require_ran(diag, source)
-        return decide(diag, (), CHECK.defaults, "-"), []
+        return decide(diag, (), CHECK.defaults, "-") + unreadable(diag), list(diag.problems)
 
     return analyze
 

@@ -3,33 +3,39 @@ summary lines and the NCCL warnings and errors around them, as printed bare, und
 mpirun's "[1,0]<stdout>:" tags."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
+from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
+
+# Every pattern is linear in the length of a line: quantifiers are possessive (*+, ++) or bounded wherever what
+# follows could fail, so a long damaged line is read in one pass instead of being retried from every split point.
+# Numbers are ASCII digits ([0-9], not \d, which takes "١٢٣") of bounded length, converted by parse_limits.
 # Launcher labels in front of every line: srun -l ("0: ", "12: ") and Open MPI --tag-output ("[1,0]<stdout>:").
-_PREFIX = re.compile(r"^\s*(?:\[\d{1,9},\d{1,9}\]<(?:stdout|stderr)>:|\d{1,6}: ?)")
-_INT = re.compile(r"-?\d{1,20}", re.ASCII)
-_FLOAT = re.compile(r"-?(?:\d{1,20}(?:\.\d{0,20})?|\.\d{1,20})(?:[eE][-+]?\d{1,3})?", re.ASCII)
-_HEADER = re.compile(r"^#\s*size\s+count\s+type\b")
-_TOOL_VERSION = re.compile(r"^#?\s*([a-z]+)-tests:?\s+[Vv]ersion\s+(\S+)")
-_NCCL_VERSION = re.compile(r"^#?\s*NCCL version\s+(\S+)")
-_COLLECTIVE = re.compile(r"^#\s*Collective test (starting|concluded):\s*(\S+)")
-_COMMAND = re.compile(r"(?:^|[\s/])(\w+_perf)(?:_mpi)?(?:\s|$)", re.ASCII)
-_SETTINGS = re.compile(r"^#\s*(?:nThread\s+\d+\s+)?nGpus\b")
-_SETTING = {
-    "n_threads": re.compile(r"\bnThread\s+(\d{1,9})"),
-    "n_gpus": re.compile(r"\bnGpus(?:\(perProc\))?\s+(\d{1,9})"),
-    "min_bytes": re.compile(r"\bminBytes\s+(\d{1,20})"),
-    "max_bytes": re.compile(r"\bmaxBytes\s+(\d{1,20})"),
-    "validation": re.compile(r"\bvalidation:\s*(\d{1,9})"),
+_PREFIX = re.compile(r"^\s*+(?:\[[0-9]{1,9},[0-9]{1,9}\]<(?:stdout|stderr)>:|[0-9]{1,6}: ?)")
+_INT = re.compile(r"-?[0-9]{1,18}")
+_FLOAT = re.compile(r"-?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][-+]?[0-9]{1,3})?")
+_HEADER = re.compile(r"^#\s*+size\s++count\s++type\b")
+_TOOL_VERSION = re.compile(r"^#?+\s*+([a-z]++)-tests:?+\s++[Vv]ersion\s++(\S++)")
+_NCCL_VERSION = re.compile(r"^#?+\s*+NCCL version\s++(\S++)")
+_COLLECTIVE = re.compile(r"^#\s*+Collective test (starting|concluded):\s*+(\S++)")
+_COMMAND = re.compile(r"(?:^|[\s/])(\w+_perf)(?:_mpi)?(?:\s|$)")  # \w+ backtracks only within one word
+_SETTINGS = re.compile(r"^#\s*+(?:nThread\s++[0-9]++\s++)?+nGpus\b")
+_SETTING = {  # field -> (the tool's name for it, its pattern, most digits)
+    "n_threads": ("nThread", re.compile(r"\bnThread\s++([0-9]++)"), 9),
+    "n_gpus": ("nGpus", re.compile(r"\bnGpus(?:\(perProc\))?+\s++([0-9]++)"), 9),
+    "min_bytes": ("minBytes", re.compile(r"\bminBytes\s++([0-9]++)"), 18),
+    "max_bytes": ("maxBytes", re.compile(r"\bmaxBytes\s++([0-9]++)"), 18),
+    "validation": ("validation", re.compile(r"\bvalidation:\s*+([0-9]++)"), 9),
 }
-_DEVICE = re.compile(r"^#\s*Rank\s+(\d{1,9})(?:\s+Group\s+(\d{1,9}))?(?:\s+Pid\s+(\d{1,12}))?(?:\s+on\s+(\S+))?"
-                     r"\s+device\s+(\d{1,9})\s+\[([^\]]*)\]\s*(.*?)\s*$")
-_OUT_OF_BOUNDS = re.compile(r"^#\s*Out of bounds values\s*:\s*(\d{1,20})\s*(OK|FAILED)?")
-_AVG_BUSBW = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*(\S+)\s*(?:GB/s)?\s*(FAILED)?")
-_ELISION = re.compile(r"^\s*(?:\.\s*){3,}$")
+_DEVICE = re.compile(r"^#\s*+Rank\s++([0-9]++)(?:\s++Group\s++([0-9]++))?+(?:\s++Pid\s++([0-9]++))?+"
+                     r"(?:\s++on\s++(\S++))?+\s++device\s++([0-9]++)\s++\[([^\]]*+)\]\s*+(.*+)")
+_OUT_OF_BOUNDS = re.compile(r"^#\s*+Out of bounds values\s*+:\s*+([0-9]++)\s*+(OK|FAILED)?+")
+_AVG_BUSBW = re.compile(r"^#\s*+Avg bus bandwidth\s*+:\s*+(\S++)\s*+(?:GB/s)?+\s*+(FAILED)?+")
+_ELISION = re.compile(r"^\s*+(?:\.\s*+){3,}+$")
 _WARN = re.compile(r"\bNCCL WARN\b")
 # Lines that say a run failed: nccl-tests' own NCCLCHECK / CUDACHECK / testResult reports, its -T timeout, and
 # what launchers and the C runtime print when a rank dies.
@@ -125,7 +131,11 @@ def _int(token: str) -> int | None:
 
 
 def _float(token: str) -> float | None:
-    return float(token) if _FLOAT.fullmatch(token) else None
+    """A finite number, else None: "1e999" is no bandwidth."""
+    if not _FLOAT.fullmatch(token):
+        return None
+    value = float(token)
+    return value if math.isfinite(value) else None
 
 
 def _result(tokens: list[str]) -> Result | None:
@@ -181,16 +191,17 @@ def parse_nccl_tests(text: str, source: str) -> NcclTestsRun:
     """Parse one nccl-tests run. Unrecognised lines (NCCL INFO, the command line, launcher chatter) are skipped;
     a line that starts like a result row but is not one goes to `problems`. Raises ParseError only when nothing
     in the text is nccl-tests output."""
+    check_size(text, source, "nccl-tests output")
     run = NcclTestsRun(source)
     columns: list[str] = []
     recognised = False
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(text_lines(text), start=1):
         line = _strip_label(raw)
         body = line.strip()
         if not body:
             continue
         if body.startswith("#"):
-            recognised |= _header_line(run, body, columns)
+            recognised |= _header_line(run, body, columns, lineno)
             continue
         tokens = body.split()
         if _int(tokens[0]) is not None or (_float(tokens[0]) is not None and len(tokens) > 3):
@@ -203,16 +214,16 @@ def parse_nccl_tests(text: str, source: str) -> NcclTestsRun:
             continue
         if _ELISION.match(body):
             run.elided.append(lineno)
-        elif _WARN.search(body):
+        elif _WARN.search(head := body[:MAX_MESSAGE]):
             run.warnings.append(Line(lineno, body))
-        elif _ERROR.search(body):
+        elif _ERROR.search(head):
             run.errors.append(Line(lineno, body))
         elif (m := _TOOL_VERSION.match(body)) or (m := _NCCL_VERSION.match(body)):
             if m.re is _TOOL_VERSION:
                 run.tool, run.version = m.group(1), m.group(2)
             else:
                 run.nccl_version = m.group(1)
-        elif run.collective is None and (m := _COMMAND.search(body)):
+        elif run.collective is None and (m := _COMMAND.search(head)):
             run.collective = m.group(1)
     if not text.strip():
         raise ParseError("empty output", source)
@@ -221,8 +232,20 @@ def parse_nccl_tests(text: str, source: str) -> NcclTestsRun:
     return run
 
 
-def _header_line(run: NcclTestsRun, body: str, columns: list[str]) -> bool:
-    """Read one '#' line into `run`; True when it is one nccl-tests prints."""
+def _header_line(run: NcclTestsRun, body: str, columns: list[str], lineno: int) -> bool:
+    """Read one '#' line into `run`; True when it is one nccl-tests prints. A number past its bound on such a line
+    goes to `problems` and is not taken (neither cut to fit nor read as another value)."""
+    try:
+        return _read_header_line(run, body, columns, lineno)
+    except ParseError as err:
+        run.problems.append(err)
+        return True
+
+
+def _read_header_line(run: NcclTestsRun, body: str, columns: list[str], lineno: int) -> bool:
+    def number(token: str, what: str, digits: int) -> int:
+        return bounded_int(token, what, run.source, lineno, digits)
+
     if _HEADER.match(body):
         columns[:] = body.lstrip("#").split()
         return True
@@ -236,17 +259,22 @@ def _header_line(run: NcclTestsRun, body: str, columns: list[str]) -> bool:
         run.collective = m.group(2)
         return True
     if _SETTINGS.match(body):
-        for name, pattern in _SETTING.items():
+        found = {}
+        for name, (label, pattern, digits) in _SETTING.items():
             if (m := pattern.search(body)) is not None:
-                setattr(run, name, int(m.group(1)))
+                found[name] = number(m.group(1), f"settings line: {label}", digits)
+        for name, value in found.items():
+            setattr(run, name, value)
         return True
     if (m := _DEVICE.match(body)) is not None:
         rank, group, pid, host, dev, bus, name = m.groups()
-        run.devices.append(Device(int(rank), int(group) if group else None, int(pid) if pid else None, host,
-                                  int(dev), bus, name))
+        run.devices.append(Device(number(rank, "device line: rank", 9),
+                                  number(group, "device line: group", 9) if group else None,
+                                  number(pid, "device line: pid", 12) if pid else None, host,
+                                  number(dev, "device line: device", 9), bus, name.strip()))
         return True
     if (m := _OUT_OF_BOUNDS.match(body)) is not None:
-        run.out_of_bounds = int(m.group(1))
+        run.out_of_bounds = number(m.group(1), "out-of-bounds values", 18)
         return True
     if (m := _AVG_BUSBW.match(body)) is not None:
         run.avg_busbw_gbps = _float(m.group(1))

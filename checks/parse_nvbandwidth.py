@@ -22,11 +22,17 @@ from dataclasses import dataclass, field, replace
 
 from gpuwarden.agent.errors import ParseError
 
+from .parse_limits import bounded_int, check_size, finite_float, text_lines
+
+# Linear in the length of a line: possessive quantifiers (*+, ++) where what follows could fail; the lazy testcase
+# name tries a one-character tail at each step. Numbers are ASCII digits, then bounded and finite (parse_limits).
 _RUNNING = re.compile(r"^Running (\S+?)\.?$")
-_TITLE_UNIT = re.compile(r"\(([^()]*)\)\s*$")
-_SUM = re.compile(r"^(?:SUM|&&&& PERF) (\S+) (-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
-_DEVICE = re.compile(r"^Device (\d+): (.*?)(?: \(([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\))?\s*$")
-_NUMBER = re.compile(r"^-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?$")
+_TITLE_UNIT = re.compile(r"\(([^()]*+)\)\s*+$")  # starts only at a "(", and stops at the next parenthesis
+_NUMBER_TEXT = r"-?+[0-9]++(?:\.[0-9]++)?+(?:[eE][-+]?+[0-9]++)?+"
+_SUM = re.compile(r"^(?:SUM|&&&& PERF) (\S++) (" + _NUMBER_TEXT + ")")
+_DEVICE = re.compile(r"^Device ([0-9]++): (.*+)")
+_BUS = re.compile(r" \(([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\)")  # at the end of a device line
+_NUMBER = re.compile(_NUMBER_TEXT)
 
 
 @dataclass(frozen=True)
@@ -61,20 +67,21 @@ def _label(token: str) -> bool:
 def _cell(token: str, source: str, lineno: int) -> float | None:
     if token == "N/A":
         return None
-    if not _NUMBER.match(token):
-        raise ParseError(f"matrix cell {token!r} is neither a number nor N/A", source, lineno)
-    return float(token)
+    if not _NUMBER.fullmatch(token):
+        raise ParseError(f"matrix cell {token[:20]!r} is neither a number nor N/A", source, lineno)
+    return finite_float(token, "matrix cell", source, lineno)
 
 
 def parse_nvbandwidth(text: str, source: str) -> NvbandwidthRun:
     """Every matrix in `text`. ParseError on a matrix that is cut short or holds a cell that is not a
     number; text without any matrix parses to a run with no matrices (the caller decides what it needed)."""
+    check_size(text, source, "nvbandwidth output")
     version = driver = None
     devices: dict[int, tuple[str, str | None]] = {}
     matrices: dict[str, NvbMatrix] = {}
     waived: list[str] = []
     errors: dict[str, str] = {}
-    lines = text.splitlines()
+    lines = text_lines(text)
     current: str | None = None  # testcase named by the last "Running" line, not yet given a matrix
     i = 0
     while i < len(lines):
@@ -90,10 +97,11 @@ def parse_nvbandwidth(text: str, source: str) -> NvbandwidthRun:
             driver = line.split(":", 1)[1].strip() or None
             continue
         if m := _DEVICE.match(line):
-            bus = None
-            if m.group(3):
-                bus = f"{int(m.group(3), 16):04x}:{m.group(4).lower()}:{m.group(5).lower()}"
-            devices[int(m.group(1))] = (m.group(2), bus)
+            name, bus = m.group(2).rstrip(), None
+            cut = name.rfind(" (")
+            if cut >= 0 and (b := _BUS.fullmatch(name, cut)):
+                name, bus = name[:cut].rstrip(), f"{int(b[1], 16):04x}:{b[2].lower()}:{b[3].lower()}"
+            devices[bounded_int(m.group(1), "device number", source, lineno, 9)] = (name, bus)
             continue
         if m := _RUNNING.match(line):
             current = m.group(1)
@@ -106,7 +114,7 @@ def parse_nvbandwidth(text: str, source: str) -> NvbandwidthRun:
         if m := _SUM.match(line):
             name = m.group(1)
             if name in matrices and matrices[name].total is None:
-                matrices[name] = replace(matrices[name], total=float(m.group(2)))
+                matrices[name] = replace(matrices[name], total=finite_float(m.group(2), "SUM", source, lineno))
             continue
         unit = _TITLE_UNIT.search(line)
         header = lines[i].split() if i < len(lines) else []
@@ -118,7 +126,8 @@ def parse_nvbandwidth(text: str, source: str) -> NvbandwidthRun:
             while j < len(lines) and not lines[j].strip():
                 j += 1
             if j < len(lines) and (m := _SUM.match(lines[j].strip())):
-                matrix = replace(matrix, testcase=matrix.testcase or m.group(1), total=float(m.group(2)))
+                total = finite_float(m.group(2), "SUM", source, j + 1)
+                matrix = replace(matrix, testcase=matrix.testcase or m.group(1), total=total)
                 i = j + 1
             matrices[matrix.testcase] = matrix
             current = None

@@ -12,16 +12,20 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
+from .parse_limits import check_size, text_lines
+
 # Closeness of a PCIe path, best first (NCCL's PATH_PIX < PATH_PXB < PATH_PHB < PATH_NODE(SYS) order).
 PCIE_DISTANCE = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4, "SOC": 4}
 DISTANCE_NAMES = ("PIX", "PXB", "PHB", "NODE", "SYS")  # by PCIE_DISTANCE value
-_ENTRY = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_GPU = re.compile(r"^GPU\d+$")
+# Linear in the length of a line: possessive quantifiers (*+, ++) where what follows could fail. CPU numbers are
+# ASCII digits, at most 5 (under _MAX_CPUS).
+_ENTRY = re.compile(r"^(X|NV[0-9]++|PIX|PXB|PHB|NODE|SYS|SOC)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*+[A-Za-z]")
+_GPU = re.compile(r"^GPU[0-9]++$")
 _EXTRA = re.compile(r"CPU Affinity|NUMA Affinity|GPU NUMA ID")
-_LEGEND = re.compile(r"^\s*(X|NV#|PIX|PXB|PHB|NODE|SYS|SOC)\s*=\s*(.+?)\s*$")
-_NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
-_CPU_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_LEGEND = re.compile(r"^\s*+(X|NV#|PIX|PXB|PHB|NODE|SYS|SOC)\s*+=(.*+)")  # the description, stripped by the caller
+_NIC_LEGEND = re.compile(r"^\s*+(NIC[0-9]++)\s*+:\s*+(\S++)\s*+$")
+_CPU_RANGE = re.compile(r"^([0-9]{1,5})(?:-([0-9]{1,5}))?$")
 _MAX_CPUS = 1 << 16
 
 
@@ -91,7 +95,8 @@ def _header(line: str) -> tuple[list[str], list[str]] | None:
 
 
 def parse_topo_matrix(text: str, source: str) -> TopoMatrix:
-    lines = [_ANSI.sub("", ln).rstrip("\r") for ln in text.splitlines()]
+    check_size(text, source, "nvidia-smi topo -m output")
+    lines = [_ANSI.sub("", ln).rstrip("\r") for ln in text_lines(text)]
     at = next((i for i, ln in enumerate(lines) if _header(ln) is not None), None)
     if at is None:
         raise ParseError("no topology matrix header (a line starting with GPU0)", source)
@@ -139,6 +144,6 @@ def parse_topo_matrix(text: str, source: str) -> TopoMatrix:
             nic_legend[m[1]] = m[2]
             continue
         m = _LEGEND.match(ln)
-        if m:
-            legend[m[1]] = m[2]
+        if m and m[2].strip():
+            legend[m[1]] = m[2].strip()
     return TopoMatrix(source, tuple(columns), rows, nic_legend, legend)

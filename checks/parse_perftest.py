@@ -11,18 +11,25 @@ from dataclasses import dataclass, field
 
 from gpuwarden.agent.errors import ParseError
 
+from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
+
 _MB_PER_SEC_IN_GBPS = 0x100000 * 8 / 1e9  # one perftest "MB/sec" in Gb/s
 
-_SEPARATOR = re.compile(r"^\s*-{20,}\s*$")
-_TITLE = re.compile(r"^\s*(?P<test>[A-Za-z_][A-Za-z_ ]*?(?P<bidir> Bidirectional)? (?P<kind>BW|Latency)) Test\s*$")
+# Every pattern is linear in the length of a line: quantifiers are possessive (*+, ++) wherever what follows could
+# fail, and a pattern searched at every position starts only where a run begins (a lookbehind), so a long damaged
+# line is read in one pass instead of being retried from every split point. Numbers are ASCII digits ([0-9], not \d,
+# which takes "١٢٣") of bounded length.
+_SEPARATOR = re.compile(r"^\s*+-{20,}+\s*+$")
+# The lazy test name tries a fixed-length tail at each step: linear.
+_TITLE = re.compile(r"^\s*+(?P<test>[A-Za-z_][A-Za-z_ ]*?(?P<bidir> Bidirectional)? (?P<kind>BW|Latency)) Test\s*+$")
 _BANNER = re.compile(r"Waiting for client to connect")
-_PROMPT = re.compile(r"^\s*\[[^\]\s]+@[^\]]+\][$#]\s?")  # "[user@host ~]$ "
-_JOB = re.compile(r"^\s*\[\d+\][+-]?\s")  # "[1] 650300", "[1]+  Done  ..."
-_META = re.compile(r"^\s*(Connected|Completed):\s|^\s*Total run time:")
-_ADDRESS = re.compile(r"^\s*(local|remote) address:", re.IGNORECASE)
-_GID = re.compile(r"^\s*GID:\s")
-_PARAM = re.compile(r"(?P<key>[^:\t]*[^:\s])\s*:\s*(?P<value>\S+)")
-_PARAM_LINE = re.compile(r"\S\s*:\s")  # "Mtu             : 4096[B]", "PCIe relax order: ON"
+_PROMPT = re.compile(r"^\s*+\[[^\]\s@]++@[^\]]++\][$#]\s?")  # "[user@host ~]$ "
+_JOB = re.compile(r"^\s*+\[[0-9]++\][+-]?+\s")  # "[1] 650300", "[1]+  Done  ..."
+_META = re.compile(r"^\s*+(Connected|Completed):\s|^\s*+Total run time:")
+_ADDRESS = re.compile(r"^\s*+(local|remote) address:", re.IGNORECASE)
+_GID = re.compile(r"^\s*+GID:\s")
+_VALUE = re.compile(r"\s*+(\S*+)")  # a parameter's value after its colon
+_PARAM_LINE = re.compile(r"\S\s*+:\s")  # "Mtu             : 4096[B]", "PCIe relax order: ON"
 _WARNING = re.compile(r"warning|Conflicting CPU frequency|CPU Frequency is not max|Using sampled CPU speed",
                       re.IGNORECASE)
 # perftest's own failure messages (fprintf(stderr, ...) in src/*.c) and getopt's complaint.
@@ -30,12 +37,13 @@ _ERROR = re.compile(r"Couldn't|Unable to|Failed|failed|\bError\b|\bERROR\b|Did n
                     r"unrecognized option|Invalid Command|Problems with|Completion with error|aborting")
 # Messages only perftest prints (they make a bare failure output recognisable as perftest's).
 _OWN_ERROR = re.compile(r"Couldn't|Unable to|Failed status|Failed to|Did not detect devices|Invalid Command or flag|"
-                        r"unrecognized option|Problems with warm up|Completion with error|IB device \S+ not found|"
+                        r"unrecognized option|Problems with warm up|Completion with error|IB device \S++ not found|"
                         r"Parser function exited")
 _CUDA = re.compile(r"\bCUDA\b|use_cuda|cuMemAlloc|GPU buffer|Picking device No\.")
-_CUDA_DEVICE = re.compile(r"Picking device No\.\s*(\d+)|use_cuda=(\d+)")
-_COLUMN = re.compile(r"#bytes|#iterations|[\d.]+% percentile\[[^\]]*\]|[A-Za-z_]+(?: [a-z]+)?\[[^\]]*\]")
-_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
+_CUDA_DEVICE = re.compile(r"Picking device No\.\s*+([0-9]++)|use_cuda=([0-9]++)")
+_COLUMN = re.compile(r"#bytes|#iterations|(?<![0-9.])[0-9.]++% percentile\[[^\]]*+\]"
+                     r"|(?<![A-Za-z_])[A-Za-z_]++(?: [a-z]++)?+\[[^\]]*+\]")
+_NUMBER = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?")  # at most 20 digits each side: finite, and no 1e400
 _BW_UNITS = {"Gb/sec": 1.0, "MB/sec": _MB_PER_SEC_IN_GBPS}
 _LAT_KEYS = {"t_min[usec]": "t_min", "t_max[usec]": "t_max", "t_typical[usec]": "t_typical",
              "t_avg[usec]": "t_avg", "t_stdev[usec]": "t_stdev", "99% percentile[usec]": "p99",
@@ -91,12 +99,33 @@ class PerftestRun:
 
 
 def _number(token: str, what: str, source: str, line: int) -> float:
-    if not _NUMBER.match(token):
-        raise ParseError(f"{what}: {token[:20]!r} is not a number", source, line)
+    if not _NUMBER.fullmatch(token):
+        raise ParseError(f"{what}: {token[:20]!r}{'...' if len(token) > 20 else ''} is not a number "
+                         "(ASCII digits, at most 20 before and after the point)", source, line)
     return float(token)
 
 
+def _params(line: str) -> dict[str, str]:
+    """The "Key : value" pairs of a parameter line, one or two a line ("Dual-port : OFF   Device : mlx5_0"). A key
+    runs from the previous value (or a tab) to its colon; a value is the word after the colon, colons included
+    ("a:b"). One pass over the line, whatever it holds."""
+    out: dict[str, str] = {}
+    pos = 0
+    while (colon := line.find(":", pos)) >= 0:
+        key = line[pos:colon].rstrip().rpartition("\t")[2].strip()  # a tab may stand before the colon
+        value = _VALUE.match(line, colon + 1)
+        assert value is not None  # \s*+(\S*+) matches anywhere
+        if key and value[1]:
+            out[key] = value[1]
+            pos = value.end()
+        else:
+            pos = colon + 1
+    return out
+
+
 def _columns(header: str, source: str, line: int) -> tuple[list[str], str | None]:
+    if len(header) > MAX_MESSAGE:
+        raise ParseError(f"result table header of {len(header):,} characters", source, line)
     cols = _COLUMN.findall(header)
     if cols[:2] != ["#bytes", "#iterations"] or len(cols) < 3:
         raise ParseError(f"unknown result table header {header.strip()[:80]!r}", source, line)
@@ -120,7 +149,7 @@ def _row(tokens: list[str], cols: list[str], unit: str | None, source: str, line
     if len(tokens) != len(cols):
         raise ParseError(f"result row has {len(tokens)} fields, the header {len(cols)}", source, line)
     values = {c: _number(t, c, source, line) for c, t in zip(cols, tokens, strict=True)}
-    size, iters = int(values.pop("#bytes")), int(values.pop("#iterations"))
+    size, iters = int(values.pop("#bytes")), int(values.pop("#iterations"))  # finite: 20 digits at most
     if unit is not None:
         peak = next((v for c, v in values.items() if c.startswith("BW peak")), None)
         avg = next(v for c, v in values.items() if c.startswith("BW average"))  # _columns checked it is there
@@ -131,6 +160,7 @@ def _row(tokens: list[str], cols: list[str], unit: str | None, source: str, line
 
 def parse_perftest(text: str, source: str) -> PerftestRun:
     """One perftest run (server or client side) from its captured stdout+stderr."""
+    check_size(text, source, "perftest output")
     if not text.strip():
         raise ParseError("empty perftest output", source)
     fields: dict = {"params": {}}
@@ -144,16 +174,17 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
     recognised = banner = cuda = False
     cuda_device = None
     qps = 0
-    for num, raw in enumerate(text.splitlines(), 1):
+    for num, raw in enumerate(text_lines(text), 1):
         line = _PROMPT.sub("", raw.replace("\x00", "")).rstrip()
         stripped = line.strip()
         if not stripped or _JOB.match(line) or _META.match(line):
             continue
-        if _CUDA.search(line):
+        head = line[:MAX_MESSAGE]  # what tells a message apart (the whole line is read as a row or parameters)
+        if _CUDA.search(head):
             cuda = True
-            m = _CUDA_DEVICE.search(line)
+            m = _CUDA_DEVICE.search(head)
             if m:
-                cuda_device = int(m[1] or m[2])
+                cuda_device = bounded_int(m[1] or m[2], "CUDA device", source, num, 9)
         if _PROMPT.match(raw) and "ib_" in line and " " in stripped:
             continue  # the shell command line someone pasted with the output
         if _BANNER.search(line):
@@ -167,14 +198,14 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
                 cols = None
                 section = "done"
             continue
-        m = _TITLE.match(line)
+        m = _TITLE.match(line) if len(line) <= MAX_MESSAGE else None
         if m:
             recognised = True
             fields.update(test=m["test"], kind="bw" if m["kind"] == "BW" else "lat",
                           bidirectional=bool(m["bidir"]))
             section = "params"
             continue
-        if _WARNING.search(line):
+        if _WARNING.search(head):
             warnings.append(stripped)
             continue
         if "#bytes" in line:
@@ -183,7 +214,7 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
             fields["bw_unit"] = unit
             section = "table"
             continue
-        if cols is not None and stripped[0].isdigit():
+        if cols is not None and (stripped[0].isdigit() or stripped[0].isdecimal()):  # "²", "١": not a number
             row = _row(stripped.split(), cols, unit, source, num)
             (bw_rows if isinstance(row, BwRow) else lat_rows).append(row)  # type: ignore[arg-type]
             continue
@@ -193,12 +224,11 @@ def parse_perftest(text: str, source: str) -> PerftestRun:
             continue
         if _GID.match(line):
             continue
-        if section == "params" and _PARAM_LINE.search(line) and not _ERROR.search(line):
-            for p in _PARAM.finditer(stripped):
-                fields["params"][p["key"].strip()] = p["value"]
+        if section == "params" and _PARAM_LINE.search(line) and not _ERROR.search(head):
+            fields["params"].update(_params(stripped))
             continue
-        if _ERROR.search(line):
-            recognised = recognised or _OWN_ERROR.search(line) is not None
+        if _ERROR.search(head):
+            recognised = recognised or _OWN_ERROR.search(head) is not None
             errors.append(stripped)
     if not recognised:
         raise ParseError("not perftest output: no test banner, result table or perftest message", source)
@@ -213,5 +243,5 @@ def last_error_line(text: str) -> str | None:
     line (what an operator should see first)."""
     lines = [ln.strip() for ln in text.splitlines()
              if ln.strip() and not _SEPARATOR.match(ln) and ln.strip().strip("*").strip()]
-    errors = [ln for ln in lines if _ERROR.search(ln) and not _WARNING.search(ln)]
+    errors = [ln for ln in lines if _ERROR.search(ln[:MAX_MESSAGE]) and not _WARNING.search(ln[:MAX_MESSAGE])]
     return errors[-1] if errors else (lines[-1] if lines else None)

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
+from deadline import MIB, deadline
+from gpuwarden.agent.analyze import analyze_file
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.checks.parse_dcgmi_diag import (DiagError, diag_from_json, looks_like_dcgmi_diag_json,
                                                looks_like_dcgmi_diag_text, parse_dcgmi_diag_json,
@@ -305,8 +307,9 @@ def test_json_text_errors_carry_the_line():
 # ------------------------------------------------------------------------------------ text
 
 
-def test_dcgm3_full_table():
-    lines = [*HEADER, "|-----  Metadata  ----------+------------------------------------------------|",
+def v3_table():
+    """The lines of a DCGM 3.x `dcgmi diag -r 3` table on 4 GPUs: Persistence Mode and GPU Memory fail."""
+    return [*HEADER, "|-----  Metadata  ----------+------------------------------------------------|",
              row("DCGM Version", "3.3.5"), row("Driver Version Detected", "550.90.07"),
              row("GPU Device IDs Detected", "2330,2330,2330,2330"),
              "|-----  Deployment  --------+------------------------------------------------|",
@@ -320,7 +323,11 @@ def test_dcgm3_full_table():
              *message_rows("Warning", "Clocks are being throttled for GPU 3 because of clock throttling starting "
                                       "9.0 seconds into the test. HW_SLOWDOWN"),
              *FOOTER]
-    run = parse_dcgmi_diag_text("\n".join(lines), "diag.txt")
+
+
+def test_dcgm3_full_table():
+    run = parse_dcgmi_diag_text("\n".join(v3_table()), "diag.txt")
+    assert run.problems == ()
     assert (run.version, run.driver_version, run.gpus_listed) == ("3.3.5", "550.90.07", (0, 1, 2, 3))
     persistence = next(r for r in run.results if r.test == "Persistence Mode")
     assert (persistence.gpu, persistence.status, persistence.gpu_ids) == (None, "fail", (2,))
@@ -375,6 +382,105 @@ def test_detectors():
     kmsg = "[  12.3] NVRM: Xid (PCI:0000:18:00): 79, pid=1, GPU has fallen off the bus.\n"
     assert not looks_like_dcgmi_diag_json(kmsg) and not looks_like_dcgmi_diag_text(kmsg)
     assert looks_like_dcgmi_diag_json(json.dumps(v4_doc(1)))
+
+
+# ------------------------------------------------------------------------------------ hostile input
+
+
+def fails(run):
+    return sorted((r.test, r.gpu) for r in run.results if r.status == "fail")
+
+
+V3_FAILS = [("GPU Memory", g) for g in range(4)] + [("Persistence Mode", None)]
+
+
+def with_line(lines, after, extra):
+    at = next(i for i, ln in enumerate(lines) if after in ln) + 1
+    return [*lines[:at], extra, *lines[at:]], at + 1
+
+
+@pytest.mark.parametrize("edit", [
+    lambda ln: ln.replace("Pass", "Pa\x00ss"),  # the status of a test that passed
+    lambda ln: ln.replace("Denylist", "Deny\x00list"),  # its name: still read
+    lambda ln: "\x00" + ln,
+    lambda ln: ln.replace("| Pass", "\x00 Pass"),  # the column separator itself
+])
+def test_a_nul_byte_in_an_unrelated_row_does_not_hide_the_failures_of_the_others(edit, tmp_path):
+    lines = v3_table()
+    at = next(i for i, ln in enumerate(lines) if "Denylist" in ln)
+    lines[at] = edit(lines[at])
+    run = parse_dcgmi_diag_text("\n".join(lines), "diag.txt")
+    assert fails(run) == V3_FAILS
+    assert all(p.line == at + 1 and p.source == "diag.txt" for p in run.problems)
+    # The same through `gpuwarden analyze`: FAIL, with the unreadable row named, never UNKNOWN.
+    path = tmp_path / "diag.txt"
+    path.write_text("\n".join(lines))
+    result = analyze_file(path)
+    assert result.status.name == "FAIL" and result.error is None
+    if run.problems:
+        assert any(f.code == "dcgm-unreadable-rows" and f.status.name == "UNKNOWN" for f in result.findings)
+        assert any(f"diag.txt:{at + 1}" in note for note in result.notes)
+
+
+def test_an_unreadable_status_is_unknown_not_passed(tmp_path):
+    lines = v3_table()
+    at = next(i for i, ln in enumerate(lines) if "Targeted Stress" in ln)
+    lines[at] = lines[at].replace("Pass", "P\x00ss")
+    run = parse_dcgmi_diag_text("\n".join(lines), "diag.txt")
+    (problem,) = run.problems
+    assert problem.line == at + 1 and "unrecognised result" in problem.what
+    # the rows under it belong to the unreadable test, not to the test above it
+    assert not any(r.test == "GPU Memory" and r.status == "warn" for r in run.results)
+    path = tmp_path / "diag.txt"
+    path.write_text("\n".join(row for row in lines if "Fail" not in row and "Error" not in row
+                               and "Couldn't" not in row and "Persistence" not in row))
+    assert analyze_file(path).status.name == "UNKNOWN"
+
+
+@pytest.mark.parametrize("extra, after, what", [
+    (row("", "GPU" + "9" * 5000 + ": Fail"), "Targeted Stress", "GPU id"),
+    (row("", "Fail - GPUs: 1, " + "9" * 5000), "Targeted Stress", "GPU id"),
+    (row("Warning: GPU" + "7" * 4400, "a message"), "Targeted Stress", "GPU id"),
+    (row("GPU Device IDs Detected", ",".join(["2330"] * 5000)), "Driver Version", "5000 GPUs"),
+])
+def test_a_gpu_id_or_count_past_its_bound_is_a_problem_naming_the_line(extra, after, what):
+    lines, at = with_line(v3_table(), after, extra)
+    run = parse_dcgmi_diag_text("\n".join(lines), "diag.txt")
+    (problem,) = run.problems
+    assert problem.line == at and what in problem.what
+    assert fails(run) == V3_FAILS
+
+
+def test_json_gpu_ids_are_ascii_decimal_and_bounded():
+    doc = v3_doc(2)
+    doc["GPU Device Serials"]["\u00b2"] = "superscript two"  # "²".isdigit() is true; int("²") raises
+    doc["GPU Device Serials"]["\u0661"] = "arabic-indic one"
+    assert diag_from_json(doc, "x").gpus_listed == (0, 1)
+    for big in (10 ** 30, 10 ** 5000):
+        doc = v4_doc(1)
+        doc["DCGM Diagnostic"]["test_categories"][0]["tests"][0]["results"][0]["entity_id"] = big
+        with pytest.raises(ParseError) as err:
+            diag_from_json(doc, "x")
+        assert "entity_id" in err.value.what and "digits" in err.value.what
+    doc = v3_doc(1, per_gpu={("PCIe", 0): {"gpu_id": "\u0661"}})
+    with pytest.raises(ParseError, match="gpu_id"):
+        diag_from_json(doc, "x")
+
+
+@pytest.mark.parametrize("extra", [
+    "+- a" + " " * MIB + "b",  # the old band pattern took hours here
+    "|-----  Hardware" + " " * MIB + "  ------+---|",
+    "+" + "-" * MIB + "x",
+    row("", "Pass - GPUs: " + "1, " * (MIB // 3) + "x"),
+    row("", "GPU" + " " * MIB + "1: Pass"),
+    row("Warning: GPU" + " " * MIB, "x"),
+    row("Diagnostic" + " " * MIB + "Test Version", "1"),
+])
+def test_a_pathological_1mib_row_is_read_in_linear_time(extra):
+    lines, _ = with_line(v3_table(), "Targeted Stress", extra)
+    with deadline():
+        run = parse_dcgmi_diag_text("\n".join(lines), "diag.txt")
+    assert fails(run) == V3_FAILS
 
 
 # ------------------------------------------------------------------------------------ fuzzing

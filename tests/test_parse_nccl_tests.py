@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import MIB, deadline
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 
@@ -270,3 +271,61 @@ def test_fuzz_mutated_real_outputs(path, data):
         cut = data.draw(st.integers(0, 40))
         text = text[:at] + data.draw(st.sampled_from(FRAGMENTS + [""])) + text[at + cut:]
     _parse_or_parse_error(text)
+
+
+# -- hostile input: linear in the length of a line, every number finite and bounded ---------------------------------
+PASS_8X = "EDITED__all_reduce_perf__1node-8xH100__g021__pass.txt"
+# A 1 MiB line aimed at each pattern that could backtrack; the old device-line pattern took hours on the first.
+PATHOLOGICAL = {
+    "device-name-with-space-runs": "#  Rank  0 Group  0 Pid  1 on h device  0 [0x19] a" + " " * MIB + "b",
+    "device-line-cut-before-the-bus": "#  Rank  0 on " + "h " * (MIB // 2),
+    "settings-line-of-spaces": "# nThread 1 nGpus" + " " * MIB + "x",
+    "tool-version-word": "# " + "a" * MIB + "-test",
+    "command-word": " /" + "a_perf_" * (MIB // 7) + "x",
+    "elision-dots": ". " * (MIB // 2) + "x",
+    "launcher-labels": "0: " * (MIB // 3) + "x",
+    "row-of-one-number": "8 " + "1" * MIB,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
+def test_a_pathological_1mib_line_is_read_in_linear_time(name):
+    text = (NCCL / PASS_8X).read_text() + PATHOLOGICAL[name] + "\n"
+    with deadline():
+        run = parse_nccl_tests(text, "out")
+    assert len(run.rows) == len(parse(PASS_8X).rows)  # the long line changed nothing else
+
+
+def test_a_device_name_with_long_space_runs_is_kept_whole():
+    with deadline():
+        run = parse_nccl_tests(PATHOLOGICAL["device-name-with-space-runs"], "out")
+    (dev,) = run.devices
+    assert (dev.rank, dev.device, dev.bus) == (0, 0, "0x19") and dev.name == "a" + " " * MIB + "b"
+
+
+@pytest.mark.parametrize("line, what", [
+    ("#  Rank  0 Group  0 Pid  1 on h device  " + "1" * 5000 + " [0x19] NVIDIA H100", "device"),
+    ("#  Rank  " + "7" * 4400 + " Group  0 Pid  1 on h device  0 [0x19] NVIDIA H100", "rank"),
+    ("# nThread 1 nGpus 99999999999999999999999 minBytes 8 maxBytes 8 step: 2(factor)", "nGpus"),
+    ("# Out of bounds values : " + "9" * 400 + " OK", "out-of-bounds"),
+])
+def test_a_number_past_its_bound_is_a_problem_naming_the_line_not_a_crash_or_a_cut_number(line, what):
+    text = (NCCL / PASS_8X).read_text() + line + "\n"
+    run = parse_nccl_tests(text, "out")
+    (problem,) = run.problems
+    assert problem.line == text.count("\n") and what in problem.what
+    assert len(run.devices) == 8 and run.n_gpus == 8 and run.out_of_bounds in (None, 0)
+
+
+@pytest.mark.parametrize("value", ["1e999", "-1e400", "١٢٣", "²"])
+def test_an_infinite_or_non_ascii_number_in_a_row_is_a_problem_not_a_value(value):
+    text = (NCCL / PASS_8X).read_text()
+    row = ("           8             2     float     sum      -1    69.12    0.00    0.00      0    72.43    0.00"
+           "    0.00      0")
+    assert row in text
+    run = parse_nccl_tests(text.replace(row, row.replace("72.43", value)), "out")
+    assert len(run.rows) == len(parse(PASS_8X).rows) - 1
+    (problem,) = run.problems
+    assert "not a result row" in problem.what
+    avg = parse_nccl_tests(text.replace("# Avg bus bandwidth    : ", "# Avg bus bandwidth    : 1e999 #"), "out")
+    assert avg.avg_busbw_gbps is None

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import MIB, deadline
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.checks.parse_nvbandwidth import parse_nvbandwidth
 
@@ -119,3 +120,43 @@ def test_fuzz_arbitrary_text(text):
         parse_nvbandwidth(text, "fuzz")
     except ParseError:
         pass
+
+
+# -- hostile input: linear in the length of a line, every number finite and bounded ---------------------------------
+DEVICE_LINE = "Device 0: NVIDIA GH200 480GB (00000009:01:00)"
+
+
+@pytest.mark.parametrize("extra", [
+    "Device 1: a" + " " * MIB + "b",  # the old device pattern (a lazy name before an optional bus) took hours
+    "Device 1: " + "(" * MIB,
+    "Running " + "a" * MIB,
+    "SUM " + "a" * MIB,
+    "title (" + " " * MIB + ") x",
+])
+def test_a_pathological_1mib_line_is_read_in_linear_time(extra):
+    text = GH200.read_text().replace(DEVICE_LINE, DEVICE_LINE + "\n" + extra)
+    with deadline():
+        run = parse_nvbandwidth(text, "out")
+    assert run.matrices.keys() == parse_nvbandwidth(GH200.read_text(), "out").matrices.keys()
+
+
+def test_a_device_name_with_long_space_runs_and_its_bus():
+    with deadline():
+        run = parse_nvbandwidth("Device 3: a" + " " * MIB + "b (0000:1b:00)\n", "out")
+    assert run.devices == {3: ("a" + " " * MIB + "b", "0000:1b:00")}
+
+
+@pytest.mark.parametrize("old, new, what", [
+    (DEVICE_LINE, "Device " + "1" * 5000 + ": NVIDIA GH200", "device number"),
+    ("SUM host_to_device_memcpy_ce 1985.60", "SUM host_to_device_memcpy_ce 1e999", "not a finite number"),
+    ("SUM host_to_device_memcpy_ce 1985.60", "SUM host_to_device_memcpy_ce " + "9" * 400, "characters"),
+    ("369.36", "1e999", "not a finite number"),  # a cell
+])
+def test_a_number_past_its_bound_is_a_parse_error_naming_the_line(old, new, what):
+    text = GH200.read_text()
+    assert old in text
+    text = text.replace(old, new, 1)
+    with pytest.raises(ParseError) as info:
+        parse_nvbandwidth(text, "out")
+    assert what in info.value.what
+    assert info.value.line == text[:text.index(new)].count("\n") + 1

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import MIB, deadline
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.checks.parse_nvidia_smi_topo import parse_cpu_list, parse_topo_matrix
 
@@ -137,3 +138,36 @@ def test_shuffled_matrix_lines_only_raise_parse_error(lines):
         parse_topo_matrix("\n".join(lines), "fuzz")
     except ParseError:
         pass
+
+
+# -- hostile input: linear in the length of a line, every number finite and bounded ---------------------------------
+H100 = SMI / "stas00__nvidia-smi-topo-m__8xH100-NV18.txt"
+
+
+@pytest.mark.parametrize("extra", [
+    "  PIX  = a" + " " * MIB + "b",  # the old legend pattern (a lazy description before spaces) took hours
+    "  NIC0: " + " " * MIB + "x y",
+    "\x1b[" + "1;" * (MIB // 2),
+    "GPU0 " + "NV18 " * (MIB // 5),
+])
+def test_a_pathological_1mib_line_is_read_in_linear_time(extra):
+    text = H100.read_text() + "\n" + extra + "\n"
+    with deadline():
+        matrix = parse_topo_matrix(text, "topo")
+    assert matrix.columns == parse_topo_matrix(H100.read_text(), "topo").columns
+
+
+def test_a_legend_with_long_space_runs_is_kept_whole():
+    with deadline():
+        matrix = parse_topo_matrix(H100.read_text() + "\n  PIX  = a" + " " * MIB + "b  \n", "topo")
+    assert matrix.legend["PIX"] == "a" + " " * MIB + "b"
+
+
+@pytest.mark.parametrize("affinity", ["1" * 5000, "0-" + "9" * 5000, "٠-٣", "²"])
+def test_a_cpu_number_past_its_bound_is_a_parse_error_naming_the_line(affinity):
+    text = H100.read_text().replace("0-51 ", affinity + " ", 1)
+    with pytest.raises(ParseError) as info:
+        parse_topo_matrix(text, "topo")
+    assert info.value.line == 2 and "CPU" in info.value.what
+    with pytest.raises(ParseError):
+        parse_cpu_list(affinity)

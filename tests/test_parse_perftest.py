@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import MIB, deadline
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.checks.parse_perftest import last_error_line, parse_perftest
 
@@ -164,3 +165,62 @@ def test_shuffled_real_lines_only_raise_parse_error(lines):
         parse_perftest("\n".join(lines), "fuzz")
     except ParseError:
         pass
+
+
+# -- hostile input: linear in the length of a line, every number finite and bounded ---------------------------------
+HEADER = " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]"
+TITLE = "                    RDMA_Write Bidirectional BW Test\n"
+# A 1 MiB line aimed at each pattern that could backtrack; the old parameter pattern took hours on the first, the
+# old prompt pattern on the one with many at-signs.
+PATHOLOGICAL = {
+    "parameter-line-then-no-colon": lambda t: t.replace(TITLE, TITLE + " Spare : x" + " a" * (MIB // 2) + "\n"),
+    "prompt-with-many-at-signs": lambda t: t.replace(TITLE, TITLE + "[" + "a@" * (MIB // 2) + "]x\n"),
+    "title-of-spaces": lambda t: t.replace(TITLE, TITLE + "RDMA" + " " * MIB + "x\n"),
+    "separator-then-junk": lambda t: t.replace(TITLE, TITLE + "-" * MIB + "x\n"),
+    "cuda-device-of-spaces": lambda t: t.replace(TITLE, TITLE + "Picking device No." + " " * MIB + "x\n"),
+    "error-device-name": lambda t: t + "IB device " + "x" * MIB + " not foun\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
+def test_a_pathological_1mib_line_is_read_in_linear_time(name):
+    text = PATHOLOGICAL[name]((PERFTEST / AMD_CLIENT).read_text())
+    assert text != (PERFTEST / AMD_CLIENT).read_text()
+    with deadline():
+        run = parse_perftest(text, "out")
+    assert len(run.bw_rows) == 23 and run.best_bw_gbps == 779.21 and run.device == "ionic_1"
+
+
+@pytest.mark.parametrize("tail", ["a" * MIB, "9." * (MIB // 2)])
+def test_a_1mib_table_header_is_refused_naming_its_line(tail):
+    # the old column pattern took hours on these; no perftest header is longer than a few hundred characters
+    text = (PERFTEST / AMD_CLIENT).read_text().replace(HEADER, HEADER + " " + tail)
+    with deadline(), pytest.raises(ParseError) as info:
+        parse_perftest(text, "out")
+    assert info.value.line == 36 and "header" in info.value.what
+
+
+def test_parameter_lines_read_as_before():
+    run = parse_perftest(TITLE + " Dual-port       : OFF          Device         : mlx5_0\n"
+                         " Key\twith tab : v1   Other : a:b  Last :   c  Empty : \n" + HEADER + "\n", "x")
+    assert run.params == {"Dual-port": "OFF", "Device": "mlx5_0", "with tab": "v1", "Other": "a:b", "Last": "c"}
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda t: t.replace("\n 2          20000 ", "\n " + "9" * 400 + "          20000 "), "#bytes"),
+    (lambda t: t.replace("0.147331", "1" * 30 + ".5"), "BW peak"),
+    (lambda t: t.replace("\n 2          20000 ", "\n ١٠٢٤          20000 "), "#bytes"),
+    (lambda t: t.replace("\n 2          20000 ", "\n ²          20000 "), "#bytes"),
+])
+def test_a_number_past_its_bound_is_a_parse_error_naming_the_line(edit, what):
+    text = edit((PERFTEST / AMD_CLIENT).read_text())
+    with pytest.raises(ParseError) as info:
+        parse_perftest(text, "out")
+    assert info.value.line == 37 and what in info.value.what
+
+
+def test_a_cuda_device_number_of_5000_digits_is_a_parse_error_naming_the_line():
+    text = "Picking device No. " + "1" * 5000 + ", (NVIDIA H100)\n" + (PERFTEST / AMD_CLIENT).read_text()
+    with pytest.raises(ParseError) as info:
+        parse_perftest(text, "out")
+    assert info.value.line == 1 and "CUDA device" in info.value.what
