@@ -76,16 +76,18 @@ class Store:
     """`readonly`: for `gpuwarden status`, which must never create, lock, repair or wait on anything.
     `lock`: take the state folder's lock first (the daemon), so two daemons never share one folder."""
 
-    def __init__(self, path: Path, readonly: bool = False, lock: bool = False):
+    def __init__(self, path: Path, readonly: bool = False, lock: bool = False,
+                 busy_timeout_s: float = BUSY_TIMEOUT_S):
         self.path = Path(path)
+        self._busy_timeout_s = busy_timeout_s
         self.readonly = readonly
         self.set_aside: str | None = None  # what a start found unreadable and moved away, said once by the daemon
-        self._lock = threading.Lock()  # one writer at a time; sqlite3 connections are not thread-safe
+        self._lock = threading.RLock()  # one user at a time (sqlite3 connections are not thread-safe); reopen() reads
         self._lock_fd: int | None = None
         self._want_lock = lock and not readonly
         self._identity: tuple | None = None
         if readonly:
-            self._db = self._connect(f"file:{self.path}?mode=ro", uri=True)
+            self._db = self._connect(f"{self.path.absolute().as_uri()}?mode=ro", uri=True)
             return
         self._open()
 
@@ -95,7 +97,7 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"{self.path.parent}: cannot create the state folder: {exc.strerror or exc}") from None
-        if self._want_lock:
+        if self._want_lock and not self._holds_lock():
             self._take_lock()
         try:
             self._db = self._init_db()
@@ -108,7 +110,7 @@ class Store:
 
     def _connect(self, target: str, uri: bool = False) -> sqlite3.Connection:
         try:
-            return sqlite3.connect(target, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S,
+            return sqlite3.connect(target, check_same_thread=False, isolation_level=None, timeout=self._busy_timeout_s,
                                    uri=uri)
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
@@ -175,6 +177,16 @@ class Store:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self._lock_fd = fd
+
+    def _holds_lock(self) -> bool:
+        """Whether the lock file we hold is still the one in the folder (it goes with a deleted folder)."""
+        if self._lock_fd is None:
+            return False
+        try:
+            held, there = os.fstat(self._lock_fd), (self.path.parent / LOCK_NAME).stat()
+        except OSError:
+            return False
+        return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 
     # -- the folder under a running daemon --------------------------------------------------------------------
     def moved(self) -> bool:
