@@ -119,8 +119,8 @@ class EventLoops:
                     if events is None or events.closed:
                         # The same subscription object is re-subscribed: it knows which events it handed over.
                         if events is None:
-                            events = self.node.xid_events()
                             resume = self._meta.get(NVML_EVENTS_META) or self.store.meta(NVML_EVENTS_META)
+                            events = self.node.xid_events()
                             events.resume(resume)
                         else:
                             events.subscribe()
@@ -138,22 +138,11 @@ class EventLoops:
                     if xids:
                         feed(xids, None, events)
                 except Exception as exc:  # noqa: BLE001 - an NvmlError or a bug: say why, retry, never end
-                    if events is not None:
-                        events.close()
-                    lost = self._lost_gpus(events) if isinstance(exc, NvmlError) and exc.gpu_lost else {}
-                    if lost:
-                        # Not a could-not-look: the GPU is gone (its XID 79 and the polls say so); the others are
-                        # watched again at once.
-                        log.warning("NVML XID events: GPUs off the bus left out", gpus=sorted(lost))
-                        events.leave_out(lost)
-                        continue
-                    reason = str(exc) if isinstance(exc, GpuwardenError) else (
-                        f"internal error: {type(exc).__name__}: {exc}")
-                    log.warning("NVML XID events failed", error=reason, retry_in_s=backoff)
                     try:
-                        feed([], reason)
-                    except Exception as feed_exc:  # noqa: BLE001 - logged; the loop goes on
-                        self._fail_loop("nvml-xid", None, feed_exc)
+                        if self._recover_events(events, exc, backoff, feed):
+                            continue
+                    except Exception as inner:  # noqa: BLE001 - handling the error must not end the loop either
+                        self._fail_loop("nvml-xid", None, inner)
                     self._beat("nvml-xid", backoff)
                     self._sleep(backoff)
                     backoff = min(2 * backoff, max_backoff)
@@ -161,6 +150,23 @@ class EventLoops:
             self._beat_off("nvml-xid")
             if events is not None:
                 events.close()
+
+    def _recover_events(self, events: Any, exc: Exception, backoff: float, feed: Any) -> bool:
+        """After a failed subscribe or wait: True when GPUs off the bus were found and left out (rebuild at once);
+        else the error is fed to the consumers (UNKNOWN) and the caller backs off."""
+        if events is not None:
+            events.close()
+        lost = self._lost_gpus(events) if isinstance(exc, NvmlError) and exc.gpu_lost else {}
+        if lost:
+            # Not a could-not-look: the GPU is gone (its XID 79 and the polls say so); the others are watched
+            # again at once.
+            log.warning("NVML XID events: GPUs off the bus left out", gpus=sorted(lost))
+            events.leave_out(lost)
+            return True
+        reason = str(exc) if isinstance(exc, GpuwardenError) else f"internal error: {type(exc).__name__}: {exc}"
+        log.warning("NVML XID events failed", error=reason, retry_in_s=backoff)
+        feed([], reason)
+        return False
 
     def _lost_gpus(self, events: Any) -> dict[int, NvmlError]:
         """The GPUs of the failed subscription (and those left out before) that answer GPU_IS_LOST to a read, since
@@ -179,8 +185,8 @@ class EventLoops:
                     except NvmlError as exc:
                         if exc.gpu_lost:
                             lost[gpu.index] = exc
-        except NvmlError:
-            return {}
+        except GpuwardenError:
+            return {}  # NVML (or a recorded file caught half-written) cannot say now: back off and try again
         return lost if subscribed & set(lost) else {}
 
 

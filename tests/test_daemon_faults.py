@@ -3,7 +3,6 @@ store that is full, locked, unreadable or deleted while running, a port or a sta
 on a recorded node through the real daemon; each says what it saw, goes on detecting, and recovers by itself."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -26,7 +25,7 @@ from gpuwarden.agent.node import Node
 from gpuwarden.agent.passive import Judgement, PassiveSpec
 from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
 from gpuwarden.agent.store import LOCK_NAME, Store
-from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, ib_downtime
+from gpuwarden.checks import KERNEL_CONSUMERS, all_specs, ib_downtime
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -313,7 +312,7 @@ def test_a_state_folder_deleted_while_running_is_recreated(scenario_copy, tmp_pa
     wait_for(lambda: d.store.meta("store_fault"), what="the deletion recorded")
 
 
-# -- `gpuwarden run` refuses what it cannot have, in one line ------------------------------------------------------------
+# -- `gpuwarden run` refuses what it cannot have, in one line ---------------------------------------------------
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", "run", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
@@ -351,8 +350,8 @@ def test_a_second_daemon_on_one_state_folder_refuses_naming_the_first(scenario_c
     first = subprocess.Popen([*argv, "--listen", f"127.0.0.1:{free_port()}"], cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: (state / LOCK_NAME).exists() and (state / LOCK_NAME).read_text().strip() == str(first.pid),
-                 what="the first daemon's lock")
+        wait_for(lambda: (state / LOCK_NAME).exists() and (state / LOCK_NAME).read_text().strip()
+                 == str(first.pid), what="the first daemon's lock")
         second = run_cli("--root", str(root), "--state-dir", str(state), "--listen", f"127.0.0.1:{free_port()}")
         assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
         assert f"pid {first.pid}" in second.stderr and len(second.stderr.strip().splitlines()) == 1

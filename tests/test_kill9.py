@@ -106,7 +106,7 @@ def test_kill_9_while_xids_flow_loses_and_repeats_nothing(scenario_copy, tmp_pat
         wait_for(lambda: db.exists() and incident(db, "0009:01:00.0", 13) == {} and state.joinpath("gpuwarden.lock")
                  .exists(), what="the first daemon up")
         writer.start()
-        for kill in range(7):
+        for _ in range(7):
             # Varied moments: right after start (replaying), mid-stream, after a longer run.
             time.sleep(rng.choice([0.05, 0.2, 0.5, 1.0, 1.5]))
             os.kill(proc.pid, signal.SIGKILL)
@@ -131,7 +131,7 @@ def test_kill_9_while_xids_flow_loses_and_repeats_nothing(scenario_copy, tmp_pat
         (node,) = conn.execute("SELECT record FROM node").fetchone()
     # One unbroken chain of transitions; back to healthy only with a reason the state machine gives.
     assert transitions and transitions[0][0] == "healthy"
-    for (_, to, _), (frm, _, _) in zip(transitions, transitions[1:]):
+    for (_, to, _), (frm, _, _) in zip(transitions, transitions[1:], strict=False):
         assert to == frm, transitions
     assert all(reason in HEALTHY_REASONS for _, to, reason in transitions if to == "healthy"), transitions
     assert json.loads(node)["state"] == transitions[-1][1] != "healthy"

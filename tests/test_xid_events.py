@@ -447,7 +447,10 @@ def test_daemon_a_lost_gpu_that_still_registers_is_not_registered_again(daemon, 
              what="an XID on GPU 2 through a subscription without GPU 0")
     add_event(root, 1, 13)
     wait_for(lambda: xid_finding(d, "13"), what="one more XID through the same subscription")
-    assert registered.count(0) == 0 and registered.count(1) == 1  # rebuilt once, without GPU 0
+    # GPU 0 registered at most by the first subscription (if it came after the count began), never once lost: the
+    # subscription was rebuilt without it.
+    assert registered.count(0) <= 1 and 1 in registered
+    assert 0 not in registered or registered.index(0) < len(registered) - 1 - registered[::-1].index(1)
     assert xid_finding(d, "79").evidence["count"] == 1
 
 
@@ -484,7 +487,7 @@ def test_recorded_nvml_xids_are_counted_once_across_restarts(scenario_copy, tmp_
         d, store = start_daemon(root, tmp_path / "state")
         try:
             add_event(root, 1, 13)  # one more each run, after the start
-            wait_for(lambda: (f := xid_finding(d, "13")) and f.evidence["nvml_count"] >= 4 + restart,
+            wait_for(lambda d=d, n=4 + restart: (f := xid_finding(d, "13")) and f.evidence["nvml_count"] >= n,
                      what=f"the new XID of run {restart}")
             assert xid_finding(d, "13").evidence["nvml_count"] == 4 + restart  # 4, 5, 6; never 3, 6, 9, 12
         finally:
