@@ -1,17 +1,26 @@
 """`gpuwarden run`: the daemon. Each passive check polls in its own thread at its own interval; the kernel log is
 followed by one thread that hands new records to every kernel-log consumer. After every judgement the check's
-state, its findings, the node record (and a transition with its remediation intents, if any) are committed in
-one SQLite transaction, then the actions are handed to the adapter. A sample that hangs is UNKNOWN and never
-blocks the other checks; a scrape of /metrics reads only memory.
+record, the node record (and a transition with its remediation intents, if any) change in memory under one lock;
+nothing slow happens under it. Two workers carry the changes out of it:
+- the **writer** writes each consistent cut of that memory to SQLite in one transaction (agent/store.py), retries
+  a write that failed (disk full, database locked) with a backoff while detection goes on in memory, and
+  recreates a state folder deleted under it;
+- the **action worker** hands intents to the scheduler adapter, in order, each once, and marks them done: a
+  scheduler that hangs delays actions, never detection.
+A sample that hangs is UNKNOWN and never blocks the other checks; a scrape of /metrics reads only memory. Every
+loop stamps a heartbeat; `stalled()` names the loops that have not come back within their deadline, and the
+systemd watchdog is fed only while there are none (agent/run.py), so a stuck loop gets the agent restarted.
 
-This module holds the records and the one commit path; the loops that feed it are mixins: agent/daemon_polls.py
-(passive checks, watchdog) and agent/daemon_events.py (kernel log, NVML XID events).
+This module holds the records, the one commit path and the two workers; the loops that feed it are mixins:
+agent/daemon_polls.py (passive checks, sample watchdog) and agent/daemon_events.py (kernel log, NVML XID events).
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,12 +31,14 @@ from .daemon_events import EventLoops
 from .daemon_polls import PollLoops, InFlight
 from .metrics import DaemonCollector, Snapshot
 from .model import CheckResult, Finding, Status, fold_status
-from .passive import Judgement, KernelConsumer, PassiveSpec
+from .passive import Judgement, KernelConsumer, MetricSample, PassiveSpec
 from .state import DEFAULT_POLICY, NodeRecord, Transition, next_state, wants_retest
 from .store import CheckRecord, Store
 from .systemd import name_this_thread
 
 log = structlog.get_logger("gpuwarden.daemon")
+STORE_CHECK = "store"  # the state store, reported like a check on /metrics (never an input of the node state)
+Intent = tuple[str, str, dict[str, Any]]  # (idempotency key, action, detail)
 
 
 @dataclass
@@ -39,6 +50,16 @@ class DaemonOptions:
     intervals: dict[str, float] = field(default_factory=dict)  # per-check poll interval overrides (tests)
     skipped_retry_s: float = 60.0  # a check that is not applicable on this node is asked again this often
     clock: Callable[[], float] = time.time
+    # A loop that has not come back to its own wait this long past when it should have is stalled (a deadlock, a
+    # driver call that never returns): the watchdog is no longer fed and systemd restarts the agent.
+    stall_after_s: float = 120.0
+    # Errors: a loop whose turn failed, a store write or an adapter call that failed, is retried after a
+    # backoff that starts at error_backoff_s and doubles up to retry_max_s.
+    error_backoff_s: float = 1.0
+    retry_max_s: float = 30.0
+    # The writer looks at the state folder this often when nothing is written (a folder deleted under an idle
+    # daemon is noticed within this).
+    store_check_s: float = 30.0
 
 
 class Daemon(PollLoops, EventLoops):
@@ -54,6 +75,7 @@ class Daemon(PollLoops, EventLoops):
         self._stop_r, self._stop_w = os.pipe()
         self._lock = threading.RLock()  # in-memory results + the node record: one observation at a time
         self._threads: list[threading.Thread] = []
+        self._beats: dict[str, float] = {}  # loop -> time.monotonic() by which it must beat again
         self._record = store.node() or NodeRecord(since=self.opt.clock())
         self._records: dict[str, CheckRecord] = {r.name: r for r in store.checks()}
         self._samples: dict[str, tuple] = {}
@@ -67,12 +89,36 @@ class Daemon(PollLoops, EventLoops):
         self._kmsg_records = 0
         self._kmsg_lost = 0
         self._retesting = False
-        self._meta: dict | None = None  # the last persisted meta (kernel-log cursor)
+        # What memory holds that the store does not yet (the writer takes it in one cut, under the lock).
+        self._dirty: set[str] = set()
+        self._meta: dict[str, Any] = {}  # every meta value this run set (a recreated store gets them all)
+        self._meta_dirty: set[str] = set()
+        self._node_dirty = False
+        self._new_transitions: list[Transition] = []
+        self._new_intents: list[Intent] = []
+        self._done: list[tuple[str, float]] = []
+        self._write_wanted = threading.Event()
+        self._write_mutex = threading.Lock()  # one cut written at a time, in the order they were taken
+        self._store_error: str | None = None
+        self._store_error_since: float | None = None
+        self._store_failures = 0
+        # The action worker's queue: intents in the order their transitions happened, each applied once.
+        self._actions: deque[Intent] = deque()
+        self._actions_wanted = threading.Condition(self._lock)
+        self._applied: set[str] = set()
+        self._action_error: str | None = None
+        if store.set_aside:
+            log.error("state store set aside", detail=store.set_aside)
+            self._set_meta("store_set_aside", {"at": self.opt.clock(), "detail": store.set_aside})
         self._publish()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
-        self.adapter.replay_pending(self.store)  # intents a crash left half-done are applied again (idempotent)
+        # Intents a crash left half-done are applied again, first (idempotent), by the action worker.
+        for intent in self.store.intents(pending_only=True):
+            self._actions.append((intent["key"], intent["action"], {**intent["detail"], "replayed": True}))
+        self._spawn("writer", self._writer_loop)
+        self._spawn("actions", self._action_loop)
         for spec in self.passive:
             self._spawn(f"poll-{spec.name}", self._poll_loop, spec)
         if self.passive:
@@ -82,11 +128,14 @@ class Daemon(PollLoops, EventLoops):
             self._spawn("nvml-xid", self._nvml_xid_loop)  # NVML's XID events, where the node has them
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stops every loop; waits at most `timeout_s` in all (a poll thread stuck in a hung driver call is a
-        daemon thread and is left behind)."""
+        """Stops every loop; waits at most `timeout_s` in all (a poll thread stuck in a hung driver call, or an
+        adapter call that hangs, is a daemon thread and is left behind), then writes what memory holds."""
         self.stop_event.set()
         if self._stop_w >= 0:
             os.write(self._stop_w, b"x")  # never read: every sleep from now on returns at once
+        self._write_wanted.set()
+        with self._lock:
+            self._actions_wanted.notify_all()
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -96,13 +145,13 @@ class Daemon(PollLoops, EventLoops):
             self._stop_r = self._stop_w = -1
         self.flush()
 
-    def flush(self) -> None:
-        """Writes the state changes that were kept in memory (outside a check's durable part)."""
+    def flush(self) -> bool:
+        """Writes everything memory holds that the store does not, the changes outside a check's durable part
+        included. False when the write failed (it stays pending)."""
         with self._lock:
-            pending = [self._records[n] for n in sorted(self._unflushed) if n in self._records]
-            if pending:
-                self.store.commit(pending)
+            self._dirty |= {n for n in self._unflushed if n in self._records}
             self._unflushed.clear()
+        return self._write_once()
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         def run() -> None:
@@ -112,6 +161,20 @@ class Daemon(PollLoops, EventLoops):
         t = threading.Thread(target=run, name=name, daemon=True)
         t.start()
         self._threads.append(t)
+
+    # -- heartbeats -----------------------------------------------------------------------------------------------
+    def _beat(self, loop: str, back_within_s: float) -> None:
+        """`loop` is making progress and will beat again within `back_within_s` (plus stall_after_s)."""
+        self._beats[loop] = time.monotonic() + back_within_s + self.opt.stall_after_s
+
+    def _beat_off(self, loop: str) -> None:
+        """`loop` has ended on purpose (or waits on something outside the agent): no deadline."""
+        self._beats.pop(loop, None)
+
+    def stalled(self) -> list[str]:
+        """The loops past their deadline; empty while every loop makes progress (feed the watchdog then)."""
+        now = time.monotonic()
+        return sorted(loop for loop, deadline in list(self._beats.items()) if now > deadline)
 
     # -- one observation --------------------------------------------------------------------------------------------
     def _observe(self, name: str, judgement: Judgement | None, status: Status | None, error: str | None,
@@ -132,11 +195,12 @@ class Daemon(PollLoops, EventLoops):
         return CheckRecord(name, judgement.state, status or fold_status(findings), error, findings, now, duration_s)
 
     def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float, retest: bool | None = None) -> None:
-        changed: list[CheckRecord] = []
+        """Applies one observation to memory (call with the lock held): the records, the node state, and what the
+        writer and the action worker are to carry out. Never waits on the disk or the scheduler."""
         for rec in updates:
             old = self._records.get(rec.name)
             if _differs(old, rec, self._durable.get(rec.name)):
-                changed.append(rec)
+                self._dirty.add(rec.name)
                 self._unflushed.discard(rec.name)
             elif old is not None and old.state != rec.state:
                 self._unflushed.add(rec.name)  # a change only outside the durable part: written later
@@ -144,38 +208,65 @@ class Daemon(PollLoops, EventLoops):
             quiet = self._quiet_specs.get(rec.name)
             if quiet is not None:
                 self._quiet_records[rec.name] = rec.status is Status.OK and not rec.findings and quiet(rec.state)
+        for key, value in (meta or {}).items():
+            self._set_meta(key, value)
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
                                         retest)
-        intents = _intents(transition) if transition else []
-        new_keys: list[str] = []
-        if changed or transition or record != self._record or (meta and meta != self._meta):
-            # Only what moved is written: an idle tick that changed nothing costs no disk write.
-            new_keys = self.store.commit(changed, meta, record, transition, intents)
-            self._meta = meta or self._meta
+        if record != self._record:
+            self._node_dirty = True
         self._record = record
         if transition:
             self._transitions += 1
+            self._new_transitions.append(transition)
+            intents = _intents(transition)
+            self._new_intents.extend(intents)
+            self._actions.extend(intents)
+            self._actions_wanted.notify_all()
             log.info("node state", frm=transition.frm.value, to=transition.to.value, reason=transition.reason,
                      actions=list(transition.actions))
+        if self._dirty or self._meta_dirty or self._node_dirty or self._new_transitions:
+            # Only what moved is written: an idle tick that changed nothing costs no disk write.
+            self._write_wanted.set()
         self._publish()
-        for key, action, detail in intents:
-            if key in new_keys:
-                self.adapter.apply(action, detail)
-                self.store.mark_done(key, self.opt.clock())
         if wants_retest(self._record, now, self.opt.policy) and not self._retesting and self.opt.retest:
             self._retesting = True
             self._spawn("retest", self._retest)
+
+    def _set_meta(self, key: str, value: Any) -> None:
+        if self._meta.get(key, _MISSING) != value:
+            self._meta[key] = value
+            self._meta_dirty.add(key)
+            self._write_wanted.set()
 
     def _retest(self) -> None:
         passed = False
         try:
             passed = bool(self.opt.retest and self.opt.retest())
+        except Exception as exc:  # noqa: BLE001 - logged; counts as a retest that did not pass
+            log.error("retest failed to run", error=f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
                 self._retesting = False
                 # The same path as every observation: the outcome's transition is logged, counted, journalled and
                 # its intents marked done once applied (so a restart does not replay a resume).
                 self._commit([], None, self.opt.clock(), retest=passed)
+
+    def _fail_loop(self, loop: str, check: str | None, exc: BaseException) -> str:
+        """A loop's turn raised (a bug, never an expected source error): logged with its traceback, the check it
+        serves UNKNOWN with the reason (in memory and on /metrics); the loop goes on after a backoff."""
+        reason = f"internal error: {type(exc).__name__}: {exc}"
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+        log.error("loop failed; retrying", loop=loop, check=check, error=reason, traceback=trace)
+        if check is not None:
+            try:
+                with self._lock:
+                    previous = self._records.get(check, CheckRecord(check))
+                    self._records[check] = CheckRecord(check, previous.state, Status.UNKNOWN, reason, (),
+                                                       self.opt.clock(), 0.0)
+                    self._publish()
+            except Exception:  # noqa: BLE001 - the log above already says what went wrong
+                pass
+        return reason
 
     def _active(self) -> list[Finding]:
         return [f for r in self._records.values() for f in r.findings]
@@ -185,8 +276,150 @@ class Daemon(PollLoops, EventLoops):
 
     def _publish(self) -> None:
         results = {n: CheckResult(n, r.status, r.findings, r.error, r.duration_s) for n, r in self._records.items()}
-        self.collector.update(Snapshot(self.node.hostname, self._record, results, dict(self._samples),
+        results[STORE_CHECK] = CheckResult(STORE_CHECK, Status.UNKNOWN if self._store_error else Status.OK, (),
+                                           self._store_error, 0.0)
+        samples = dict(self._samples)
+        samples[STORE_CHECK] = self._own_samples()
+        self.collector.update(Snapshot(self.node.hostname, self._record, results, samples,
                                        self._transitions, self._kmsg_records, self._kmsg_lost))
+
+    def _own_samples(self) -> tuple[MetricSample, ...]:
+        return (
+            MetricSample("gpuwarden_store_ok", "1 if the last write of the state store succeeded, 0 if it failed "
+                         "(detection goes on in memory; the write is retried).", {},
+                         0.0 if self._store_error else 1.0),
+            MetricSample("gpuwarden_store_write_failures", "State store writes that failed since start.", {},
+                         float(self._store_failures), "counter"),
+            MetricSample("gpuwarden_actions_pending", "Remediation intents not yet carried out by the adapter.", {},
+                         float(len(self._actions))),
+        )
+
+    # -- the writer: memory to SQLite, outside the lock --------------------------------------------------------------
+    def _writer_loop(self) -> None:
+        backoff = self.opt.error_backoff_s
+        while not self.stop_event.is_set():
+            wait = backoff if self._store_error else self.opt.store_check_s
+            self._beat("writer", wait + 2 * _BUSY_S)
+            self._write_wanted.wait(wait)
+            if self.stop_event.is_set():
+                break  # stop() writes the last cut itself
+            self._write_wanted.clear()
+            try:
+                ok = self._write_once()
+            except Exception as exc:  # noqa: BLE001 - a bug in the writer must not end it
+                self._fail_loop("writer", None, exc)
+                ok = False
+            backoff = self.opt.error_backoff_s if ok else min(2 * backoff, self.opt.retry_max_s)
+        self._beat_off("writer")
+
+    def _write_once(self) -> bool:
+        """Writes one cut of what memory holds and the store does not; False (kept pending) when it failed."""
+        with self._write_mutex:
+            cut = None
+            try:
+                if self.store.moved():
+                    self._recreate_store()
+                with self._lock:
+                    cut = self._take_cut()
+                if cut is not None:
+                    self.store.commit(*cut)
+            except Exception as exc:  # noqa: BLE001 - StoreError, or an OSError from a vanished folder
+                with self._lock:
+                    if cut is not None:
+                        self._put_back(cut)
+                    self._store_failed(exc)
+                return False
+            with self._lock:
+                if self._store_error is not None:
+                    self._store_recovered()
+            return True
+
+    def _take_cut(self) -> tuple | None:
+        if not (self._dirty or self._meta_dirty or self._node_dirty or self._new_transitions or self._new_intents
+                or self._done):
+            return None
+        checks = [self._records[n] for n in sorted(self._dirty) if n in self._records]
+        meta = {k: self._meta[k] for k in sorted(self._meta_dirty)}
+        node = self._record if self._node_dirty else None
+        cut = (checks, meta, node, list(self._new_transitions), list(self._new_intents), list(self._done))
+        self._dirty, self._meta_dirty, self._node_dirty = set(), set(), False
+        self._new_transitions, self._new_intents, self._done = [], [], []
+        return cut
+
+    def _put_back(self, cut: tuple) -> None:
+        """A cut that could not be written goes back before what came since (the next cut takes both)."""
+        checks, meta, node, transitions, intents, done = cut
+        self._dirty |= {c.name for c in checks}
+        self._meta_dirty |= set(meta)
+        self._node_dirty = self._node_dirty or node is not None
+        self._new_transitions[:0] = transitions
+        self._new_intents[:0] = intents
+        self._done[:0] = done
+
+    def _recreate_store(self) -> None:
+        log.error("state folder deleted or replaced while running; recreating it", path=str(self.store.path))
+        self.store.reopen()
+        with self._lock:
+            # The new database starts empty: everything memory holds is written again, the intents not yet done
+            # included (a restart must still find them).
+            self._dirty |= set(self._records)
+            self._meta_dirty |= set(self._meta)
+            self._node_dirty = True
+            done = {k for k, _ in self._done}
+            journalled = {k for k, _, _ in self._new_intents}
+            self._new_intents.extend(i for i in self._actions if i[0] not in done and i[0] not in journalled)
+            self._store_failed(RuntimeError("state folder was deleted or replaced; recreated"))
+
+    def _store_failed(self, exc: BaseException) -> None:
+        reason = str(exc) if str(exc) else type(exc).__name__
+        self._store_failures += 1
+        if self._store_error != reason:
+            log.error("state store write failed; detection goes on in memory, retrying", error=reason)
+        if self._store_error is None:
+            self._store_error_since = self.opt.clock()
+        self._store_error = reason
+        self._publish()
+
+    def _store_recovered(self) -> None:
+        log.warning("state store writable again; pending state written", error_was=self._store_error)
+        self._set_meta("store_fault", {"error": self._store_error, "since": self._store_error_since,
+                                       "until": self.opt.clock()})
+        self._store_error = self._store_error_since = None
+        self._publish()
+
+    # -- the action worker: intents to the adapter, outside the lock ------------------------------------------------
+    def _action_loop(self) -> None:
+        backoff = self.opt.error_backoff_s
+        while not self.stop_event.is_set():
+            with self._lock:
+                if not self._actions:
+                    self._beat("actions", self.opt.store_check_s)
+                    self._actions_wanted.wait(self.opt.store_check_s)
+                    continue
+                key, action, detail = self._actions[0]
+            if key not in self._applied:
+                # Waiting on the scheduler is waiting on something outside the agent: a restart would not help,
+                # so it does not starve the watchdog (actions_pending on /metrics shows it).
+                self._beat_off("actions")
+                try:
+                    self.adapter.apply(action, detail)
+                except Exception as exc:  # noqa: BLE001 - the adapter's error: kept pending, retried
+                    self._action_error = f"{type(exc).__name__}: {exc}"
+                    log.error("action failed; retrying", action=action, key=key, error=self._action_error,
+                              retry_in_s=backoff)
+                    self._beat("actions", backoff)
+                    self._sleep(backoff)
+                    backoff = min(2 * backoff, self.opt.retry_max_s)
+                    continue
+                backoff, self._action_error = self.opt.error_backoff_s, None
+            with self._lock:
+                self._applied.add(key)
+                if self._actions and self._actions[0][0] == key:
+                    self._actions.popleft()
+                self._done.append((key, self.opt.clock()))
+                self._write_wanted.set()
+                self._publish()
+        self._beat_off("actions")
 
     # -- for `status` and tests -----------------------------------------------------------------------------------
     @property
@@ -198,9 +431,21 @@ class Daemon(PollLoops, EventLoops):
         with self._lock:
             return dict(self._records)
 
+    @property
+    def store_error(self) -> str | None:
+        return self._store_error
+
+    def pending_actions(self) -> int:
+        with self._lock:
+            return len(self._actions)
+
     def reload(self, config: Any) -> None:
         with self._lock:
             self.config = config
+
+
+_MISSING = object()
+_BUSY_S = 5.0  # a write may wait this long on a database another process has locked (store.BUSY_TIMEOUT_S)
 
 
 def _differs(old: CheckRecord | None, new: CheckRecord, durable: Callable[[Any], Any] | None = None) -> bool:
@@ -213,8 +458,7 @@ def _differs(old: CheckRecord | None, new: CheckRecord, durable: Callable[[Any],
     return durable(old.state) != durable(new.state)
 
 
-def _intents(t: Transition) -> list[tuple[str, str, dict[str, Any]]]:
+def _intents(t: Transition) -> list[Intent]:
     # The key is the transition itself: a crash between commit and apply replays the same key, never a new one.
     return [(f"{t.at:.6f}:{t.frm.value}->{t.to.value}:{a}", a, {"at": t.at, "from": t.frm.value, "to": t.to.value,
                                                               "reason": t.reason}) for a in t.actions]
-

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import structlog
 
-from .errors import GpuwardenError
+from .errors import GpuwardenError, NvmlError
 from .model import Status
 from .passive import Judgement, KernelBatch, KernelConsumer
 from .sources.kmsg import Cursor
@@ -18,30 +18,43 @@ from .store import CheckRecord
 
 log = structlog.get_logger("gpuwarden.daemon")
 KMSG_CHECK = "kmsg"  # the follower itself, reported like a check so "could not read the log" is visible
+NVML_EVENTS_META = "nvml_events"  # where a recorded node's XID event list was handed over up to (None live)
 
 
 class EventLoops:
-    """Needs from the daemon: node, config, opt, consumers, store, stop_event, _stop_r, _lock, _records,
-    _kmsg_records, _kmsg_lost, _record_for(), _commit() and _sleep()."""
+    """Needs from the daemon: node, config, opt, consumers, store, stop_event, _stop_r, _lock, _records, _meta,
+    _kmsg_records, _kmsg_lost, _record_for(), _commit(), _sleep(), _beat(), _beat_off() and _fail_loop()."""
 
     def _kmsg_loop(self) -> None:
-        cursor = self.store.meta("kmsg_cursor")
-        follower = self.node.kmsg_follower(Cursor(**cursor) if cursor else None, _keep(self.consumers))
-        next_idle = 0.0
+        follower, next_idle, backoff = None, 0.0, 0.0
         while not self.stop_event.is_set():
-            try:
-                records = follower.poll()
-                error = None
-            except GpuwardenError as exc:
-                records, error = [], str(exc)
-            now_mono = time.monotonic()
             tick = self.opt.idle_tick_s
-            if records or error or now_mono >= next_idle:
-                self._feed(records, follower, error)
-                next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
+            self._beat("kmsg", tick)
+            try:
+                if follower is None:
+                    cursor = self.store.meta("kmsg_cursor") if not self._meta.get("kmsg_cursor") else \
+                        self._meta["kmsg_cursor"]
+                    follower = self.node.kmsg_follower(Cursor(**cursor) if cursor else None, _keep(self.consumers))
+                try:
+                    records = follower.poll()
+                    error = None
+                except GpuwardenError as exc:
+                    records, error = [], str(exc)
+                now_mono = time.monotonic()
+                if records or error or now_mono >= next_idle:
+                    self._feed(records, follower, error)
+                    next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
+                backoff = 0.0
+            except Exception as exc:  # noqa: BLE001 - no loop dies: the follower is UNKNOWN, tried again later
+                self._fail_loop("kmsg", KMSG_CHECK, exc)
+                backoff = min(max(2 * backoff, self.opt.error_backoff_s), self.opt.retry_max_s)
+                self._beat("kmsg", backoff)
+                self._sleep(backoff)
+                continue
             # Sleep until a record may have arrived (select on /dev/kmsg, inotify on a recorded file), at the
             # latest until the next idle tick: an idle kernel log costs no wake-up beyond that tick.
             follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s, wake_fd=self._stop_r)
+        self._beat_off("kmsg")
 
     def _feed(self, records: list, follower: Any, error: str | None) -> None:
         now = self.opt.clock()
@@ -77,19 +90,22 @@ class EventLoops:
     def _nvml_xid_loop(self) -> None:
         """NVML's XID events, the second XID source (docs/daemon.md): each batch goes to the kernel-log consumers,
         which count an XID once whichever sources saw it. Where the node has no events it says so once and ends.
-        An NVML error makes xid UNKNOWN (kept in its state, so kernel-log ticks do not hide it) and the
-        subscription is rebuilt after a backoff (without a GPU that fell off the bus); incidents are kept."""
+        A wait that fails because a GPU fell off the bus rebuilds the subscription at once without that GPU (found
+        by reading each GPU); any other NVML error makes xid UNKNOWN (kept in its state, so kernel-log ticks
+        do not hide it) and the subscription is rebuilt after a backoff; incidents are kept."""
 
-        def feed(xids: list, error: str | None) -> None:
+        def feed(xids: list, error: str | None, events: Any = None) -> None:
             now = self.opt.clock()
             try:
                 gpus = list(self.node.gpus())
             except GpuwardenError:
                 gpus = []
             batch = KernelBatch([], gpus, self.node.kmsg.boot_id, nvml_xids=xids, source="nvml", nvml_error=error)
+            # Live NVML has no backlog and no position (token None). A recorded node's list is one: its position is
+            # written with the counts, in one transaction, so a restart neither repeats nor skips an entry.
+            token = events.resume_token() if xids and events is not None else None
             with self._lock:
-                # No cursor meta: NVML has no backlog to resume from, it delivers only what happens from now on.
-                self._commit(self._judge_consumers(batch, now), None, now)
+                self._commit(self._judge_consumers(batch, now), {NVML_EVENTS_META: token} if token else None, now)
 
         # The wait's timeout: idle, the thread wakes once per wait and never spins; short, because a wait inside
         # NVML cannot be interrupted and stop() waits for it.
@@ -98,10 +114,16 @@ class EventLoops:
         events, backoff = None, first_backoff
         try:
             while not self.stop_event.is_set():
+                self._beat("nvml-xid", tick)
                 try:
                     if events is None or events.closed:
                         # The same subscription object is re-subscribed: it knows which events it handed over.
-                        events = self.node.xid_events() if events is None else events.subscribe()
+                        if events is None:
+                            resume = self._meta.get(NVML_EVENTS_META) or self.store.meta(NVML_EVENTS_META)
+                            events = self.node.xid_events()
+                            events.resume(resume)
+                        else:
+                            events.subscribe()
                         if not events.available:
                             log.info("NVML XID events not available; XIDs come from the kernel log alone",
                                      reason=events.reason)
@@ -114,19 +136,58 @@ class EventLoops:
                     xids = events.wait(tick)
                     backoff = first_backoff
                     if xids:
-                        feed(xids, None)
+                        feed(xids, None, events)
                 except Exception as exc:  # noqa: BLE001 - an NvmlError or a bug: say why, retry, never end
-                    reason = str(exc) if isinstance(exc, GpuwardenError) else (
-                        f"internal error: {type(exc).__name__}: {exc}")
-                    log.warning("NVML XID events failed", error=reason, retry_in_s=backoff)
-                    feed([], reason)
-                    if events is not None:
-                        events.close()
+                    try:
+                        if self._recover_events(events, exc, backoff, feed):
+                            continue
+                    except Exception as inner:  # noqa: BLE001 - handling the error must not end the loop either
+                        self._fail_loop("nvml-xid", None, inner)
+                    self._beat("nvml-xid", backoff)
                     self._sleep(backoff)
                     backoff = min(2 * backoff, max_backoff)
         finally:
+            self._beat_off("nvml-xid")
             if events is not None:
                 events.close()
+
+    def _recover_events(self, events: Any, exc: Exception, backoff: float, feed: Any) -> bool:
+        """After a failed subscribe or wait: True when GPUs off the bus were found and left out (rebuild at once);
+        else the error is fed to the consumers (UNKNOWN) and the caller backs off."""
+        if events is not None:
+            events.close()
+        lost = self._lost_gpus(events) if isinstance(exc, NvmlError) and exc.gpu_lost else {}
+        if lost:
+            # Not a could-not-look: the GPU is gone (its XID 79 and the polls say so); the others are watched
+            # again at once.
+            log.warning("NVML XID events: GPUs off the bus left out", gpus=sorted(lost))
+            events.leave_out(lost)
+            return True
+        reason = str(exc) if isinstance(exc, GpuwardenError) else f"internal error: {type(exc).__name__}: {exc}"
+        log.warning("NVML XID events failed", error=reason, retry_in_s=backoff)
+        feed([], reason)
+        return False
+
+    def _lost_gpus(self, events: Any) -> dict[int, NvmlError]:
+        """The GPUs of the failed subscription (and those left out before) that answer GPU_IS_LOST to a read, since
+        NVML's wait does not say which GPU is lost; empty unless one of the subscribed GPUs is among them (then
+        leaving GPUs out would not help). Read through the node, so a recorded node's current file counts."""
+        if events is None:
+            return {}
+        subscribed = {g.index for g in events.subscribed}
+        lost: dict[int, NvmlError] = {}
+        try:
+            nvml = self.node.nvml
+            for gpu in nvml.gpus():
+                if gpu.index in subscribed or gpu.index in events.left_out:
+                    try:
+                        nvml.memory_total_bytes(gpu)
+                    except NvmlError as exc:
+                        if exc.gpu_lost:
+                            lost[gpu.index] = exc
+        except GpuwardenError:
+            return {}  # NVML (or a recorded file caught half-written) cannot say now: back off and try again
+        return lost if subscribed & set(lost) else {}
 
 
 def _keep(consumers: list[KernelConsumer]) -> Callable[[str], object] | None:

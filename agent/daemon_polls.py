@@ -22,30 +22,46 @@ log = structlog.get_logger("gpuwarden.daemon")
 
 class PollLoops:
     """Needs from the daemon: node, config, opt, stop_event, _stop_r, _lock, _records, _inflight, _last_judged,
-    _quiet_records and _observe()."""
+    _quiet_records, _observe(), _beat(), _beat_off() and _fail_loop()."""
 
     def _poll_loop(self, spec: PassiveSpec) -> None:
         # The sample runs in this thread: a worker thread per tick cost more CPU than the checks themselves at
         # idle. A sample that hangs (a driver call that never returns) holds only this thread; the watchdog
         # reports it UNKNOWN meanwhile, so nothing else waits on it.
         interval = self.opt.intervals.get(spec.name, spec.interval_s)
+        loop = f"poll-{spec.name}"
         probe = None
+        backoff = 0.0
         try:
             while not self.stop_event.is_set():
                 started = time.monotonic()
-                if spec.change_probe is not None:
-                    probe = probe or spec.change_probe(self.node)
-                    if self._quiet(spec, started) and not probe.changed():
-                        self._wait_aligned(interval)
-                        continue
-                    probe.rearm()
-                self._sample_once(spec, started)
-                record = self._records.get(spec.name)
-                # Not applicable here (no IB port, no AER statistics): asked again only now and then, in case a
-                # driver loads late, rather than at the check's own pace.
-                skipped = record is not None and record.status is Status.SKIPPED
-                self._wait_aligned(max(interval, self.opt.skipped_retry_s) if skipped else interval)
+                self._beat(loop, spec.timeout_s)
+                try:
+                    if spec.change_probe is not None:
+                        probe = probe or spec.change_probe(self.node)
+                        if self._quiet(spec, started) and not probe.changed():
+                            self._beat(loop, interval)
+                            self._wait_aligned(interval)
+                            continue
+                        probe.rearm()
+                    self._sample_once(spec, started)
+                    record = self._records.get(spec.name)
+                    # Not applicable here (no IB port, no AER statistics): asked again only now and then, in case a
+                    # driver loads late, rather than at the check's own pace.
+                    skipped = record is not None and record.status is Status.SKIPPED
+                    wait = max(interval, self.opt.skipped_retry_s) if skipped else interval
+                    backoff = 0.0
+                except Exception as exc:  # noqa: BLE001 - no loop dies: the check is UNKNOWN, asked again later
+                    self._fail_loop(loop, spec.name, exc)
+                    backoff = min(max(2 * backoff, self.opt.error_backoff_s), self.opt.retry_max_s)
+                    wait = max(interval, backoff)
+                    if probe is not None:
+                        probe.close()
+                        probe = None  # a probe that failed is built again
+                self._beat(loop, wait)
+                self._wait_aligned(wait)
         finally:
+            self._beat_off(loop)
             if probe is not None:
                 probe.close()
 
@@ -113,16 +129,26 @@ class PollLoops:
         """Reports a sample that overran its timeout as UNKNOWN while it is still running. It wakes every shortest
         timeout, so an overrun is reported at most two timeouts after the sample began."""
         period = max(0.01, min(s.timeout_s for s in self.passive))
-        while not self.stop_event.is_set():
-            self._wait_aligned(period)
-            now = time.monotonic()
-            with self._lock:
-                for name, flight in self._inflight.items():
-                    if not flight.reported and now >= flight.deadline:
-                        flight.reported = True
-                        self._observe(name, None, Status.UNKNOWN,
-                                      f"sample timed out after {flight.timeout_s:g}s (still running)",
-                                      now - flight.deadline + flight.timeout_s)
+        try:
+            while not self.stop_event.is_set():
+                self._beat("watchdog", period)
+                self._wait_aligned(period)
+                try:
+                    self._report_overruns()
+                except Exception as exc:  # noqa: BLE001 - the reporter must outlive its own bugs
+                    self._fail_loop("watchdog", None, exc)
+        finally:
+            self._beat_off("watchdog")
+
+    def _report_overruns(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for name, flight in self._inflight.items():
+                if not flight.reported and now >= flight.deadline:
+                    flight.reported = True
+                    self._observe(name, None, Status.UNKNOWN,
+                                  f"sample timed out after {flight.timeout_s:g}s (still running)",
+                                  now - flight.deadline + flight.timeout_s)
 
     def _sleep(self, seconds: float) -> None:
         """Sleeps `seconds`, or until stop()."""

@@ -21,8 +21,8 @@ from .daemon import Daemon, DaemonOptions
 from .errors import ConfigError, GpuwardenError
 from .http_endpoint import MetricsEndpoint, raise_fd_limit
 from .metrics import DaemonCollector, registry_for, write_textfile
-from .model import EXIT_PASS
-from .store import Store
+from .model import EXIT_PASS, EXIT_UNDECIDED
+from .store import Store, StoreError
 from .systemd import name_this_thread, notify, watchdog_interval_s
 
 log = structlog.get_logger("gpuwarden")
@@ -51,9 +51,21 @@ def run_daemon(args: argparse.Namespace) -> int:
     textfile = args.textfile or (Path(cfg.agent["textfile"]) if cfg.agent["textfile"] else None)
     node = _node(args.root)
     name_this_thread("gpuwarden")  # the main thread's name is the process's in ps/top (else "python3")
-    store = Store(state_dir / "state.db")
     collector = DaemonCollector()
     registry = registry_for(collector)
+    # The port first: a daemon that cannot serve refuses before it has created or locked anything.
+    raise_fd_limit()
+    web_cfg = args.web_config_file or cfg.agent["web_config_file"] or None
+    try:
+        server = MetricsEndpoint(host, port, registry, web_config_file=Path(web_cfg) if web_cfg else None)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        # Then the state folder's lock (a second daemon on it refuses, naming the first), then the database.
+        store = Store(state_dir / "state.db", lock=True)
+    except GpuwardenError:
+        _close_server(server)
+        raise
 
     def retest() -> bool:
         from gpuwarden.checks import ALL
@@ -77,9 +89,6 @@ def run_daemon(args: argparse.Namespace) -> int:
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake_w)
-    raise_fd_limit()
-    web_cfg = args.web_config_file or cfg.agent["web_config_file"] or None
-    server = MetricsEndpoint(host, port, registry, web_config_file=Path(web_cfg) if web_cfg else None)
     server.start()
     daemon.start()
     # What start-up built (modules, config, catalogues) lives as long as the agent: freezing it keeps the
@@ -90,6 +99,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     notify("READY=1\nSTATUS=watching")
     # Woken by a signal at once; otherwise only as often as the watchdog or the textfile needs.
     tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, IDLE_WAKE_S) if x)
+    stalled: list[str] = []
     try:
         while not daemon.stop_event.is_set():
             if select.select([wake_r], [], [], tick)[0]:
@@ -100,8 +110,8 @@ def run_daemon(args: argparse.Namespace) -> int:
                 reload_requested.clear()
                 _reload(daemon, specs, args)
             if textfile:
-                write_textfile(registry, textfile)
-            notify(f"WATCHDOG=1\nSTATUS=node {daemon.record.state.value}")
+                _write_textfile(registry, textfile)
+            stalled = _feed_watchdog(daemon, stalled)
     finally:
         notify("STOPPING=1")
         signal.set_wakeup_fd(-1)
@@ -112,6 +122,32 @@ def run_daemon(args: argparse.Namespace) -> int:
             os.close(fd)
         log.info("stopped")
     return EXIT_PASS
+
+
+def _feed_watchdog(daemon: Daemon, was_stalled: list[str]) -> list[str]:
+    """WATCHDOG=1 only while every loop has made progress within its deadline: a stuck loop starves systemd's
+    watchdog, which restarts the agent (WatchdogSec)."""
+    stalled = daemon.stalled()
+    if stalled:
+        if stalled != was_stalled:
+            log.error("loops stalled; no longer feeding the watchdog", loops=stalled)
+        notify(f"STATUS=stalled: {', '.join(stalled)}")
+    else:
+        if was_stalled:
+            log.warning("loops making progress again", loops=was_stalled)
+        notify(f"WATCHDOG=1\nSTATUS=node {daemon.record.state.value}")
+    return stalled
+
+
+def _write_textfile(registry: Any, textfile: Path) -> None:
+    try:
+        write_textfile(registry, textfile)
+    except OSError as exc:
+        log.error("textfile not written", path=str(textfile), error=str(exc))
+
+
+def _close_server(server: MetricsEndpoint) -> None:
+    server.stop()  # never started: closes the listening socket
 
 
 def _drain(fd: int) -> None:
@@ -140,12 +176,25 @@ def print_status(args: argparse.Namespace) -> int:
     db = cfg_dir / "state.db"
     if not db.exists():
         raise GpuwardenError(f"{db}: no daemon state here (is `gpuwarden run` using another --state-dir?)")
-    store = Store(db)
+    # Read-only: status never creates, locks, repairs or waits on the daemon's database. What cannot be read is
+    # said (the daemon sets such a database aside at its next start), never a traceback.
+    store = Store(db, readonly=True)
+    problems: list[str] = []
+
+    def read(what: str, fn: Any, default: Any) -> Any:
+        try:
+            return fn()
+        except StoreError as exc:
+            problems.append(f"{what}: {exc}")
+            return default
+
     try:
-        record = store.node()
-        checks = store.checks()
-        transitions = store.transitions(10)
-        pending = store.intents(pending_only=True)
+        record = read("node record", store.node, None)
+        checks = read("checks", store.checks, [])
+        transitions = read("transitions", lambda: store.transitions(10), [])
+        pending = read("intents", lambda: store.intents(pending_only=True), [])
+        store_notes = [n for n in (read("meta", lambda: store.meta("store_fault"), None),
+                                   read("meta", lambda: store.meta("store_set_aside"), None)) if n]
     finally:
         store.close()
     now = time.time()
@@ -162,8 +211,9 @@ def print_status(args: argparse.Namespace) -> int:
                         "findings": [f.to_dict() for f in c.findings]} for c in checks],
             "transitions": [{"at": t.at, "at_utc": iso_utc(t.at), "from": t.frm.value, "to": t.to.value,
                              "reason": t.reason, "actions": list(t.actions)} for t in transitions],
-            "pending_intents": [{**p, "created_utc": iso_utc(p.get("created"))} for p in pending]}, indent=2))
-        return EXIT_PASS
+            "pending_intents": [{**p, "created_utc": iso_utc(p.get("created"))} for p in pending],
+            "store": store_notes, "unreadable": problems}, indent=2))
+        return EXIT_UNDECIDED if problems else EXIT_PASS
     out = sys.stdout
     out.write(f"node state: {record.state.value if record else 'unknown'}"
               + (f" since {when(record.since, now)}: {record.reason}" if record else "") + "\n\n")
@@ -180,4 +230,13 @@ def print_status(args: argparse.Namespace) -> int:
         out.write("\npending actions:\n")
         for p in pending:
             out.write(f"  {p['action']} since {when(p.get('created'), now)}\n")
-    return EXIT_PASS
+    for note in store_notes:
+        if isinstance(note, dict) and "detail" in note:
+            out.write(f"\nstate store: {note['detail']}\n")
+        elif isinstance(note, dict):
+            out.write(f"\nstate store: writes failed from {when(note.get('since'), now)} to "
+                      f"{when(note.get('until'), now)}: {note.get('error')} (detection went on; the pending state "
+                      "was written once it could be)\n")
+    for problem in problems:
+        out.write(f"\nunreadable in {db}: {problem} (`gpuwarden run` sets this database aside at its next start)\n")
+    return EXIT_UNDECIDED if problems else EXIT_PASS

@@ -1,23 +1,33 @@
 """The daemon's durable state in SQLite (stdlib): node record and transition history, each passive check's
 state and latest findings, the kernel-log cursor, and the journal of remediation intents.
 
-Every observation is written in one transaction (check state + findings + cursor + node record + intents), so a
-crash or kill -9 at any point leaves either the state before or the state after it: never an XID counted twice
-or lost, never a downtime accumulator behind its cursor. WAL mode: readers (`gpuwarden status`) do not block
-the daemon.
+Every write is one transaction (check states + findings + cursors + node record + transitions + intents), taken
+from one consistent cut of the daemon's memory, so a crash or kill -9 at any point leaves either the state before
+or the state after it: never an XID counted twice or lost, never a downtime accumulator behind its cursor. WAL
+mode: readers (`gpuwarden status`) do not block the daemon.
+
+What can go wrong with the file is told apart: a write that fails (disk full, database locked) is a StoreError
+the caller retries; a database that cannot be read (not a database, malformed, a value that is not what was
+written) is set aside as state.db.corrupt-<time> and a fresh one started; a state folder deleted or replaced
+under a running daemon is noticed (`moved()`) and recreated (`reopen()`). One daemon per state folder: a lock
+on `gpuwarden.lock` (flock, released by the kernel when its holder dies) names the PID that holds it.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import GpuwardenError
 from .model import Finding, Status
-from .state import NodeRecord, Transition
+from .state import NodeRecord, NodeState, Transition
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -32,6 +42,11 @@ CREATE TABLE IF NOT EXISTS intents (
     key TEXT PRIMARY KEY, action TEXT NOT NULL, created REAL NOT NULL, done REAL, detail TEXT NOT NULL);
 """
 SCHEMA_VERSION = "1"
+LOCK_NAME = "gpuwarden.lock"
+BUSY_TIMEOUT_S = 5.0  # a database locked by another process fails a write after this (the writer retries)
+# SQLite result codes that mean the file's content cannot be trusted (sqlite3.h), as opposed to a write that
+# failed for now (SQLITE_FULL, SQLITE_BUSY, SQLITE_IOERR, SQLITE_READONLY, SQLITE_CANTOPEN).
+_UNREADABLE = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
 
 
 @dataclass
@@ -49,32 +64,163 @@ class StoreError(GpuwardenError):
     pass
 
 
+class StoreUnreadable(StoreError):
+    """The database or a value in it is not what the daemon writes: set aside, never half-trusted."""
+
+
+class StateInUse(StoreError):
+    """Another daemon holds the state folder."""
+
+
 class Store:
-    def __init__(self, path: Path):
+    """`readonly`: for `gpuwarden status`, which must never create, lock, repair or wait on anything.
+    `lock`: take the state folder's lock first (the daemon), so two daemons never share one folder."""
+
+    def __init__(self, path: Path, readonly: bool = False, lock: bool = False,
+                 busy_timeout_s: float = BUSY_TIMEOUT_S):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()  # one writer at a time; sqlite3 connections are not thread-safe
+        self._busy_timeout_s = busy_timeout_s
+        self.readonly = readonly
+        self.set_aside: str | None = None  # what a start found unreadable and moved away, said once by the daemon
+        self._lock = threading.RLock()  # one user at a time (sqlite3 connections are not thread-safe); reopen() reads
+        self._lock_fd: int | None = None
+        self._want_lock = lock and not readonly
+        self._identity: tuple | None = None
+        if readonly:
+            self._db = self._connect(f"{self.path.absolute().as_uri()}?mode=ro", uri=True)
+            return
+        self._open()
+
+    # -- opening ------------------------------------------------------------------------------------------
+    def _open(self) -> None:
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed write survives a crash
-            self._db.executescript(SCHEMA)
-            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"{self.path.parent}: cannot create the state folder: {exc.strerror or exc}") from None
+        if self._want_lock and not self._holds_lock():
+            self._take_lock()
+        try:
+            self._db = self._init_db()
+            self._verify()
+        except StoreUnreadable as exc:
+            self._db.close()
+            self.set_aside = self._set_aside(str(exc))
+            self._db = self._init_db()
+        self._identity = _identity(self.path)
+
+    def _connect(self, target: str, uri: bool = False) -> sqlite3.Connection:
+        try:
+            return sqlite3.connect(target, check_same_thread=False, isolation_level=None, timeout=self._busy_timeout_s,
+                                   uri=uri)
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
+
+    def _init_db(self) -> sqlite3.Connection:
+        db = self._connect(str(self.path))
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed write survives a crash
+            db.executescript(SCHEMA)
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        except sqlite3.Error as exc:
+            if _unreadable(exc):
+                self._db = db
+                raise StoreUnreadable(f"{exc}") from None
+            db.close()
+            raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
+        return db
+
+    def _verify(self) -> None:
+        """Reads everything once: what the daemon cannot read back is found now, not in the middle of a run."""
+        try:
+            (result,) = self._db.execute("PRAGMA quick_check").fetchone()
+        except sqlite3.Error as exc:
+            if _unreadable(exc):
+                raise StoreUnreadable(str(exc)) from None
+            raise StoreError(f"{self.path}: cannot read state database: {exc}") from None
+        if result != "ok":
+            raise StoreUnreadable(f"quick_check: {result}")
+        self.node()
+        self.checks()
+        for (key,) in self._db.execute("SELECT key FROM meta").fetchall():
+            self.meta(key)
+        self.transitions(limit=-1)
+        self.intents()
+
+    def _set_aside(self, reason: str) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(f"{self.path}{suffix}")
+            if src.exists():
+                os.replace(src, Path(f"{target}{suffix}"))
+        return f"{self.path} could not be read ({reason}); set aside as {target.name}, started a fresh one"
+
+    def _take_lock(self) -> None:
+        """flock on the state folder's lock file, the holder's PID written in it. Raises StateInUse naming it."""
+        path = self.path.parent / LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot open the lock file: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StateInUse(f"{self.path.parent} is in use by another gpuwarden daemon "
+                                 f"({'pid ' + holder if holder else 'pid unknown'}, lock {path})") from None
+            raise StoreError(f"{path}: cannot lock: {exc.strerror or exc}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self._lock_fd = fd
+
+    def _holds_lock(self) -> bool:
+        """Whether the lock file we hold is still the one in the folder (it goes with a deleted folder)."""
+        if self._lock_fd is None:
+            return False
+        try:
+            held, there = os.fstat(self._lock_fd), (self.path.parent / LOCK_NAME).stat()
+        except OSError:
+            return False
+        return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
+    # -- the folder under a running daemon --------------------------------------------------------------------
+    def moved(self) -> bool:
+        """Whether the state folder or the database was deleted or replaced since it was opened (a daemon that
+        went on writing would write into deleted files)."""
+        return self._identity is not None and _identity(self.path) != self._identity
+
+    def reopen(self) -> None:
+        """A fresh database where the old one was (the folder recreated, the lock taken again)."""
+        with self._lock:
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
+            self.set_aside = None
+            self._open()
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # the kernel drops the flock with the last descriptor
+                self._lock_fd = None
 
-    # -- reads ----------------------------------------------------------------------------------------------
+    # -- reads (raise StoreUnreadable naming the row that is not what the daemon writes) -------------------------
     def node(self) -> NodeRecord | None:
         row = self._one("SELECT record FROM node WHERE id = 1")
-        return NodeRecord.from_dict(json.loads(row[0])) if row else None
+        return _decode("node record", lambda: NodeRecord.from_dict(json.loads(row[0]))) if row else None
 
     def meta(self, key: str) -> Any:
         row = self._one("SELECT value FROM meta WHERE key = ?", (key,))
-        return json.loads(row[0]) if row and key != "schema" else (row[0] if row else None)
+        if not row:
+            return None
+        return row[0] if key == "schema" else _decode(f"meta {key!r}", lambda: json.loads(row[0]))
 
     def check(self, name: str) -> CheckRecord | None:
         row = self._one("SELECT name, state, status, error, findings, updated, duration_s FROM checks WHERE name = ?",
@@ -82,36 +228,43 @@ class Store:
         return _check_record(row) if row else None
 
     def checks(self) -> list[CheckRecord]:
-        with self._lock:
-            rows = self._db.execute("SELECT name, state, status, error, findings, updated, duration_s FROM checks "
-                                    "ORDER BY name").fetchall()
+        rows = self._all("SELECT name, state, status, error, findings, updated, duration_s FROM checks ORDER BY name")
         return [_check_record(r) for r in rows]
 
     def transitions(self, limit: int = 20) -> list[Transition]:
-        with self._lock:
-            rows = self._db.execute("SELECT at, frm, too, reason, actions FROM transitions ORDER BY id DESC LIMIT ?",
-                                    (limit,)).fetchall()
-        from .state import NodeState
-
-        return [Transition(NodeState(f), NodeState(t), r, tuple(json.loads(a)), at) for at, f, t, r, a in rows]
+        rows = self._all("SELECT at, frm, too, reason, actions FROM transitions ORDER BY id DESC LIMIT ?", (limit,))
+        return [_decode(f"transition at {r[0]!r}", lambda r=r: Transition(
+            NodeState(r[1]), NodeState(r[2]), str(r[3]), tuple(json.loads(r[4])), float(r[0]))) for r in rows]
 
     def intents(self, pending_only: bool = False) -> list[dict[str, Any]]:
         sql = "SELECT key, action, created, done, detail FROM intents"
         sql += " WHERE done IS NULL ORDER BY created" if pending_only else " ORDER BY created"
-        with self._lock:
-            rows = self._db.execute(sql).fetchall()
-        return [{"key": k, "action": a, "created": c, "done": d, "detail": json.loads(x)} for k, a, c, d, x in rows]
+        return [{"key": k, "action": a, "created": c, "done": d,
+                 "detail": _decode(f"intent {k!r}", lambda x=x: _object(json.loads(x)))}
+                for k, a, c, d, x in self._all(sql)]
 
     def _one(self, sql: str, args: tuple = ()) -> tuple | None:
+        rows = self._all(sql, args)
+        return rows[0] if rows else None
+
+    def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
-            return self._db.execute(sql, args).fetchone()
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                if _unreadable(exc):
+                    raise StoreUnreadable(f"{self.path}: {exc}") from None
+                raise StoreError(f"{self.path}: read failed: {exc}") from None
 
     # -- the one write ------------------------------------------------------------------------------------------
     def commit(self, checks: Iterable[CheckRecord] = (), meta: dict[str, Any] | None = None,
-               node: NodeRecord | None = None, transition: Transition | None = None,
-               intents: Iterable[tuple[str, str, dict[str, Any]]] = ()) -> list[str]:
-        """Write everything one observation changed, atomically. Intents are (key, action, detail); a key that
-        exists already is not written again (idempotency). Returns the keys newly written."""
+               node: NodeRecord | None = None, transition: Transition | Iterable[Transition] | None = None,
+               intents: Iterable[tuple[str, str, dict[str, Any]]] = (),
+               done: Iterable[tuple[str, float]] = ()) -> list[str]:
+        """Write everything one cut of the daemon's memory holds, atomically. Intents are (key, action, detail);
+        a key that exists already is not written again (idempotency); `done` marks intents carried out. Returns
+        the intent keys newly written. Raises StoreError (nothing written) when the write fails."""
+        transitions = [transition] if isinstance(transition, Transition) else list(transition or ())
         new_keys: list[str] = []
         with self._lock:
             try:
@@ -125,27 +278,76 @@ class Store:
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
                 if node is not None:
                     self._db.execute("INSERT OR REPLACE INTO node VALUES (1, ?)", (json.dumps(node.to_dict()),))
-                if transition is not None:
+                for t in transitions:
                     self._db.execute("INSERT INTO transitions (at, frm, too, reason, actions) VALUES (?, ?, ?, ?, ?)",
-                                     (transition.at, transition.frm.value, transition.to.value, transition.reason,
-                                      json.dumps(list(transition.actions))))
+                                     (t.at, t.frm.value, t.to.value, t.reason, json.dumps(list(t.actions))))
                 for key, action, detail in intents:
                     cur = self._db.execute("INSERT OR IGNORE INTO intents VALUES (?, ?, ?, NULL, ?)",
                                            (key, action, detail.get("at", 0.0), json.dumps(detail)))
                     if cur.rowcount:
                         new_keys.append(key)
+                for key, at in done:
+                    self._db.execute("UPDATE intents SET done = ? WHERE key = ? AND done IS NULL", (at, key))
                 self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._db.execute("ROLLBACK")
-                raise StoreError(f"{self.path}: write failed: {exc}") from None
+            except BaseException as exc:
+                # A failed COMMIT (SQLITE_FULL) may already have ended the transaction: ROLLBACK then raises "no
+                # transaction is active", which must not hide the real error.
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path}: write failed: {exc}") from None
+                raise
         return new_keys
 
     def mark_done(self, key: str, at: float) -> None:
-        with self._lock:
-            self._db.execute("UPDATE intents SET done = ? WHERE key = ? AND done IS NULL", (at, key))
+        self.commit(done=[(key, at)])
+
+
+def _identity(path: Path) -> tuple | None:
+    try:
+        folder, db = path.parent.stat(), path.stat()
+    except OSError:
+        return None
+    return (folder.st_dev, folder.st_ino, db.st_dev, db.st_ino)
+
+
+def _unreadable(exc: sqlite3.Error) -> bool:
+    name = getattr(exc, "sqlite_errorname", None)
+    if name:
+        return name.startswith(tuple(_UNREADABLE))
+    text = str(exc)
+    return "not a database" in text or "malformed" in text
+
+
+def _decode(where: str, build: Any) -> Any:
+    try:
+        return build()
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        raise StoreUnreadable(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"want an object, got {type(value).__name__}")
+    return value
 
 
 def _check_record(row: tuple) -> CheckRecord:
     name, state, status, error, findings, updated, duration = row
-    return CheckRecord(name, json.loads(state), Status(status), error,
-                       tuple(Finding.from_dict(f) for f in json.loads(findings)), updated, duration)
+
+    def build() -> CheckRecord:
+        return CheckRecord(str(name), _object(json.loads(state)), Status(status), error,
+                           tuple(Finding.from_dict(f) for f in json.loads(findings)), float(updated), float(duration))
+
+    return _decode(f"check {name!r}", build)
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return text if text.isascii() and text.isdigit() else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,11 +74,12 @@ def test_file_set_probe_sees_rewrites_and_unreadable_files(tmp_path):
 
 
 class Counting:
-    """Wraps a spec's sample and judge to count calls."""
+    """Wraps a spec's sample, judge and change probe to count calls."""
 
     def __init__(self, spec: PassiveSpec):
-        self.samples = self.judgements = 0
-        self.spec = replace(spec, sample=self._sample, judge=self._judge)
+        self.samples = self.judgements = self.probes = 0
+        self.spec = replace(spec, sample=self._sample, judge=self._judge,
+                            change_probe=self._probe if spec.change_probe else None)
         self._inner = spec
 
     def _sample(self, *args):
@@ -87,6 +89,22 @@ class Counting:
     def _judge(self, *args):
         self.judgements += 1
         return self._inner.judge(*args)
+
+    def _probe(self, node):
+        probe, counting = self._inner.change_probe(node), self
+
+        class Probe:
+            def rearm(self):
+                probe.rearm()
+
+            def changed(self):
+                counting.probes += 1
+                return probe.changed()
+
+            def close(self):
+                probe.close()
+
+        return Probe()
 
 
 def one_check_daemon(root: Path, tmp_path: Path, spec: PassiveSpec, cfg=None, **options) -> tuple[Daemon, Store]:
@@ -110,9 +128,11 @@ def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy
     try:
         wait_for(lambda: d.results().get("ib_downtime") and d.results()["ib_downtime"].status.value == "ok",
                  what="the first look")
-        threading.Event().wait(0.5)  # ~25 polls at 0.02 s
-        samples, writes = counting.samples, len(commits)
-        threading.Event().wait(0.5)
+        wait_for(lambda: store.check("ib_downtime"), what="the first look written")
+        probes = counting.probes
+        wait_for(lambda: counting.probes >= probes + 5, what="polls that only probe")
+        samples, writes, probes = counting.samples, len(commits), counting.probes
+        wait_for(lambda: counting.probes >= probes + 20, what="20 more polls")
         # All ports up and nothing written to their files: the probe answers, no sample, no judgement, no write
         # (a full look comes back every quiet_rejudge_s = 60 s).
         assert counting.samples == samples and len(commits) == writes
@@ -126,16 +146,21 @@ def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy
 
 
 def test_an_unchanged_sample_of_a_quiet_check_is_not_judged_until_rejudge(scenario_copy, tmp_path):
+    import time
+
     root = scenario_copy("h100-hgx-healthy")
-    counting = Counting(replace(ib_downtime.SPEC, change_probe=None, quiet_rejudge_s=0.3))
+    rejudge_s = 0.5
+    counting = Counting(replace(ib_downtime.SPEC, change_probe=None, quiet_rejudge_s=rejudge_s))
     d, store = one_check_daemon(root, tmp_path, counting.spec)
+    began = time.monotonic()
     d.start()
     try:
-        wait_for(lambda: counting.judgements >= 1, what="the first judgement")
-        threading.Event().wait(1.0)
-        # Sampled every 0.02 s (~50 samples), judged only when quiet_rejudge_s ran out (~3 times).
-        assert counting.samples >= 10 * counting.judgements
-        assert 2 <= counting.judgements <= 10
+        # Sampled every 0.02 s, judged again only once quiet_rejudge_s has run out since the last judgement.
+        wait_for(lambda: counting.judgements >= 3 and counting.samples > counting.judgements + 5, timeout_s=60,
+                 what="samples left unjudged and later judgements")
+        elapsed = time.monotonic() - began
+        # Judged samples began at least rejudge_s apart: however slow the machine, never more than this many.
+        assert counting.judgements <= elapsed / rejudge_s + 2, (counting.judgements, elapsed)
     finally:
         d.stop()
         store.close()
@@ -150,6 +175,7 @@ def test_a_change_outside_the_durable_part_is_written_at_stop(scenario_copy, tmp
     d.start()
     try:
         wait_for(lambda: d.results().get("ticker") and d.results()["ticker"].state["looks"] >= 20, what="20 looks")
+        wait_for(lambda: store.check("ticker"), what="the first look written")
         persisted = {c.name: c for c in store.checks()}["ticker"].state
         assert persisted["looks"] < d.results()["ticker"].state["looks"], "only the first look was written"
     finally:
@@ -184,13 +210,20 @@ def test_a_check_that_does_not_apply_is_asked_again_only_now_and_then(scenario_c
 
     spec = PassiveSpec("absent", "never applies", sample=sample, judge=lambda s, x, c, now: Judgement({}),
                        interval_s=0.02)
-    d, store = one_check_daemon(scenario_copy("h100-hgx-healthy"), tmp_path, spec, skipped_retry_s=30.0)
+    retry_s = 30.0
+    d, store = one_check_daemon(scenario_copy("h100-hgx-healthy"), tmp_path, spec, skipped_retry_s=retry_s)
+    first = time.monotonic()
     d.start()
     try:
         wait_for(lambda: d.results().get("absent"), what="the first look")
-        threading.Event().wait(0.5)  # 25 intervals of 0.02 s
+        polls = []  # 25 intervals of the check's own 0.02 s pace, counted on the other loops' clock
+        wait_for(lambda: polls.append(1) or len(polls) >= 25, what="25 intervals")
+        last = time.monotonic()
         assert d.results()["absent"].status.value == "skipped" and "no InfiniBand" in d.results()["absent"].error
-        assert len(asked) == 1  # the next question is due only at skipped_retry_s
+        # Asked again only on the skipped_retry_s grid (polls wake on multiples of their interval on the monotonic
+        # clock): at most once per grid line crossed since the first look, never at the check's own pace.
+        crossed = int(last // retry_s) - int(first // retry_s)
+        assert len(asked) <= 1 + crossed, (len(asked), crossed)
     finally:
         d.stop()
         store.close()

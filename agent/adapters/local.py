@@ -1,7 +1,8 @@
 """The local adapter: records what it would do (cordon, drain, resume, ...) as JSON lines, and does nothing
 else. Adapters for a real scheduler (Slurm, Kubernetes) are to replace it; the daemon's contract is the same:
-`apply(action, detail)` must be idempotent, since a crash between the intent's commit and its completion
-replays it."""
+`apply(action, detail)` is called from the daemon's action worker (never under the lock detection holds), one
+intent at a time in the order the transitions happened, and must be idempotent, since a crash between the
+intent's commit and its completion replays it at the next start (detail "replayed": true)."""
 from __future__ import annotations
 
 import json
@@ -25,11 +26,6 @@ class LocalAdapter:
         with self._lock, open(self.path, "a") as f:
             f.write(line + "\n")
         log.info("would act", action=action, reason=detail.get("reason", ""))
-
-    def replay_pending(self, store: Any) -> None:
-        for intent in store.intents(pending_only=True):
-            self.apply(intent["action"], {**intent["detail"], "replayed": True})
-            store.mark_done(intent["key"], time.time())
 
     def actions(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -8,6 +8,9 @@ NVML facts this leans on (nvml.h, docs.nvidia.com/deploy/nvml-api group__nvmlEve
   is off the bus, at once and on every wait: the set has to be rebuilt without that GPU.
 - nvmlEventData_t carries device, eventType, eventData (the XID), gpuInstanceId, computeInstanceId: no
   timestamp, no process, no message text; the time here is when the wait returned.
+- The wait's GPU_IS_LOST does not say which GPU, and registering a GPU that is off the bus may succeed (NVIDIA's
+  mock NVML does so): the caller finds the lost GPU by reading it and hands it to `leave_out()`, so the next
+  `subscribe()` goes on without it instead of failing every wait again.
 """
 from __future__ import annotations
 
@@ -50,6 +53,29 @@ class XidEvents:
         self.reason = ""
         self._by_address: dict[int | None, Gpu] = {}
         self._pending: NvmlError | None = None
+        self._left_out: dict[int, NvmlError] = {}  # GPUs known to be off the bus: not registered again
+
+    @property
+    def left_out(self) -> dict[int, NvmlError]:
+        return dict(self._left_out)
+
+    def leave_out(self, lost: dict[int, NvmlError]) -> None:
+        """The GPUs (index -> the error that showed them lost) the next subscribe() leaves out; replaces the last
+        set, so a GPU that answers again is taken back."""
+        self._left_out = dict(lost)
+
+    def resume(self, token: Any) -> None:
+        """Goes on after what an earlier subscription handed over (`token` from resume_token()). Live NVML keeps
+        no backlog, so there the token is None and this does nothing; a recorded node's list of events is a
+        backlog, and without this a restarted daemon would be handed it again."""
+        resume = getattr(self._nvml._lib, "events_resume", None)
+        if token is not None and resume is not None and self._set is not None:
+            resume(self._set, token)
+
+    def resume_token(self) -> Any:
+        """Where this subscription stands, for resume() after a restart; None live (nothing to resume)."""
+        token = getattr(self._nvml._lib, "events_resume_token", None)
+        return token(self._set) if token is not None and self._set is not None else None
 
     @property
     def available(self) -> bool:
@@ -76,6 +102,7 @@ class XidEvents:
                     raise
                 self.reason = str(exc)
                 return self
+            self.unsubscribed.update({i: e for i, e in self._left_out.items() if i not in self.unsubscribed})
             if self._register(event_set, [g for g in gpus if g.index not in self.unsubscribed]):
                 break
         if not self.subscribed:

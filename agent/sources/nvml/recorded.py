@@ -4,11 +4,16 @@ It must not be laxer than the real library: it offers only functions the install
 (tests/test_nvml_recorded.py proves it), returns the same ctypes structures (device handles and event sets
 are ctypes pointers, as pynvml's, so code that compares handles by identity fails here as it would live),
 and raises the real pynvml.NVMLError subclasses (NotSupported, GPU is lost, ...) where the scenario says so.
-XID events (the scenario's "xid_events") are served through the same event-set calls as the live library.
+XID events (the scenario's "xid_events") are served through the same event-set calls as the live library. Unlike
+live NVML the list is a backlog: each entry is handed over once per process, and a daemon that persists the
+subscription's `events_resume_token` and hands it back at its next start (`events_resume`) is not handed an
+entry again after a restart (docs/scenario-format.md).
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -348,6 +353,28 @@ class RecordedNvml:
                 raise _error("TIMEOUT")
             self._sleep_until_rewritten(left)
 
+    def events_resume_token(self, eventSet: Any) -> dict[str, Any]:
+        """Where a set stands in "xid_events": the entries it has looked at, and a digest of them (so a token is
+        not applied to a different list)."""
+        event_set = self._event_set(eventSet)
+        events = self._events_view().get("xid_events") or []
+        return {"position": event_set.position, "digest": _digest(events[:event_set.position])}
+
+    def events_resume(self, eventSet: Any, token: Any) -> bool:
+        """Moves a set (and every later one) past the entries a token says were handed over; False, and nothing
+        moved, when the token does not fit this list (another scenario, an edited past)."""
+        event_set = self._event_set(eventSet)
+        events = self._events_view().get("xid_events") or []
+        if not isinstance(token, dict) or not isinstance(token.get("position"), int) or isinstance(
+                token.get("position"), bool):
+            return False
+        position = token["position"]
+        if not 0 <= position <= len(events) or token.get("digest") != _digest(events[:position]):
+            return False
+        event_set.position = max(event_set.position, position)
+        self._delivered = max(self._delivered, position)
+        return True
+
     def _sleep_until_rewritten(self, seconds: float) -> None:
         """Sleeps until nvml.json's folder is written (inotify), at most `seconds`; polls where it cannot watch."""
         if self._waiter is None:
@@ -410,6 +437,10 @@ class _EventSet:
     position: int  # index of the next "xid_events" entry to look at
     gpus: set[int] = field(default_factory=set)
     raw: Any = field(default_factory=pynvml.struct_c_nvmlEventSet_t)  # what the returned pointer points at
+
+
+def _digest(entries: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _mtime(path: Path | None) -> int | None:
