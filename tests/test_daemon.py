@@ -61,13 +61,13 @@ def metrics_text(collector) -> str:
 
 def test_xid_moves_the_node_and_the_metrics(daemon):
     d, root, collector = daemon
-    wait_for(lambda: "xid_watch" in d.results(), what="the first kernel-log tick")
+    wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
     assert d.record.state is NodeState.HEALTHY
     assert 'gpuwarden_node_state{state="healthy"} 1.0' in metrics_text(collector)
     append(root, XID79)
     wait_for(lambda: d.record.state is NodeState.CORDONED or d.record.state is NodeState.QUARANTINED,
              what="the XID 79 to cordon the node")
-    (finding,) = [f for f in d.results()["xid_watch"].findings if f.code == "79"]
+    (finding,) = [f for f in d.results()["xid"].findings if f.code == "79"]
     assert finding.entity.index == 0 and finding.entity.id.startswith("GPU-")  # named through NVML
     # XID 79 asks for a reboot: past cordon, straight on to quarantine (drain).
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine")
@@ -80,11 +80,11 @@ def test_xid_moves_the_node_and_the_metrics(daemon):
 
 def test_burst_is_one_incident(daemon):
     d, root, _ = daemon
-    wait_for(lambda: "xid_watch" in d.results())
+    wait_for(lambda: "xid" in d.results())
     append(root, XID13, 50)
-    wait_for(lambda: [f for f in d.results()["xid_watch"].findings if f.evidence.get("count") == 50],
+    wait_for(lambda: [f for f in d.results()["xid"].findings if f.evidence.get("count") == 50],
              what="50 XID 13 in one incident")
-    (finding,) = d.results()["xid_watch"].findings
+    (finding,) = d.results()["xid"].findings
     assert finding.code == "13" and finding.status.value == "warn" and d.record.state is NodeState.SUSPECT
 
 
@@ -109,7 +109,7 @@ def status(state: Path) -> dict:
 
 def xid13_count(state: Path) -> int | None:
     checks = {c["check"]: c for c in status(state).get("checks", [])}
-    found = [f for f in checks.get("xid_watch", {}).get("findings", []) if f["code"] == "13"]
+    found = [f for f in checks.get("xid", {}).get("findings", []) if f["code"] == "13"]
     return found[0]["evidence"]["count"] if found else None
 
 
@@ -139,7 +139,7 @@ def test_ready_reload_and_graceful_stop_under_systemd(scenario_copy, tmp_path):
     """READY=1 over $NOTIFY_SOCKET, SIGHUP with a broken config keeps the running one, SIGTERM exits 0."""
     root, state, sock_path = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state", tmp_path / "notify.sock"
     cfg = tmp_path / "gpuwarden.toml"
-    cfg.write_text("[checks.xid_watch]\nhold_s = 60.0\n")
+    cfg.write_text("[checks.xid]\nhold_s = 60.0\n")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
         server.bind(str(sock_path))
         server.settimeout(30)
@@ -149,7 +149,7 @@ def test_ready_reload_and_graceful_stop_under_systemd(scenario_copy, tmp_path):
                                 stderr=subprocess.PIPE, text=True, env={**os.environ, "NOTIFY_SOCKET": str(sock_path)})
         try:
             assert server.recv(4096).startswith(b"READY=1")
-            cfg.write_text("[checks.xid_watch]\nhold_s = \"long\"\n")
+            cfg.write_text("[checks.xid]\nhold_s = \"long\"\n")
             proc.send_signal(signal.SIGHUP)
             append(root, XID13)  # still watching after the failed reload
             wait_for(lambda: xid13_count(state) == 1, what="an XID after the reload")
@@ -157,7 +157,7 @@ def test_ready_reload_and_graceful_stop_under_systemd(scenario_copy, tmp_path):
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0
-    assert "config reload failed; keeping the running config" in err and "checks.xid_watch.hold_s" in err
+    assert "config reload failed; keeping the running config" in err and "checks.xid.hold_s" in err
 
 
 def test_textfile_output_for_node_exporter(scenario_copy, tmp_path):
@@ -181,7 +181,7 @@ def fast_daemon(scenario_copy, tmp_path):
     root = scenario_copy("h100-hgx-healthy")
     specs = all_specs()
     cfg = config.defaults(specs)
-    cfg.checks["ib_downtime"]["down_fail_s"] = 0.3
+    cfg.checks["ib_port"]["down_fail_s"] = 0.3
     store = Store(tmp_path / "state" / "state.db")
     d = Daemon(Node.recorded_at(root), list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
                LocalAdapter(tmp_path / "state" / "actions.jsonl"), DaemonCollector(),
@@ -194,13 +194,13 @@ def fast_daemon(scenario_copy, tmp_path):
 
 def test_sysfs_change_ib_port_down_cordons(fast_daemon):
     d, root = fast_daemon
-    wait_for(lambda: d.results().get("ib_downtime") and d.results()["ib_downtime"].status.value == "ok",
-             what="ib_downtime's first look")
+    wait_for(lambda: d.results().get("ib_port") and d.results()["ib_port"].status.value == "ok",
+             what="ib_port's first look")
     port = root / "sys/class/infiniband/mlx5_5/ports/1"
     (port / "state").write_text("1: DOWN\n")
     (port / "phys_state").write_text("3: Disabled\n")
     wait_for(lambda: d.record.state is NodeState.CORDONED, what="the port-down cordon")
-    (f,) = d.results()["ib_downtime"].findings
+    (f,) = d.results()["ib_port"].findings
     assert (f.code, f.entity.id) == ("ib-port-down", "mlx5_5/1")
     text = metrics_text(d.collector)
     assert 'gpuwarden_ib_port_up{port="mlx5_5/1"} 0.0' in text
@@ -238,7 +238,7 @@ def test_a_hung_sample_is_unknown_and_blocks_nothing(scenario_copy, tmp_path):
         wait_for(lambda: d.results().get("hung") and "0.2s" in (d.results()["hung"].error or ""),
                  what="the hung sample to be UNKNOWN")
         append(root, XID13)  # the kernel-log consumers go on regardless
-        wait_for(lambda: d.results()["xid_watch"].findings, what="the XID while a sample hangs")
+        wait_for(lambda: d.results()["xid"].findings, what="the XID while a sample hangs")
         assert d.results()["hung"].status.value == "unknown"
     finally:
         release.set()
@@ -250,13 +250,13 @@ def down_since(state: Path, port: str) -> float | None:
     import sqlite3
 
     with sqlite3.connect(f"{(state / 'state.db').absolute().as_uri()}?mode=ro", uri=True, timeout=10) as db:
-        (value,) = db.execute("SELECT state FROM checks WHERE name = 'ib_downtime'").fetchone()
+        (value,) = db.execute("SELECT state FROM checks WHERE name = 'ib_port'").fetchone()
     return json.loads(value)["ports"][port]["down_since"]
 
 
 def ib_finding(state: Path) -> dict | None:
     checks = {c["check"]: c for c in status(state).get("checks", [])}
-    found = checks.get("ib_downtime", {}).get("findings", [])
+    found = checks.get("ib_port", {}).get("findings", [])
     return found[0] if found else None
 
 
@@ -264,7 +264,7 @@ def test_kill_9_keeps_ib_downtime(scenario_copy, tmp_path):
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     proc = start(root, state, free_port())
     try:
-        wait_for(lambda: any(c["check"] == "ib_downtime" for c in status(state).get("checks", [])))
+        wait_for(lambda: any(c["check"] == "ib_port" for c in status(state).get("checks", [])))
         port = root / "sys/class/infiniband/mlx5_1/ports/1"
         (port / "state").write_text("1: DOWN\n")
         (port / "phys_state").write_text("2: Polling\n")
@@ -293,7 +293,7 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
     applied once and marked done in the journal (so a restart does not replay it)."""
     root = scenario_copy("gb200-nvl72-healthy")
     cfg = config.defaults(all_specs())
-    cfg.checks["xid_watch"]["hold_s"] = 0.3
+    cfg.checks["xid"]["hold_s"] = 0.3
     store = Store(tmp_path / "state.db")
     d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), cfg, store,
                LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
@@ -301,7 +301,7 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
                              policy=dict(DEFAULT_POLICY, retest_after_s=0.2, cordon_clear_s=3600.0)))
     d.start()
     try:
-        wait_for(lambda: "xid_watch" in d.results())
+        wait_for(lambda: "xid" in d.results())
         append(root, XID48)
         wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine")
         wait_for(lambda: d.record.state is NodeState.HEALTHY, what="the retest to resume the node")
@@ -319,7 +319,7 @@ def test_every_passive_check_fires_through_the_daemon(scenario_copy, tmp_path):
     state climbs the ladder, and /metrics carries each fault."""
     root = scenario_copy("gb200-nvl72-healthy")
     cfg = config.defaults(all_specs())
-    cfg.checks["ib_downtime"]["down_fail_s"] = 0.3
+    cfg.checks["ib_port"]["down_fail_s"] = 0.3
     cfg.checks["clock_events"].update(min_window_s=0.3)
     cfg.checks["thermal"].update(sustain_s=0.0, gpu_max_c=80.0)
     cfg.checks["fabric"].update(settle_s=0.0)
@@ -345,16 +345,16 @@ def test_every_passive_check_fires_through_the_daemon(scenario_copy, tmp_path):
              lambda: edit_nvml(root, lambda s: s["gpus"][3]["fabric"].update(state=2))),
             ("nvlink_lanes", "nvlink-down",
              lambda: edit_nvml(root, lambda s: s["gpus"][0]["nvlinks"][5].update(state=0))),
-            ("ib_downtime", "ib-port-down",
+            ("ib_port", "ib-port-down",
              lambda: (root / "sys/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")),
             ("pcie_aer", "pcie-aer-uncorrectable",
              lambda: _bump_aer_fatal(root / "sys/bus/pci/devices/0009:01:00.0/aer_dev_fatal")),
             ("nvswitch_sxid", "sxid-20034",
              lambda: append(root, "3,{seq},{usec},-;nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, "
                                   "Link 48 LTSSM Fault Up")),
-            ("ecc_watch", "ecc-uncorrectable",
+            ("ecc", "ecc-uncorrectable",
              lambda: edit_nvml(root, lambda s: s["gpus"][2]["ecc_errors"]["volatile"].update(uncorrected=1))),
-            ("xid_watch", "79", lambda: append(root, XID79)),
+            ("xid", "79", lambda: append(root, XID79)),
         ]
         for check, code, inject in faults:
             inject()

@@ -44,7 +44,7 @@ def metrics(d: Daemon) -> str:
 
 
 def xid_count(records: dict, code: str = "13") -> int | None:
-    rec = records.get("xid_watch")
+    rec = records.get("xid")
     found = [f for f in rec.findings if f.code == code] if rec else []
     return found[0].evidence["count"] if found else None
 
@@ -141,11 +141,11 @@ def test_a_hung_scheduler_delays_actions_never_detection(scenario_copy, tmp_path
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     adapter = BlockingAdapter(tmp_path / "actions.jsonl")
     ib = replace(ib_downtime.SPEC, change_probe=None)
-    d = make(root, state, [ib], adapter=adapter, intervals={"ib_downtime": 0.05},
+    d = make(root, state, [ib], adapter=adapter, intervals={"ib_port": 0.05},
              policy=dict(DEFAULT_POLICY, quarantine_after_s=0.5))
-    d.config.checks["ib_downtime"]["down_fail_s"] = 0.2
+    d.config.checks["ib_port"]["down_fail_s"] = 0.2
     running(d)
-    wait_for(lambda: "xid_watch" in d.results() and d.results().get("ib_downtime"), what="the first looks")
+    wait_for(lambda: "xid" in d.results() and d.results().get("ib_port"), what="the first looks")
     append(root, XID79)
     wait_for(lambda: adapter.calls == ["cordon"], what="the cordon handed to the adapter, which hangs")
     # Detection goes on while the adapter hangs: the node moves on, a new XID and an IB port going down are
@@ -154,7 +154,7 @@ def test_a_hung_scheduler_delays_actions_never_detection(scenario_copy, tmp_path
     (root / "sys/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine while the cordon hangs")
     wait_for(lambda: xid_count(d.results()) == 1, what="the XID 13 while the adapter hangs")
-    wait_for(lambda: [f.code for f in d.results()["ib_downtime"].findings] == ["ib-port-down"],
+    wait_for(lambda: [f.code for f in d.results()["ib_port"].findings] == ["ib-port-down"],
              what="the IB port down while the adapter hangs")
     text = metrics(d)
     assert 'gpuwarden_node_state{state="quarantined"} 1.0' in text and "gpuwarden_actions_pending 2.0" in text
@@ -174,7 +174,7 @@ def test_intents_left_pending_by_a_crash_are_applied_at_the_next_start(scenario_
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     adapter = BlockingAdapter(tmp_path / "actions.jsonl")
     d = running(make(root, state, adapter=adapter))
-    wait_for(lambda: "xid_watch" in d.results())
+    wait_for(lambda: "xid" in d.results())
     append(root, XID79)
     wait_for(lambda: len(d.store.intents(pending_only=True)) == 2, what="the intents journalled, not done")
     d._write_wanted.clear()
@@ -216,7 +216,7 @@ def test_a_full_disk_is_reported_detection_goes_on_and_the_store_catches_up(scen
     try:
         root, state = scenario_copy("gb200-nvl72-healthy"), mount / "state"
         d = running(make(root, state))
-        wait_for(lambda: d.store.check("xid_watch"), what="the first write")
+        wait_for(lambda: d.store.check("xid"), what="the first write")
         filler = _fill(mount)
         append(root, XID13, 5)
         wait_for(lambda: d.store_error, what="the failed write reported")
@@ -228,11 +228,11 @@ def test_a_full_disk_is_reported_detection_goes_on_and_the_store_catches_up(scen
         assert d.stalled() == []  # no thread ended
         filler.unlink()
         wait_for(lambda: d.store_error is None, what="the store writable again")
-        wait_for(lambda: (c := d.store.check("xid_watch")) and xid_count({"xid_watch": c}) == 7,
+        wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 7,
                  what="the pending state written")
         assert "gpuwarden_store_ok 1.0" in metrics(d)
         append(root, XID13)
-        wait_for(lambda: (c := d.store.check("xid_watch")) and xid_count({"xid_watch": c}) == 8,
+        wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 8,
                  what="new XIDs counted and written after the disk is freed")
         fault = d.store.meta("store_fault")
         assert fault["until"] >= fault["since"] and "full" in fault["error"]
@@ -246,7 +246,7 @@ def test_a_full_disk_is_reported_detection_goes_on_and_the_store_catches_up(scen
 def test_a_locked_database_is_reported_and_caught_up_once_released(scenario_copy, tmp_path, running):
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     d = running(make(root, state, store=Store(state / "state.db", lock=True, busy_timeout_s=0.1)))
-    wait_for(lambda: d.store.check("xid_watch"), what="the first write")
+    wait_for(lambda: d.store.check("xid"), what="the first write")
     other = sqlite3.connect(state / "state.db", isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")  # another process holds the database
     try:
@@ -257,7 +257,7 @@ def test_a_locked_database_is_reported_and_caught_up_once_released(scenario_copy
     finally:
         other.execute("ROLLBACK")
         other.close()
-    wait_for(lambda: (c := d.store.check("xid_watch")) and xid_count({"xid_watch": c}) == 3,
+    wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 3,
              what="the pending state written once released")
     assert d.store_error is None and "gpuwarden_store_ok 1.0" in metrics(d)
 
@@ -273,13 +273,13 @@ def test_an_unreadable_store_is_reported_by_status_and_set_aside_by_the_daemon(s
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     d = running(make(root, state))
     append(root, XID13)
-    wait_for(lambda: (c := d.store.check("xid_watch")) and xid_count({"xid_watch": c}) == 1, what="a written XID")
+    wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 1, what="a written XID")
     d.stop()
     d.store.close()
     db = state / "state.db"
     if damage == "json-value":
         with sqlite3.connect(db) as conn:
-            conn.execute("UPDATE checks SET state = '{\"incidents\": [' WHERE name = 'xid_watch'")
+            conn.execute("UPDATE checks SET state = '{\"incidents\": [' WHERE name = 'xid'")
     else:
         for extra in ("-wal", "-shm"):
             Path(f"{db}{extra}").unlink(missing_ok=True)
@@ -301,11 +301,11 @@ def test_a_state_folder_deleted_while_running_is_recreated(scenario_copy, tmp_pa
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     d = running(make(root, state))
     append(root, XID13)
-    wait_for(lambda: (c := d.store.check("xid_watch")) and xid_count({"xid_watch": c}) == 1, what="a written XID")
+    wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 1, what="a written XID")
     shutil.rmtree(state)
     wait_for(lambda: (state / "state.db").exists(), what="the state folder recreated")
     append(root, XID13)
-    wait_for(lambda: (c := d.store.check("xid_watch")) and xid_count({"xid_watch": c}) == 2,
+    wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 2,
              what="the state, old and new, written into the new folder")
     assert (state / LOCK_NAME).read_text().strip() == str(os.getpid())
     assert d.store.node() is not None and d.store.meta("kmsg_cursor")

@@ -119,16 +119,16 @@ def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy
     root = scenario_copy("h100-hgx-healthy")
     counting = Counting(ib_downtime.SPEC)
     cfg = config.defaults(all_specs())
-    cfg.checks["ib_downtime"]["down_fail_s"] = 0.1
+    cfg.checks["ib_port"]["down_fail_s"] = 0.1
     d, store = one_check_daemon(root, tmp_path, counting.spec, cfg)
     commits = []
     inner_commit = store.commit
     store.commit = lambda *a, **k: commits.append(1) or inner_commit(*a, **k)
     d.start()
     try:
-        wait_for(lambda: d.results().get("ib_downtime") and d.results()["ib_downtime"].status.value == "ok",
+        wait_for(lambda: d.results().get("ib_port") and d.results()["ib_port"].status.value == "ok",
                  what="the first look")
-        wait_for(lambda: store.check("ib_downtime"), what="the first look written")
+        wait_for(lambda: store.check("ib_port"), what="the first look written")
         probes = counting.probes
         wait_for(lambda: counting.probes >= probes + 5, what="polls that only probe")
         samples, writes, probes = counting.samples, len(commits), counting.probes
@@ -137,7 +137,7 @@ def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy
         # (a full look comes back every quiet_rejudge_s = 60 s).
         assert counting.samples == samples and len(commits) == writes
         (root / "sys/class/infiniband/mlx5_5/ports/1/state").write_text("1: DOWN\n")
-        wait_for(lambda: [f.code for f in d.results()["ib_downtime"].findings] == ["ib-port-down"],
+        wait_for(lambda: [f.code for f in d.results()["ib_port"].findings] == ["ib-port-down"],
                  what="the port-down finding")
         assert counting.samples > samples
     finally:

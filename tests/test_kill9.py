@@ -87,7 +87,7 @@ def incident(db: Path, pci: str, xid: int) -> dict:
     """The incident as the store holds it now (read-only; {} while the daemon has not written it)."""
     try:
         with sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True, timeout=10) as conn:
-            row = conn.execute("SELECT state FROM checks WHERE name = 'xid_watch'").fetchone()
+            row = conn.execute("SELECT state FROM checks WHERE name = 'xid'").fetchone()
     except sqlite3.Error:
         return {}
     return json.loads(row[0]).get("incidents", {}).get(f"{pci}|{xid}", {}) if row else {}

@@ -1,5 +1,5 @@
 """NVML XID events as the second XID source: the recorded event source (served through pynvml's own event-set
-calls and types), xid_watch counting each XID once whichever sources saw it, and the daemon on a recorded node
+calls and types), the xid judge counting each XID once whichever sources saw it, and the daemon on a recorded node
 where an XID is injected by appending to nvml.json."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
 from gpuwarden.agent.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
-from gpuwarden.checks import xid_watch
+from gpuwarden.checks import xid
 
 EVENT_CALLS = {"nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetFree"}
 SNAPSHOT = {
@@ -236,8 +236,8 @@ def test_every_event_call_the_live_wrapper_makes_is_served_by_the_recorded_backe
         assert fake == real, f"{name}: recorded takes {fake}, pynvml takes {real}"
 
 
-# -- xid_watch: one incident, counted once, whichever sources saw it ---------------------------------------------
-CFG = dict(xid_watch.CONSUMER.defaults)
+# -- xid: one incident, counted once, whichever sources saw it ---------------------------------------------
+CFG = dict(xid.CONSUMER.defaults)
 GPU0 = NvmlXid(0, "GPU-0", "0008:01:00.0", 79, 0.0)
 
 
@@ -256,7 +256,7 @@ def nv(xid: int, gpu: int = 0) -> NvmlXid:
 
 
 class Watch:
-    """xid_watch driven through time as the daemon does, the state round-tripped through JSON in between."""
+    """The xid judge driven through time as the daemon does, the state round-tripped through JSON in between."""
 
     def __init__(self, state: dict | None = None, **cfg):
         self.state, self.t, self.cfg = state or {}, 1000.0, dict(CFG, **cfg)
@@ -265,7 +265,7 @@ class Watch:
         self.t += 1
         batch = KernelBatch(list(records), [], "boot-1", nvml_xids=list(xids),
                             source=source or ("nvml" if xids else "kmsg"), nvml_error=error)
-        j = xid_watch.judge(self.state, batch, self.cfg, self.t)
+        j = xid.judge(self.state, batch, self.cfg, self.t)
         self.state = json.loads(json.dumps(j.state))
         return j
 
@@ -319,7 +319,7 @@ def test_a_rate_limited_kernel_log_is_made_up_by_nvml():
 
 
 def test_state_written_before_nvml_was_a_source_still_reads():
-    # xid_watch's state as the version without NVML events persisted it: counts were the kernel log's alone.
+    # xid's state as the version without NVML events persisted it: counts were the kernel log's alone.
     old = {"boot_id": "boot-1", "uuids": {}, "incidents": {"0008:01:00.0|13": {
         "pci": "0008:01:00.0", "xid": 13, "count": 4, "first_at": 990.0, "first_seq": 7,
         "first_message": "NVRM: Xid (PCI:0008:01:00): 13, ...", "pids": ["42"], "processes": ["python3"],
@@ -381,14 +381,15 @@ def daemon(scenario_copy, tmp_path):
                LocalAdapter(tmp_path / "state" / "actions.jsonl"), collector,
                DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, policy=dict(DEFAULT_POLICY, quarantine_after_s=0.5)))
     d.start()
-    wait_for(lambda: "xid_watch" in d.results(), what="the first XID judgement")
+    wait_for(lambda: "xid" in d.results(), what="the first XID judgement")
     yield d, root, collector
     d.stop()
     store.close()
 
 
 def xid_finding(d, code: str):
-    found = [f for f in d.results()["xid_watch"].findings if f.code == code]
+    record = d.results().get("xid")  # none before the first judgement
+    found = [f for f in record.findings if f.code == code] if record else []
     return found[0] if found else None
 
 
@@ -432,7 +433,7 @@ def test_daemon_a_gpu_off_the_bus_is_left_out_of_the_subscription_at_once(daemon
 def test_daemon_a_lost_gpu_that_still_registers_is_not_registered_again(daemon, monkeypatch):
     """NVIDIA's mock NVML (and a driver may do the same) accepts the registration of a GPU that fell off the bus and
     fails every wait: the daemon finds the lost GPU by reading it and goes on without it, instead of registering it
-    again and again with a growing backoff while xid_watch stays UNKNOWN."""
+    again and again with a growing backoff while xid stays UNKNOWN."""
     d, root, _ = daemon
     registered = []
     inner = RecordedNvml.nvmlDeviceRegisterEvents
@@ -459,7 +460,7 @@ def test_daemon_an_nvml_error_is_unknown_then_the_subscription_is_rebuilt(daemon
     add_event(root, 0, 13)
     wait_for(lambda: xid_finding(d, "13"), what="the XID 13")
     edit_nvml(root, lambda d_: d_.setdefault("errors", {}).update(nvmlEventSetWait_v2="UNKNOWN"))
-    unknown = wait_for(lambda: xid_finding(d, "nvml-events"), what="xid_watch UNKNOWN for the wait error")
+    unknown = wait_for(lambda: xid_finding(d, "nvml-events"), what="xid UNKNOWN for the wait error")
     assert unknown.status is Status.UNKNOWN and "NVML_ERROR_UNKNOWN" in unknown.message
     edit_nvml(root, lambda d_: d_["errors"].pop("nvmlEventSetWait_v2"))
     # After the backoff the set is rebuilt: the error clears, the incident is counted once.
