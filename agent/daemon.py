@@ -32,6 +32,7 @@ from .daemon_polls import PollLoops, InFlight
 from .metrics import DaemonCollector, Snapshot
 from .model import CheckResult, Finding, Status, fold_status
 from .passive import Judgement, KernelConsumer, MetricSample, PassiveSpec
+from .sources.kmsg import Cursor
 from .state import DEFAULT_POLICY, NodeRecord, Transition, next_state, wants_retest
 from .store import CheckRecord, Store
 from .systemd import name_this_thread
@@ -46,7 +47,9 @@ class DaemonOptions:
     kmsg_tick_s: float = 0.02  # poll interval of a kernel log that can be neither select()ed nor inotify-watched
     idle_tick_s: float = 30.0  # consumers get an empty batch this often, so time-based rules (hold_s) advance
     policy: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_POLICY))
-    retest: Callable[[], bool] | None = None  # runs a retest (the quick preflight); True = passed
+    # Runs a retest (agent/retest.py: the quick preflight on the kernel log after the given cursor, the recovery):
+    # True = passed, False = failed, None = could not decide (something could not look): asked again later.
+    retest: "Callable[[Cursor | None], bool | None] | None" = None
     intervals: dict[str, float] = field(default_factory=dict)  # per-check poll interval overrides (tests)
     skipped_retry_s: float = 60.0  # a check that is not applicable on this node is asked again this often
     clock: Callable[[], float] = time.time
@@ -89,9 +92,13 @@ class Daemon(PollLoops, EventLoops):
         self._kmsg_records = 0
         self._kmsg_lost = 0
         self._retesting = False
+        self._next_retest_at = 0.0  # a retest that could not decide is asked again after retest_after_s
         # What memory holds that the store does not yet (the writer takes it in one cut, under the lock).
         self._dirty: set[str] = set()
         self._meta: dict[str, Any] = {}  # every meta value this run set (a recreated store gets them all)
+        recovery = store.meta("recovery_cursor")  # a restart between the recovery and the retest keeps it
+        if recovery is not None:
+            self._meta["recovery_cursor"] = recovery
         self._meta_dirty: set[str] = set()
         self._node_dirty = False
         self._new_transitions: list[Transition] = []
@@ -212,6 +219,10 @@ class Daemon(PollLoops, EventLoops):
             self._set_meta(key, value)
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
                                         retest)
+        if record.clear_since is not None and self._record.clear_since is None:
+            # The faults have cleared: a retest judges the kernel log from here on (agent/retest.py), so what was
+            # fixed (a GPU reset after an XID 48) is not held against the node, and what comes back is.
+            self._set_meta("recovery_cursor", self._meta.get("kmsg_cursor"))
         if record != self._record:
             self._node_dirty = True
         self._record = record
@@ -228,7 +239,8 @@ class Daemon(PollLoops, EventLoops):
             # Only what moved is written: an idle tick that changed nothing costs no disk write.
             self._write_wanted.set()
         self._publish()
-        if wants_retest(self._record, now, self.opt.policy) and not self._retesting and self.opt.retest:
+        if (wants_retest(self._record, now, self.opt.policy) and not self._retesting and self.opt.retest
+                and now >= self._next_retest_at):
             self._retesting = True
             self._spawn("retest", self._retest)
 
@@ -238,15 +250,26 @@ class Daemon(PollLoops, EventLoops):
             self._meta_dirty.add(key)
             self._write_wanted.set()
 
+    def recovery_cursor(self) -> Cursor | None:
+        """Where the kernel log stood when the node's faults last cleared: what a retest judges from."""
+        with self._lock:
+            saved = self._meta.get("recovery_cursor")
+        return Cursor(saved.get("boot_id"), int(saved["seq"])) if isinstance(saved, dict) and "seq" in saved else None
+
     def _retest(self) -> None:
-        passed = False
+        passed: bool | None = None
         try:
-            passed = bool(self.opt.retest and self.opt.retest())
-        except Exception as exc:  # noqa: BLE001 - logged; counts as a retest that did not pass
+            passed = self.opt.retest(self.recovery_cursor()) if self.opt.retest else None
+        except Exception as exc:  # noqa: BLE001 - logged; could not decide, asked again later
             log.error("retest failed to run", error=f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
                 self._retesting = False
+                if passed is None:
+                    # Could not decide (a check could not look): neither a pass nor a failure that counts toward
+                    # retiring the node; asked again after retest_after_s.
+                    log.warning("retest could not decide; asked again later")
+                    self._next_retest_at = self.opt.clock() + float(self.opt.policy["retest_after_s"])
                 # The same path as every observation: the outcome's transition is logged, counted, journalled and
                 # its intents marked done once applied (so a restart does not replay a resume).
                 self._commit([], None, self.opt.clock(), retest=passed)

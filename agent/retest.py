@@ -12,10 +12,14 @@ from .sources.kmsg import Cursor
 PASSING = (Status.OK, Status.WARN, Status.SKIPPED)
 
 
-def run_retest(node: Any, config: Any, since: Cursor | None) -> tuple[bool, list[CheckResult]]:
-    """(passed, results) of the quick checks on `node`, its kernel log read after `since`."""
+def run_retest(node: Any, config: Any, since: Cursor | None) -> tuple[bool | None, list[CheckResult]]:
+    """(outcome, results) of the quick checks on `node`, its kernel log read after `since`. The outcome is True
+    (passed), False (a check failed) or None (none failed, but one could not look: not a pass, and not a failure
+    that counts toward retiring the node)."""
     from gpuwarden.checks import ALL  # checks import agent: import at use, not at load
 
     quick = [s for s in ALL if s.level == "quick"]
     results = run_checks(node.kernel_log_after(since), quick, config)
-    return all(r.status in PASSING for r in results), results
+    if any(r.status is Status.FAIL for r in results):
+        return False, results
+    return (True if all(r.status in PASSING for r in results) else None), results

@@ -41,7 +41,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 
     from .cli import _node
-    from .runner import run_checks
+    from .retest import run_retest
 
     specs = all_specs()
     cfg = config_mod.load(specs, args.config, explicit=args.config is not None)
@@ -67,12 +67,11 @@ def run_daemon(args: argparse.Namespace) -> int:
         _close_server(server)
         raise
 
-    def retest() -> bool:
-        from gpuwarden.checks import ALL
-
-        quick = [s for s in ALL if s.level == "quick"]
-        results = run_checks(node, quick, daemon.config)
-        return all(r.status.value in ("ok", "warn", "skipped") for r in results)
+    def retest(since: Any) -> bool | None:
+        passed, results = run_retest(node, daemon.config, since)
+        log.info("retest", passed=passed, since_seq=getattr(since, "seq", None),
+                 results={r.check: r.status.value for r in results})
+        return passed
 
     daemon = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
                     LocalAdapter(state_dir / "actions.jsonl"), collector, DaemonOptions(retest=retest))
