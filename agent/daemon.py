@@ -27,6 +27,7 @@ from typing import Any, Callable
 import structlog
 
 from .adapters.local import LocalAdapter
+from .daemon_devices import DeviceLoop
 from .daemon_events import EventLoops
 from .daemon_polls import PollLoops, InFlight
 from .metrics import DaemonCollector, Snapshot
@@ -65,7 +66,7 @@ class DaemonOptions:
     store_check_s: float = 30.0
 
 
-class Daemon(PollLoops, EventLoops):
+class Daemon(PollLoops, EventLoops, DeviceLoop):
     def __init__(self, node: Any, passive: list[PassiveSpec], consumers: list[KernelConsumer], config: Any,
                  store: Store, adapter: LocalAdapter, collector: DaemonCollector, options: DaemonOptions | None = None):
         self.node, self.passive, self.consumers = node, passive, consumers
@@ -91,6 +92,7 @@ class Daemon(PollLoops, EventLoops):
         self._transitions = 0
         self._kmsg_records = 0
         self._kmsg_lost = 0
+        self._wakers: dict[str, int] = {}  # poll loop -> the write end of its wake-up pipe (daemon_devices.py)
         self._retesting = False
         self._next_retest_at = 0.0  # a retest that could not decide is asked again after retest_after_s
         # What memory holds that the store does not yet (the writer takes it in one cut, under the lock).
@@ -130,6 +132,7 @@ class Daemon(PollLoops, EventLoops):
             self._spawn(f"poll-{spec.name}", self._poll_loop, spec)
         if self.passive:
             self._spawn("watchdog", self._watchdog_loop)
+            self._spawn("udev", self._device_loop)  # device add/remove wakes the polls that read it
         if self.consumers:
             self._spawn("kmsg", self._kmsg_loop)
             self._spawn("nvml-xid", self._nvml_xid_loop)  # NVML's XID events, where the node has them

@@ -5,6 +5,7 @@ is quiet, an unchanged sample is not judged and a change probe may stand in for 
 from __future__ import annotations
 
 import math
+import os
 import select
 import time
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ class PollLoops:
         loop = f"poll-{spec.name}"
         probe = None
         backoff = 0.0
+        # A device event (agent/daemon_devices.py) wakes this loop at once through this pipe.
+        wake_r, wake_w = os.pipe()
+        for fd in (wake_r, wake_w):
+            os.set_blocking(fd, False)
+        self._wakers[spec.name] = wake_w
+        woken = False
         try:
             while not self.stop_event.is_set():
                 started = time.monotonic()
@@ -39,9 +46,9 @@ class PollLoops:
                 try:
                     if spec.change_probe is not None:
                         probe = probe or spec.change_probe(self.node)
-                        if self._quiet(spec, started) and not probe.changed():
+                        if not woken and self._quiet(spec, started) and not probe.changed():
                             self._beat(loop, interval)
-                            self._wait_aligned(interval)
+                            woken = self._wait_aligned(interval, wake_r)
                             continue
                         probe.rearm()
                     self._sample_once(spec, started)
@@ -59,18 +66,32 @@ class PollLoops:
                         probe.close()
                         probe = None  # a probe that failed is built again
                 self._beat(loop, wait)
-                self._wait_aligned(wait)
+                woken = self._wait_aligned(wait, wake_r)
         finally:
             self._beat_off(loop)
+            self._wakers.pop(spec.name, None)
+            for fd in (wake_r, wake_w):
+                os.close(fd)
             if probe is not None:
                 probe.close()
 
-    def _wait_aligned(self, interval: float) -> None:
+    def _wait_aligned(self, interval: float, wake_fd: int | None = None) -> bool:
+        """Sleeps to the next multiple of `interval`; True when `wake_fd` (a device event) cut the sleep short."""
         # Every loop wakes on multiples of its interval on the one monotonic clock, so the checks due at the same
         # moment run in one burst: on an idle machine a wake-up finds the caches cold, and one burst pays for that
         # once instead of once per check.
         now = time.monotonic()
-        self._sleep((math.floor(now / interval) + 1) * interval - now)
+        return self._sleep((math.floor(now / interval) + 1) * interval - now, wake_fd)
+
+    def wake(self, names: Any) -> None:
+        """Cuts the sleep of these checks' polls short: a device they read came or went (a udev event)."""
+        for name in names:
+            fd = self._wakers.get(name)
+            if fd is not None:
+                try:
+                    os.write(fd, b"x")
+                except (BlockingIOError, OSError):
+                    pass  # already woken (pipe full) or the loop just ended
 
     def _sample_once(self, spec: PassiveSpec, started: float) -> None:
         cfg = self.config.for_check(spec.name)
@@ -150,10 +171,20 @@ class PollLoops:
                                   f"sample timed out after {flight.timeout_s:g}s (still running)",
                                   now - flight.deadline + flight.timeout_s)
 
-    def _sleep(self, seconds: float) -> None:
-        """Sleeps `seconds`, or until stop()."""
-        if not self.stop_event.is_set():
-            select.select([self._stop_r], [], [], max(0.0, seconds))
+    def _sleep(self, seconds: float, wake_fd: int | None = None) -> bool:
+        """Sleeps `seconds`, or until stop(), or until `wake_fd` is readable (then drained, and True)."""
+        if self.stop_event.is_set():
+            return False
+        fds = [self._stop_r] if wake_fd is None else [self._stop_r, wake_fd]
+        ready = select.select(fds, [], [], max(0.0, seconds))[0]
+        if wake_fd is not None and wake_fd in ready:
+            try:
+                while os.read(wake_fd, 64):
+                    pass
+            except BlockingIOError:
+                pass
+            return True
+        return False
 
 
 @dataclass

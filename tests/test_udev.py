@@ -119,3 +119,38 @@ def test_a_bundled_scenario_without_a_udev_file_is_quiet():
     monitor = RecordedUdev(NODES / "h100-hgx-healthy")
     assert monitor.poll() == [] and not os.path.exists(NODES / "h100-hgx-healthy" / "udev")
     monitor.close()
+
+
+def test_daemon_a_device_removal_wakes_the_poll_that_reads_it(scenario_copy, tmp_path):
+    """The IB poll sleeps a minute between quiet looks here; an HCA whose driver goes away is a udev remove, and the
+    poll looks at once: the port is reported gone within seconds, not at the next tick."""
+    import shutil
+
+    from conftest import wait_for
+    from gpuwarden.agent import config
+    from gpuwarden.agent.adapters.local import LocalAdapter
+    from gpuwarden.agent.daemon import Daemon, DaemonOptions
+    from gpuwarden.agent.metrics import DaemonCollector
+    from gpuwarden.agent.store import Store
+    from gpuwarden.checks import PASSIVE, all_specs
+
+    root = scenario_copy("gb200-nvl72-healthy")
+    (root / "udev").write_text("")
+    cfg = config.defaults(all_specs())
+    cfg.checks["ib_port"]["down_fail_s"] = 0.0
+    ib = [s for s in PASSIVE if s.name == "ib_port"]
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), ib, [], cfg, store, LocalAdapter(tmp_path / "actions.jsonl"),
+               DaemonCollector(), DaemonOptions(intervals={"ib_port": 600.0}))
+    d.start()
+    try:
+        first = wait_for(lambda: d.results().get("ib_port") if d.results().get("ib_port") and
+                         d.results()["ib_port"].status.value == "ok" else None, what="the first look")
+        shutil.rmtree(root / "sys/class/infiniband/mlx5_2")
+        append(root, "remove infiniband /sys/devices/pci0012:00/0012:00:00.0/0012:01:00.0/infiniband/mlx5_2\n")
+        found = wait_for(lambda: [f for f in d.results()["ib_port"].findings if f.entity.id == "mlx5_2/1"],
+                         what="the removed HCA's port, long before the poll's next tick")
+        assert found[0].status.value == "fail" and d.results()["ib_port"].updated > first.updated
+    finally:
+        d.stop()
+        store.close()
