@@ -16,6 +16,7 @@ import structlog
 from .errors import GpuwardenError, NotApplicable, ToolMissing
 from .model import Status
 from .passive import PassiveSpec
+from .sources.tools import Scope
 from .store import CheckRecord
 
 log = structlog.get_logger("gpuwarden.daemon")
@@ -98,10 +99,15 @@ class PollLoops:
         with self._lock:
             state = dict(self._records.get(spec.name, CheckRecord(spec.name)).state)
             self._inflight[spec.name] = InFlight(started + spec.timeout_s, spec.timeout_s)
+        # The sample's tools (fabric's systemctl) are bounded by the sample's own time and ended with their group.
+        scope = Scope(deadline=started + spec.timeout_s)
         try:
-            sample, error = spec.sample(self.node, cfg, state), None
+            with scope.entered():
+                sample, error = spec.sample(self.node, cfg, state), None
         except BaseException as exc:  # noqa: BLE001 - becomes UNKNOWN / SKIPPED with the reason
             sample, error = None, exc
+        finally:
+            scope.end_tools("the sample ended")
         took = time.monotonic() - started
         with self._lock:
             flight = self._inflight.pop(spec.name)

@@ -19,6 +19,7 @@ from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
 from gpuwarden.agent.metrics import DaemonCollector, registry_for
 from gpuwarden.agent.node import Node
+from gpuwarden.agent.retest import run_retest
 from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
 from gpuwarden.agent.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
@@ -295,9 +296,12 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
     cfg = config.defaults(all_specs())
     cfg.checks["xid"]["hold_s"] = 0.3
     store = Store(tmp_path / "state.db")
-    d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), cfg, store,
+    node = Node.recorded_at(root)
+    # The real retest, as `gpuwarden run` gives it (the quick preflight from the recovery on), never a stub.
+    d = Daemon(node, [], list(KERNEL_CONSUMERS), cfg, store,
                LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
-               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, retest=lambda: True,
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05,
+                             retest=lambda since: run_retest(node, d.config, since)[0],
                              policy=dict(DEFAULT_POLICY, retest_after_s=0.2, cordon_clear_s=3600.0)))
     d.start()
     try:
