@@ -216,7 +216,8 @@ def test_nvml_change_nvlink_down_quarantines(fast_daemon):
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="nvlink-down (RESET_GPU) to quarantine")
     (f,) = d.results()["nvlink_lanes"].findings
     assert f.code == "nvlink-down" and f.entity.index == 3 and f.entity.link == 7
-    assert [a["action"] for a in d.adapter.actions()] == ["cordon", "drain"]
+    # The action worker applies intents outside the lock, after the transition: wait for it.
+    wait_for(lambda: [a["action"] for a in d.adapter.actions()] == ["cordon", "drain"], what="the actions applied")
 
 
 def test_a_hung_sample_is_unknown_and_blocks_nothing(scenario_copy, tmp_path):
@@ -309,7 +310,9 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
         append(root, XID48)
         wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine")
         wait_for(lambda: d.record.state is NodeState.HEALTHY, what="the retest to resume the node")
-        assert [a["action"] for a in d.adapter.actions()] == ["cordon", "drain", "resume"]
+        # The action worker applies intents outside the lock, after the transition: wait for it.
+        wait_for(lambda: [a["action"] for a in d.adapter.actions()] == ["cordon", "drain", "resume"],
+                 what="the actions applied")
         assert store.intents(pending_only=True) == []
         assert store.transitions(1)[0].to is NodeState.HEALTHY
     finally:

@@ -311,6 +311,6 @@ def test_a_state_file_that_cannot_be_read_as_a_state_is_unknown_not_down(clock, 
     for _ in range(5):
         c.tick()
     (f,) = c.findings()
-    assert (f.check, f.code, f.status) == ("ib_downtime", "ib-port-unreadable", Status.UNKNOWN)
+    assert (f.check, f.code, f.status) == ("ib_port", "ib-port-unreadable", Status.UNKNOWN)
     assert "not a port state" in f.message
     assert c.state["ports"][PORT]["up"] and c.state["ports"][PORT]["intervals"] == before["intervals"]

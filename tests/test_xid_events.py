@@ -403,7 +403,8 @@ def test_daemon_an_nvml_xid_moves_the_node_and_shows_in_metrics(daemon):
     text = generate_latest(registry_for(collector)).decode()
     assert 'gpuwarden_xid_events{pci="0008:01:00.0",xid="79"} 1.0' in text
     assert 'gpuwarden_xid_source_events{pci="0008:01:00.0",source="nvml",xid="79"} 1.0' in text
-    assert [a["action"] for a in d.adapter.actions()] == ["cordon", "drain"]
+    # The action worker applies intents outside the lock, after the transition: wait for it.
+    wait_for(lambda: [a["action"] for a in d.adapter.actions()] == ["cordon", "drain"], what="the actions applied")
 
 
 def test_daemon_the_same_xid_in_kernel_log_and_nvml_counts_once(daemon):
