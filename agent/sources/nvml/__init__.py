@@ -342,14 +342,29 @@ def _uuid_text(raw: bytes) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+MAX_SNAPSHOT_BYTES = 64 << 20  # a 72-GPU recording is a few MB; anything far larger is not an nvml.json
+
+
 def load_snapshot(path: Path) -> dict[str, Any]:
-    """nvml.json, which must resolve inside its own folder (a scenario is a bundle from another machine)."""
+    """nvml.json, read as untrusted input: it must resolve inside its own folder (a scenario is a bundle from another
+    machine), be UTF-8 JSON of bounded size and nesting; every failure is a SourceError naming the file."""
     try:
-        data = json.loads(confine.read_text(path, confine.scenario_prefix(Path(path).parent)))
+        raw = confine.read_bytes(path, confine.scenario_prefix(Path(path).parent))
     except OSError as exc:
         raise SourceError(f"{path}: cannot read recorded NVML: {exc.strerror}") from None
+    if len(raw) > MAX_SNAPSHOT_BYTES:
+        raise SourceError(f"{path}: larger than {MAX_SNAPSHOT_BYTES >> 20} MiB; not an nvml.json snapshot")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise SourceError(f"{path}:{line}: not UTF-8 text (byte {exc.start}: {raw[exc.start]:#04x})") from None
     except json.JSONDecodeError as exc:
         raise SourceError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
+    except RecursionError:
+        raise SourceError(f"{path}: malformed JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise SourceError(f"{path}: malformed JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise SourceError(f"{path}: not an nvml.json snapshot (no 'gpus' list)")
     return data
