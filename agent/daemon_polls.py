@@ -13,9 +13,9 @@ from typing import Any
 
 import structlog
 
-from .errors import GpuwardenError, NotApplicable, ToolMissing
 from .model import Status
 from .passive import PassiveSpec
+from .runner import could_not_look
 from .sources.tools import Scope
 from .store import CheckRecord
 
@@ -116,9 +116,7 @@ class PollLoops:
                 log.warning("late sample discarded", check=spec.name, took_s=round(took, 3))
                 return
             if error is not None:
-                status = Status.SKIPPED if isinstance(error, (NotApplicable, ToolMissing)) else Status.UNKNOWN
-                reason = (str(error) if isinstance(error, GpuwardenError)
-                          else f"internal error: {type(error).__name__}: {error}")
+                status, reason = could_not_look(error)  # the runner's one mapping, as in preflight
                 self._observe(spec.name, None, status, reason, took)
                 return
             # Judged against the state as it is now, not as it was when the sample began: a kernel-log consumer

@@ -82,21 +82,24 @@ def run_one(spec: CheckSpec, node: Any, cfg: Mapping[str, Any], timeout_s: float
     return _result(spec.name, outcome, duration)
 
 
+def could_not_look(exc: BaseException, findings: tuple[Finding, ...] = ()) -> tuple[Status, str]:
+    """The one mapping from "the check ended early" to a status, for preflight, the daemon and a retest alike:
+    does not apply (NotApplicable, a tool not installed) is SKIPPED, anything else UNKNOWN with the reason; and
+    findings always win: what was found before the end stands (a FAIL stays a FAIL)."""
+    if isinstance(exc, (NotApplicable, ToolMissing)):
+        return (fold_status(findings) if findings else Status.SKIPPED), str(exc)
+    reason = str(exc) if isinstance(exc, GpuwardenError) else f"internal error: {type(exc).__name__}: {exc}"
+    return (Status.FAIL if fold_status(findings) is Status.FAIL else Status.UNKNOWN), reason
+
+
 def _result(name: str, outcome: _Outcome, duration: float) -> CheckResult:
     exc = outcome.error
     findings = tuple(outcome.findings or ())
     if exc is None:
         return CheckResult(name, fold_status(findings), findings, None, duration)
-    if isinstance(exc, (NotApplicable, ToolMissing)):
-        # Findings always win over "does not apply": what was found stands; only the rest did not apply.
-        return CheckResult(name, fold_status(findings) if findings else Status.SKIPPED, findings, str(exc), duration)
-    if isinstance(exc, GpuwardenError):
-        error = str(exc)
-    else:
+    if not isinstance(exc, GpuwardenError):
         log.error("check crashed", check=name, error=repr(exc), traceback=outcome.trace)
-        error = f"internal error: {type(exc).__name__}: {exc}"
-    # The check stopped part-way: what it found stands (a FAIL stays a FAIL), the rest is unknown.
-    status = Status.FAIL if fold_status(findings) is Status.FAIL else Status.UNKNOWN
+    status, error = could_not_look(exc, findings)
     return CheckResult(name, status, findings, error, duration)
 
 
