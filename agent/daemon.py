@@ -28,14 +28,14 @@ import structlog
 
 from .adapters.local import LocalAdapter
 from .daemon_devices import DeviceLoop
-from .daemon_events import EventLoops
+from .daemon_events import KMSG_CHECK, EventLoops
 from .daemon_polls import PollLoops, InFlight
 from .metrics import DaemonCollector, Snapshot
 from .model import CheckResult, Finding, Status, fold_status
 from .passive import Judgement, KernelConsumer, MetricSample, PassiveSpec
 from .sources.kmsg import Cursor
 from .state import DEFAULT_POLICY, NodeRecord, Transition, next_state, wants_retest
-from .store import CheckRecord, Store
+from .store import CheckRecord, Store, StoreError
 from .systemd import name_this_thread
 
 log = structlog.get_logger("gpuwarden.daemon")
@@ -81,7 +81,18 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._threads: list[threading.Thread] = []
         self._beats: dict[str, float] = {}  # loop -> time.monotonic() by which it must beat again
         self._record = store.node() or NodeRecord(since=self.opt.clock())
-        self._records: dict[str, CheckRecord] = {r.name: r for r in store.checks()}
+        # Records of the checks this daemon runs; those of checks it no longer runs (a name an older version used,
+        # such as xid_watch) are dropped, or their last findings would hold the node's state for ever.
+        known = {s.name for s in passive} | {c.name for c in consumers} | {KMSG_CHECK, STORE_CHECK}
+        stored = store.checks()
+        self._records: dict[str, CheckRecord] = {r.name: r for r in stored if r.name in known}
+        stale = sorted(r.name for r in stored if r.name not in known)
+        if stale:
+            log.info("dropping the state of checks no longer run", checks=stale)
+            try:
+                store.forget(stale)
+            except StoreError as exc:  # kept on disk, ignored in memory; dropped at the next start
+                log.warning("could not drop the state of checks no longer run", error=str(exc))
         self._samples: dict[str, tuple] = {}
         self._inflight: dict[str, InFlight] = {}  # samples running now, for the watchdog
         self._durable = {s.name: s.durable for s in passive if s.durable is not None}

@@ -305,6 +305,22 @@ class Store:
     def mark_done(self, key: str, at: float) -> None:
         self.commit(done=[(key, at)])
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop the records of checks the daemon no longer runs (an older version's names): left in place, their
+        last findings would hold the node's state and show in `status` for ever."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany("DELETE FROM checks WHERE name = ?", [(n,) for n in names])
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise StoreError(f"{self.path}: write failed: {exc}") from None
+
 
 def _identity(path: Path) -> tuple | None:
     try:

@@ -357,10 +357,14 @@ def test_a_second_daemon_on_one_state_folder_refuses_naming_the_first(scenario_c
         assert f"pid {first.pid}" in second.stderr and len(second.stderr.strip().splitlines()) == 1
         first.kill()  # the kernel releases the lock with its holder
         first.wait(10)
-        third = subprocess.Popen([*argv, "--listen", f"127.0.0.1:{free_port()}"], cwd=ROOT,
+        port = free_port()
+        third = subprocess.Popen([*argv, "--listen", f"127.0.0.1:{port}"], cwd=ROOT,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for(lambda: (state / LOCK_NAME).read_text().strip() == str(third.pid), what="the lock taken over")
+            # Running (its signal handlers set) before it is asked to stop: a TERM during start-up ends it as TERM
+            # ends any process, which is not what this test is about.
+            wait_for(lambda: _answers(port), what="the third daemon serving")
         finally:
             third.terminate()
             assert third.wait(20) == 0
@@ -368,3 +372,40 @@ def test_a_second_daemon_on_one_state_folder_refuses_naming_the_first(scenario_c
         if first.poll() is None:
             first.kill()
             first.wait(10)
+
+
+def _answers(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+
+def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp_path):
+    """A state database from a version that named the daemon's XID check `xid_watch`: its last FAIL must not hold the
+    node's state (or show in `status`) for ever once the check goes by another name."""
+    from gpuwarden.agent.model import Action, Entity, Finding, Status
+    from gpuwarden.agent.store import CheckRecord
+
+    state = tmp_path / "state"
+    old = Store(state / "state.db")
+    stale = Finding("xid_watch", "79", Entity("gpu", "GPU-x", 2, "0018:01:00.0"), Status.FAIL, "off the bus",
+                    Action.REBOOT)
+    old.commit([CheckRecord("xid_watch", {}, Status.FAIL, None, (stale,), 1.0, 0.0)])
+    old.close()
+    root = scenario_copy("gb200-nvl72-healthy")
+    store = Store(state / "state.db")
+    d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), config.defaults(all_specs()), store,
+               LocalAdapter(state / "actions.jsonl"), DaemonCollector(), DaemonOptions(kmsg_tick_s=0.01))
+    try:
+        assert "xid_watch" not in d.results() and store.check("xid_watch") is None
+        d.start()
+        wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
+        assert d.record.state.value == "healthy"
+    finally:
+        d.stop()
+        store.close()
