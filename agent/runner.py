@@ -78,7 +78,10 @@ def run_one(spec: CheckSpec, node: Any, cfg: Mapping[str, Any], timeout_s: float
     if timed_out:
         if left_running:
             error += "; " + "; ".join(left_running)
-        return CheckResult(spec.name, Status.UNKNOWN, error=error, duration_s=duration)
+        # What the check found before its time ran out stands (a FAIL stays a FAIL); the rest is unknown.
+        found = tuple(list(outcome.findings or ()))  # a copy: a thread stuck in a driver call may still append
+        status = Status.FAIL if fold_status(found) is Status.FAIL else Status.UNKNOWN
+        return CheckResult(spec.name, status, found, error=error, duration_s=duration)
     return _result(spec.name, outcome, duration)
 
 

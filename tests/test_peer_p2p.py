@@ -220,11 +220,13 @@ def test_nvbandwidth_hang_is_unknown_and_nvml_findings_survive(make):
     assert set(by) == {"p2p-disabled", "p2p-bandwidth-error"}
     assert by["p2p-bandwidth-error"].status is Status.UNKNOWN and "no answer within 0.2s" in by[
         "p2p-bandwidth-error"].message
-    # the check as a whole still ends within its own timeout
+    # The check as a whole still ends within its own timeout; what it found before (the same copy: the disabled
+    # pair) stands, so the check is a FAIL, not an UNKNOWN that would hide it.
     node2 = make()
     (node2.root / "tools" / "nvbandwidth.hang").write_text("")
     hung = run_one(node2, timeout_s=0.3)
-    assert hung.status is Status.UNKNOWN and "timed out" in hung.error
+    assert hung.status is Status.FAIL and "timed out" in hung.error
+    assert "p2p-disabled" in {f.code for f in hung.findings}
 
 
 @pytest.mark.parametrize("out, rc, match", [

@@ -126,3 +126,26 @@ def test_findings_before_a_crash_are_kept():
     assert results["partial"].status is Status.FAIL and len(results["partial"].findings) == 1
     assert "nvbandwidth" in results["partial"].error
     assert results["partial_warn"].status is Status.UNKNOWN and "ValueError" in results["partial_warn"].error
+
+
+def test_findings_before_a_timeout_are_kept():
+    """A check that found a fault and then hangs (a driver call that never returns) is that FAIL, with the timeout
+    as its error: running out of time must not turn what was found into an UNKNOWN."""
+    release = threading.Event()
+
+    def found_then_hangs(node, cfg):
+        yield Finding("hangs", "gpu-lost", GPU, Status.FAIL, "lost", Action.REBOOT)
+        release.wait(30)
+
+    def warned_then_hangs(node, cfg):
+        yield Finding("warns", "x", GPU, Status.WARN, "warm", Action.MONITOR)
+        release.wait(30)
+
+    try:
+        results = {r.check: r for r in run(spec("hangs", found_then_hangs, timeout_s=0.3),
+                                           spec("warns", warned_then_hangs, timeout_s=0.3))}
+    finally:
+        release.set()
+    assert results["hangs"].status is Status.FAIL and "timed out" in results["hangs"].error
+    assert [f.code for f in results["hangs"].findings] == ["gpu-lost"]
+    assert results["warns"].status is Status.UNKNOWN and [f.code for f in results["warns"].findings] == ["x"]
