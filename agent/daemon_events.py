@@ -12,7 +12,7 @@ import structlog
 
 from .errors import GpuwardenError, NvmlError
 from .model import Status
-from .passive import Judgement, KernelBatch, KernelConsumer
+from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
 from .sources.kmsg import Cursor
 from .store import CheckRecord
 
@@ -62,7 +62,10 @@ class EventLoops:
             gpus = list(self.node.gpus())
         except GpuwardenError:
             gpus = []  # XIDs still count, named by the PCI address the driver printed
-        batch = KernelBatch(records, gpus, follower.cursor.boot_id)
+        # Each record at the time it was logged, as preflight judges it: a backlog read at start (the boot's log, or
+        # what came while the daemon was down) is not taken as happening now.
+        clock = event_clock(now, self.node.uptime_usec(), records) if records else None
+        batch = KernelBatch(records, gpus, follower.cursor.boot_id, event_time=clock)
         with self._lock:
             self._kmsg_records = follower.advanced
             self._kmsg_lost = follower.lost

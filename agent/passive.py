@@ -104,6 +104,22 @@ class KernelBatch:
     event_time: "Callable[[Any], float] | None" = None
 
 
+def event_clock(now: float, now_usec: int | None, records: Any) -> Callable[[Any], float]:
+    """When each record was logged, on the wall clock: `now` minus its age on the kernel's clock (microseconds
+    since boot), so preflight and the daemon judge a record's age alike. Without the node's uptime (a recorded node)
+    the newest record stands for "now"; a record without a time counts as logged now (it stands longest)."""
+    if now_usec is None:
+        now_usec = max((r.usec for r in records if r.usec is not None), default=None)
+
+    def at(record: Any) -> float:
+        usec = getattr(record, "usec", None)
+        if usec is None or now_usec is None:
+            return now
+        return now - max(0, now_usec - usec) / 1_000_000
+
+    return at
+
+
 @dataclass(frozen=True)
 class KernelConsumer:
     """A check fed by the kernel log: the daemon's one follower hands every consumer the new records (and an

@@ -20,7 +20,7 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample
+from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, event_clock
 
 SXID_CHECK_NAME = "nvswitch_sxid"
 
@@ -178,8 +178,6 @@ def analyze_text(text: str, source: str) -> tuple[list[Finding], list[ParseError
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:
     """Preflight: the boot's kernel log judged from a fresh state, each record at the time it was logged."""
-    from .xid import event_clock  # one clock for every kernel-log check
-
     records = node.kmsg.records()  # SourceError propagates: the runner reports UNKNOWN
     now = time.time()
     batch = KernelBatch(records, [], node.kmsg.boot_id, event_time=event_clock(now, node.uptime_usec(), records))

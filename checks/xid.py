@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError, SourceError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample
+from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, event_clock
 
 from .xid_catalog import XidInfo, load_catalog, recovery_action
 from .xid_log import LoggedGpu, XidEvent, collect, entity_lookup, parse_gpu_preamble, parse_xid
@@ -237,22 +237,6 @@ def decide(events: Sequence[XidEvent], gpus: Sequence[Any], catalog: Mapping[int
 
 def _xid_text(e: XidEvent) -> str:
     return f"NVRM: Xid (PCI:{e.pci}): {e.xid}, {e.detail}"
-
-
-def event_clock(now: float, now_usec: int | None, records: Sequence[LogRecord]) -> Callable[[Any], float]:
-    """When each record was logged, on the wall clock: `now` minus its age on the kernel's clock (microseconds
-    since boot). Without the node's uptime (a recorded node) the newest record stands for "now"; a record
-    without a time counts as logged now (it stands longest)."""
-    if now_usec is None:
-        now_usec = max((r.usec for r in records if r.usec is not None), default=None)
-
-    def at(record: Any) -> float:
-        usec = getattr(record, "usec", None)
-        if usec is None or now_usec is None:
-            return now
-        return now - max(0, now_usec - usec) / 1_000_000
-
-    return at
 
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:

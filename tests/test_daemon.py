@@ -386,3 +386,30 @@ def _bump_aer_fatal(path: Path) -> None:
         name, value = line.rsplit(" ", 1)
         out.append(f"{name} {int(value) + 1}" if name == "TOTAL_ERR_FATAL" else line)
     path.write_text("\n".join(out) + "\n")
+
+
+def test_the_daemon_and_preflight_judge_the_boots_log_alike(scenario_copy, tmp_path):
+    """The same decision in both modes: the daemon reads the boot's kernel log at start as a backlog, each record at
+    the time it was logged (not as news), so its XID and SXid findings are preflight's: the tray's XID 63 logged ten
+    days before its XID 79 has aged out in both, the 79 and the fatal SXids stand in both."""
+    from gpuwarden.agent.runner import run_checks
+    from gpuwarden.checks import ALL
+
+    root = scenario_copy("gb200-nvl72-faulty")
+    cfg = config.defaults(all_specs())
+    kernel_checks = [s for s in ALL if s.name in ("xid", "nvswitch_sxid")]
+    pre = {r.check: sorted((f.code, f.entity.id) for f in r.findings if f.code != "nvml-events")
+           for r in run_checks(Node.recorded_at(root), kernel_checks, cfg)}
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), cfg, store, LocalAdapter(tmp_path / "a.jsonl"),
+               DaemonCollector(), DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05))
+    d.start()
+    try:
+        wait_for(lambda: "xid" in d.results() and "nvswitch_sxid" in d.results(), what="the backlog judged")
+        daemon = {name: sorted((f.code, f.entity.id) for f in d.results()[name].findings if f.code != "nvml-events")
+                  for name in pre}
+    finally:
+        d.stop()
+        store.close()
+    assert daemon == pre
+    assert [code for code, _ in pre["xid"]] == ["79"] and len(pre["nvswitch_sxid"]) == 3
