@@ -109,6 +109,17 @@ def test_a_node_without_recorded_events_has_none_available():
     assert "NOT_SUPPORTED" in events.reason and len(events.unsubscribed) == 3
 
 
+def test_a_lost_gpu_beside_gpus_without_events_leaves_none_available_not_an_error():
+    """The faulty GB200 tray: GPU 2 is off the bus (its own FAIL in every GPU check) and the others have no events:
+    the node has no XID events to watch, which is not a failure to watch them."""
+    snap = {k: v for k, v in copy.deepcopy(SNAPSHOT).items() if k != "xid_events"}
+    snap["gpus"][2]["errors"] = {"*": "GPU_IS_LOST"}
+    events = nvml(snap).xid_events()
+    assert not events.available and events.closed
+    assert {i: e.code for i, e in events.unsubscribed.items()} == {0: "NOT_SUPPORTED", 1: "NOT_SUPPORTED",
+                                                                   2: "GPU_IS_LOST"}
+
+
 def test_no_gpu_subscribable_for_a_real_error_is_an_error_not_unavailability():
     snap = copy.deepcopy(SNAPSHOT)
     for gpu in snap["gpus"]:
