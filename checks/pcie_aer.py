@@ -194,7 +194,7 @@ def _add(events: list[list[Any]], now: float, sev: str, n: int, cfg: Mapping[str
     for e in reversed(events):
         if e[2] == sev:
             if now - e[0] < bucket:
-                e[1], e[3] = now, e[3] + n
+                e[1], e[3] = max(e[1], now), e[3] + n  # a backlog event may be older than the bucket's last
                 return
             break
     events.append([now, now, sev, n])
@@ -251,9 +251,10 @@ def judge(state: Mapping[str, Any], sample: AerSample, cfg: Mapping[str, Any], n
 
 
 def judge_kernel_records(state: Mapping[str, Any], records: Iterable[LogRecord], cfg: Mapping[str, Any],
-                         now: float, boot_id: str | None = None) -> Judgement:
+                         now: float, boot_id: str | None = None, event_time: Any = None) -> Judgement:
     """The kernel-log part: new records (each handed over once) -> events held in the same state. The first batch
-    this state ever sees (a fresh install, a new boot) is what happened before gpuwarden looked: history."""
+    this state ever sees (a fresh install, a new boot) is what happened before gpuwarden looked: history. An event
+    counts from the time it was logged (`event_time`, KernelBatch's), so a backlog read after a restart is not news."""
     st = _new_boot(state, boot_id)
     history = "kmsg" not in st
     kmsg = {b: {"counts": dict(k["counts"]), "events": [list(e) for e in k["events"]], "last": k["last"]}
@@ -266,7 +267,7 @@ def judge_kernel_records(state: Mapping[str, Any], records: Iterable[LogRecord],
         k["counts"][ev.severity] += 1
         k["last"] = ev.message[:200]
         if not history:
-            _add(k["events"], now, ev.severity, 1, cfg)
+            _add(k["events"], event_time(ev) if event_time else now, ev.severity, 1, cfg)
     for k in kmsg.values():
         k["events"] = _prune(k["events"], now, cfg)
     st["kmsg"] = kmsg
@@ -353,7 +354,8 @@ SPEC = PassiveSpec(
 
 
 def _judge_batch(state: Mapping[str, Any], batch: Any, cfg: Mapping[str, Any], now: float) -> Judgement:
-    return judge_kernel_records(state, batch.records, cfg, now, boot_id=batch.boot_id)
+    return judge_kernel_records(state, batch.records, cfg, now, boot_id=batch.boot_id,
+                                event_time=getattr(batch, "event_time", None))
 
 
 # The kernel-log half of the same check: same name, so the daemon keeps ONE state and one set of findings for

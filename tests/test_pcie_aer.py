@@ -355,3 +355,24 @@ def test_kernel_part_first_batch_is_history_then_news_is_a_fail(clock):
     # A new boot (the daemon passes the follower's boot_id): what that boot logged so far is history again.
     c.kernel(f"pcieport 0000:18:01.0: AER: Uncorrected (Fatal) error received: {GPU0}", boot_id="new", to=T0 + 12)
     assert c.findings(GPU0) == [("pcie-aer-uncorrectable-history", Status.WARN, Action.MONITOR)]
+
+
+def test_a_backlog_read_after_a_restart_counts_from_when_it_was_logged():
+    """After a restart the daemon reads what the kernel logged while it was down: an uncorrectable error logged two
+    hours ago (past uncorrectable_hold_s) is history, not a FAIL as if it had happened now."""
+    from gpuwarden.agent.passive import KernelBatch, event_clock
+
+    cfg = dict(pcie_aer.SPEC.defaults)
+    line = "3,{seq},{usec},-;pcieport 0000:18:01.0: AER: Uncorrected (Fatal) error received: 0000:19:00.0\n"
+    first, _ = parse_log_text("6,1,1000000,-;boot\n", "kmsg")
+    state = pcie_aer.judge_kernel_records({}, first, cfg, T0, boot_id="b").state  # the first batch: history
+    # Logged at 100 s after boot; the node has now been up 2 h 100 s.
+    records, _ = parse_log_text(line.format(seq=2, usec=100_000_000), "kmsg")
+    clock = event_clock(T0, 7_300_000_000, records)
+    old = pcie_aer.KERNEL_CONSUMER.judge(state, KernelBatch(records, [], "b", event_time=clock), cfg, T0)
+    assert not [f for f in old.findings if f.status is Status.FAIL]
+    # The same line logged just now fails.
+    records, _ = parse_log_text(line.format(seq=2, usec=7_300_000_000), "kmsg")
+    clock = event_clock(T0, 7_300_000_000, records)
+    new = pcie_aer.KERNEL_CONSUMER.judge(state, KernelBatch(records, [], "b", event_time=clock), cfg, T0)
+    assert [f.status for f in new.findings] == [Status.FAIL]
