@@ -97,7 +97,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     same_boot = state.get("boot_id") == batch.boot_id
     incidents: dict[str, dict[str, Any]] = json.loads(json.dumps(state.get("incidents", {}))) if same_boot else {}
     uuids: dict[str, str] = dict(state.get("uuids", {})) if same_boot else {}
-    unread: dict[str, Any] = dict(state.get("unread", {})) if same_boot else {}
+    unread: dict[str, Any] = json.loads(json.dumps(state.get("unread", {}))) if same_boot else {}  # judge stays pure
     # Whether NVML's events can be watched is news only in NVML's own batches; it outlives a reboot.
     nvml_error = batch.nvml_error if batch.source == "nvml" else state.get("nvml_error")
     ignore, force = set(cfg["ignore_xids"]), set(cfg["fail_xids"])
