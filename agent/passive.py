@@ -12,13 +12,14 @@ windows, downtime accumulators and log cursors are never lost or counted twice.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from .check import CheckSpec
 from .model import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .check import CheckSpec
     from .node import Node
 
 
@@ -120,6 +121,16 @@ def event_clock(now: float, now_usec: int | None, records: Any) -> Callable[[Any
     return at
 
 
+def boot_batch(node: "Node", gpus: Any = ()) -> tuple[KernelBatch, float]:
+    """The node's kernel log as one batch, with the time it is judged at: what preflight (and a retest, on a node
+    whose log starts at the recovery) hands a kernel-log check's judge, each record at the time it was logged.
+    Raises SourceError when the log cannot be read (the runner reports UNKNOWN)."""
+    records = node.kmsg.records()
+    now = time.time()
+    return KernelBatch(records, list(gpus), node.kmsg.boot_id,
+                       event_time=event_clock(now, node.uptime_usec(), records)), now
+
+
 @dataclass(frozen=True)
 class KernelConsumer:
     """A check fed by the kernel log: the daemon's one follower hands every consumer the new records (and an
@@ -136,15 +147,11 @@ class KernelConsumer:
     interest: tuple[str, ...] = ()
 
 
-def one_look(spec: PassiveSpec) -> "CheckSpec":
+def one_look(spec: PassiveSpec) -> CheckSpec:
     """The preflight form of a daemon check that has no other: one sample judged from a fresh state, the same
     decision the daemon makes at its first poll. What a single look can tell (a link down, a fabric route
     unhealthy, an uncorrectable AER count) is judged at once; what needs time (a rate, a sustained reading) waits
     for the daemon."""
-    import time
-
-    from .check import CheckSpec
-
     def run(node: "Node", cfg: Mapping[str, Any]) -> tuple[Finding, ...]:
         return spec.judge({}, spec.sample(node, cfg, {}), cfg, time.time()).findings
 

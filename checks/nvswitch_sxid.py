@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -20,7 +19,9 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, event_clock
+from gpuwarden.agent.passive import Judgement, KernelConsumer, MetricSample, boot_batch
+
+from . import unread_lines
 
 SXID_CHECK_NAME = "nvswitch_sxid"
 
@@ -119,11 +120,7 @@ def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str,
         inc["last_detail"] = e.detail[:300]
         if e.link is not None and e.link not in inc["links"] and len(inc["links"]) < 64:
             inc["links"].append(e.link)
-    for r in unreadable:
-        unread["count"] = unread.get("count", 0) + 1
-        unread["last_at"] = at_of(r)
-        if len(unread.setdefault("lines", [])) < 10:
-            unread["lines"].append({"source": r.source, "line": r.line, "seq": r.seq, "message": r.message[:300]})
+    unread_lines.note(unread, unreadable, at_of)
     force = set(cfg["fail_sxids"])
     kept, findings = {}, []
     for key, inc in incidents.items():
@@ -134,21 +131,13 @@ def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str,
         kept[key] = inc
         findings.append(_sxid_finding(inc, fatal))
     new_state: dict[str, Any] = {"boot_id": boot_id, "incidents": kept}
-    if unread and (not hold or now - unread["last_at"] <= cfg["hold_s"]):
-        findings.append(_unread_finding(unread))
+    if unread_lines.standing(unread, now, cfg["hold_s"], hold):
+        findings.append(unread_lines.finding(SXID_CHECK_NAME, "sxid-unreadable", "SXid", unread))
         new_state["unread"] = unread
     metrics = tuple(MetricSample("gpuwarden_nvswitch_sxid_events", "NVSwitch SXid events seen this boot, per "
                                  "switch and SXid code.", {"pci": i["pci"], "sxid": str(i["sxid"])},
                                  float(i["events"])) for i in kept.values())
     return Judgement(new_state, tuple(findings), metrics)
-
-
-def _unread_finding(unread: Mapping[str, Any]) -> Finding:
-    first = unread["lines"][0]
-    return Finding(SXID_CHECK_NAME, "sxid-unreadable", Entity("node", "kernel-log"), Status.UNKNOWN,
-                   f"{unread['count']} kernel line(s) mention an SXid in a form gpuwarden cannot read, first at "
-                   f"{first['source']}:{first['line']}: \"{first['message'][:160]}\"; the error they report is not "
-                   "judged", Action.NONE, {"count": unread["count"], "lines": unread["lines"]})
 
 
 def _sxid_finding(inc: Mapping[str, Any], fatal: bool) -> Finding:
@@ -178,9 +167,7 @@ def analyze_text(text: str, source: str) -> tuple[list[Finding], list[ParseError
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:
     """Preflight: the boot's kernel log judged from a fresh state, each record at the time it was logged."""
-    records = node.kmsg.records()  # SourceError propagates: the runner reports UNKNOWN
-    now = time.time()
-    batch = KernelBatch(records, [], node.kmsg.boot_id, event_time=event_clock(now, node.uptime_usec(), records))
+    batch, now = boot_batch(node)  # SourceError propagates: the runner reports UNKNOWN
     yield from judge_kernel_records({}, batch, cfg, now).findings
 
 

@@ -17,19 +17,19 @@ both counts once, one seen only by NVML (no /dev/kmsg in a container) or dropped
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Iterator, Mapping, Sequence
 
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError, SourceError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, event_clock
+from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, boot_batch
 
+from . import unread_lines
 from .xid_catalog import XidInfo, load_catalog, recovery_action
 from .xid_log import LoggedGpu, XidEvent, collect, entity_lookup, parse_gpu_preamble, parse_xid
 
-__all__ = ["CHECK", "CONSUMER", "analyze_text", "collect", "decide", "event_clock", "judge", "judge_records",
+__all__ = ["CHECK", "CONSUMER", "analyze_text", "collect", "decide", "judge", "judge_records",
            "parse_gpu_preamble", "parse_xid", "run"]
 
 CHECK_NAME = "xid"
@@ -119,12 +119,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         _incident(incidents, pci, x.xid, "nvml", now)
         if x.pci and x.uuid:
             uuids[x.pci] = x.uuid
-    for r in unreadable:
-        unread["count"] = unread.get("count", 0) + 1
-        unread["last_at"] = at_of(r)
-        lines = unread.setdefault("lines", [])
-        if len(lines) < _MAX_EVIDENCE:
-            lines.append({"source": r.source, "line": r.line, "seq": r.seq, "message": r.message[:300]})
+    unread_lines.note(unread, unreadable, at_of)
 
     entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
     findings: list[Finding] = []
@@ -136,8 +131,8 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         kept[key] = inc
         findings.append(_finding(inc, entity_at(inc["pci"]), catalog.get(int(inc["xid"])), action,
                                  forced=int(inc["xid"]) in force))
-    if unread and (not hold or now - unread["last_at"] <= cfg["hold_s"]):
-        findings.append(_unread_finding(unread))
+    if unread_lines.standing(unread, now, cfg["hold_s"], hold):
+        findings.append(unread_lines.finding(CHECK_NAME, _UNREAD, "XID", unread))
     else:
         unread = {}
     if nvml_error:
@@ -200,15 +195,6 @@ def _finding(inc: Mapping[str, Any], entity: Entity, info: XidInfo | None, actio
     return Finding(CHECK_NAME, str(xid), entity, xid_status(action), message, action, evidence)
 
 
-def _unread_finding(unread: Mapping[str, Any]) -> Finding:
-    first = unread["lines"][0]
-    where = f"{first['source']}:{first['line']}"
-    return Finding(CHECK_NAME, _UNREAD, Entity("node", "kernel-log"), Status.UNKNOWN,
-                   f"{unread['count']} kernel line(s) mention an XID in a form gpuwarden cannot read, first at {where}:"
-                   f" \"{first['message'][:160]}\"; the XID they report is not judged", Action.NONE,
-                   {"count": unread["count"], "lines": unread["lines"]})
-
-
 def _metrics(kept: Mapping[str, Mapping[str, Any]]) -> tuple[MetricSample, ...]:
     out = tuple(MetricSample("gpuwarden_xid_events", "XID events seen this boot, per GPU and XID code.",
                              {"pci": inc["pci"], "xid": str(inc["xid"])}, float(inc["count"]))
@@ -240,15 +226,12 @@ def _xid_text(e: XidEvent) -> str:
 
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterator[Finding]:
-    records = node.kmsg.records()  # SourceError propagates: the runner reports UNKNOWN
     try:
         # node.gpus(): NVML's list with the PCI/UUID of a lost GPU filled in from sysfs and the driver.
         gpus = list(node.gpus())
     except SourceError:
         gpus = []  # the XIDs still count, keyed by the PCI address the driver printed
-    now = time.time()
-    batch = KernelBatch(records, gpus, node.kmsg.boot_id,
-                        event_time=event_clock(now, node.uptime_usec(), records))
+    batch, now = boot_batch(node, gpus)  # SourceError propagates: the runner reports UNKNOWN
     yield from judge({}, batch, cfg, now).findings
 
 
