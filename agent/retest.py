@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import CheckResult, Status
+from .model import EXIT_FAULT, EXIT_PASS, CheckResult, verdict_exit_code
 from .runner import run_checks
 from .sources.kmsg import Cursor
-
-PASSING = (Status.OK, Status.WARN, Status.SKIPPED)
 
 
 def run_retest(node: Any, config: Any, since: Cursor | None) -> tuple[bool | None, list[CheckResult]]:
@@ -20,6 +18,5 @@ def run_retest(node: Any, config: Any, since: Cursor | None) -> tuple[bool | Non
 
     quick = [s for s in ALL if s.level == "quick"]
     results = run_checks(node.kernel_log_after(since), quick, config)
-    if any(r.status is Status.FAIL for r in results):
-        return False, results
-    return (True if all(r.status in PASSING for r in results) else None), results
+    verdict = verdict_exit_code(results)  # preflight's own verdict: pass, fault, or could not decide
+    return {EXIT_PASS: True, EXIT_FAULT: False}.get(verdict), results
