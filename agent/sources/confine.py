@@ -43,11 +43,13 @@ def open_file(path: str | Path, prefix: str | None) -> int:
     return fd
 
 
-def read_bytes(path: str | Path, prefix: str | None) -> bytes:
-    """The whole file, confined as open_file(). Raises OSError as open() does, SourceError when refused."""
+def read_bytes(path: str | Path, prefix: str | None, limit: int | None = None) -> bytes:
+    """The whole file, confined as open_file(); with `limit`, at most limit + 1 bytes (a caller that sees more than
+    `limit` knows the file is too large without having read it all). Raises OSError as open() does, SourceError when
+    refused."""
     fd = open_file(path, prefix)
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        return f.read() if limit is None else f.read(limit + 1)
 
 
 def read_text(path: str | Path, prefix: str | None) -> str:

@@ -349,7 +349,7 @@ def load_snapshot(path: Path) -> dict[str, Any]:
     """nvml.json, read as untrusted input: it must resolve inside its own folder (a scenario is a bundle from another
     machine), be UTF-8 JSON of bounded size and nesting; every failure is a SourceError naming the file."""
     try:
-        raw = confine.read_bytes(path, confine.scenario_prefix(Path(path).parent))
+        raw = confine.read_bytes(path, confine.scenario_prefix(Path(path).parent), limit=MAX_SNAPSHOT_BYTES)
     except OSError as exc:
         raise SourceError(f"{path}: cannot read recorded NVML: {exc.strerror}") from None
     if len(raw) > MAX_SNAPSHOT_BYTES:
