@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import GpuwardenError, ParseError
-from .kernel_log import detect_format
+from .kernel_log import detect_format, parse_log_text
 from .model import CheckResult, Finding, Report, Status, fold_status
 
 # (format name, analyzer): analyzer(text, source) -> (check name, findings, parse errors)
@@ -18,7 +18,6 @@ def _kernel_log(text: str, source: str) -> tuple[str, list[Finding], list[ParseE
     """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
     them (one parse of the text, each check's findings under its own name)."""
     from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
-    from .kernel_log import parse_log_text
 
     records, errors = parse_log_text(text, source)
     findings = xid.judge_records(records) + nvswitch_sxid.judge_records(records)
