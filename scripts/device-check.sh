@@ -88,6 +88,12 @@ if venv_ok; then
   note venv 0 0 - "reused the existing .venv"
 elif ((${#pip_from[@]})); then
   step venv-create 60 - python3 -m venv --clear --system-site-packages .venv
+  # Where python3 is itself a virtual environment (a CUDA image's Python often is), --system-site-packages
+  # reaches only the base interpreter: a .pth file lets .venv see that environment's packages (torch, NVML).
+  step venv-see-outer 20 - bash -c 'outer=$(python3 -c "import site, sys; print(site.getsitepackages()[0] if sys.prefix != sys.base_prefix else \"\")")
+    [[ -z $outer ]] && { echo "python3 is not a virtual environment"; exit 0; }
+    inner=$(.venv/bin/python -c "import site; print(site.getsitepackages()[0])")
+    echo "$outer" > "$inner/outer-environment.pth"; echo "$inner/outer-environment.pth -> $outer"'
   step venv-install 150 - .venv/bin/pip install -q "${pip_from[@]}" -e '.[test]'
   venv_ok || step venv-install-no-test 120 - .venv/bin/pip install -q "${pip_from[@]}" -e .
 fi
