@@ -184,14 +184,15 @@ def _become_subreaper() -> bool:
 class ToolProcess:
     """One external command in a new session (so a process group of its own, pgid = its pid), ended as a group."""
 
-    def __init__(self, argv: Sequence[str], stdout: IO[bytes] | int, scope: Scope | None):
+    def __init__(self, argv: Sequence[str], stdout: IO[bytes] | int, scope: Scope | None,
+                 stdin: IO[bytes] | int = subprocess.DEVNULL):
         _become_subreaper()
         self.argv = tuple(argv)
         self.scope = scope
         self._gone = False  # no process of the group is left (reaped)
         try:
             spawn = partial(subprocess.Popen, self.argv, stdout=stdout, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=stdin, start_new_session=True)
             self.popen = spawn() if scope is None else scope._start(self, spawn)
         except OSError as exc:
             raise ToolError(f"{self.argv[0]}: cannot run: {exc.strerror or exc}") from None
@@ -287,9 +288,11 @@ class ToolRunner:
     def __init__(self, recorded_dir: Path | None = None):
         self.recorded_dir = recorded_dir
 
-    def run(self, name: str, argv: Sequence[str], timeout_s: float) -> ToolOutput:
-        """Run argv (argv[0] is looked up on PATH); `name` keys the recorded output. Raises ToolMissing when argv[0]
-        is not installed, ToolTimeout when it was ended before it finished, ToolError when it could not run."""
+    def run(self, name: str, argv: Sequence[str], timeout_s: float, stdin: bytes | None = None) -> ToolOutput:
+        """Run argv (argv[0] is looked up on PATH); `name` keys the recorded output. `stdin`: what the tool reads on
+        its standard input (from a file, so a tool that never reads it cannot block on a full pipe); nothing when
+        None. Raises ToolMissing when argv[0] is not installed, ToolTimeout when it was ended before it finished,
+        ToolError when it could not run."""
         scope = current_scope()
         limit, cut = scope.bound(timeout_s) if scope is not None else (timeout_s, False)
         if self.recorded_dir is not None:
@@ -298,8 +301,11 @@ class ToolRunner:
         if exe is None:
             raise ToolMissing(f"{argv[0]}: not installed (not on PATH)")
         start = time.monotonic()
-        with tempfile.TemporaryFile() as out:
-            tool = ToolProcess([exe, *argv[1:]], out, scope)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as given:
+            if stdin is not None:
+                given.write(stdin)
+                given.seek(0)
+            tool = ToolProcess([exe, *argv[1:]], out, scope, subprocess.DEVNULL if stdin is None else given)
             try:
                 finished = tool.wait(limit)
             finally:

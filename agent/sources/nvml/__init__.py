@@ -286,6 +286,20 @@ class Nvml:
         return {str(peer.index): self.p2p_status(gpu, peer) for peer in self.gpus()
                 if peer.index != gpu.index and peer.handle is not None}
 
+    def processes(self, gpu: Gpu) -> list[dict[str, Any]]:
+        """The processes NVML counts on the GPU: compute contexts (CUDA, MPS servers) and graphics contexts, each
+        {"pid", "type": "compute" | "graphics", "used_memory_bytes": int | None}. Raises NvmlError when either list
+        cannot be read (NOT_SUPPORTED included): a list that could not be read is not an empty one. It is not every
+        holder of the device: nvidia-persistenced, DCGM and monitoring agents keep it open without a context."""
+        out = []
+        for kind, call in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
+                           ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
+            for proc in self._dev(gpu, call):
+                used = getattr(proc, "usedGpuMemory", None)
+                out.append({"pid": int(proc.pid), "type": kind,
+                            "used_memory_bytes": None if used is None else int(used)})
+        return out
+
     # -- events ---------------------------------------------------------------------------
     def xid_events(self) -> XidEvents:
         """A subscription to NVML's XID events on every GPU that supports them (events.py); not `available`
@@ -296,7 +310,7 @@ class Nvml:
     PER_GPU_READS: tuple[str, ...] = (
         "memory_total_bytes", "ecc_mode", "ecc_errors", "remapped_rows", "row_remapper_histogram",
         "clocks_event_reasons", "temperatures", "temperature_thresholds", "nvlinks", "fabric_info", "pcie_link",
-        "p2p_matrix",
+        "p2p_matrix", "processes",
     )
     # snapshot key differs from method name for these
     _SNAPSHOT_KEY = {"temperatures": "temperature", "fabric_info": "fabric", "pcie_link": "pcie", "p2p_matrix": "p2p"}

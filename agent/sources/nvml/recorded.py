@@ -45,6 +45,13 @@ def _uint(value: Any, position: int) -> int:
     return value
 
 
+# The structure the installed bindings fill for a running process: the newest they define.
+_PROCESS_INFO = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None) or pynvml.c_nvmlProcessInfo_t
+
+def _uint_in(value: Any, bits: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
+
+
 _DEVICES: list[Any] = []
 _DEVICES_LOCK = threading.Lock()
 
@@ -307,6 +314,36 @@ class RecordedNvml:
         if hasattr(info, "healthMask"):
             info.healthMask = int(fabric.get("health_mask", 0))
         return const("NVML_SUCCESS")
+
+    def _processes(self, handle: Any, call: str, kind: str) -> list[Any]:
+        # "processes" (docs/scenario-format.md): [{"pid", "type": "compute" | "graphics", "used_memory_bytes"}];
+        # absent = none. Served as pynvml serves them: friendly objects made from nvmlProcessInfo structures.
+        procs = self._gpu(handle, call).get("processes", [])
+        if not isinstance(procs, list):
+            raise ValueError(f"{self._origin}: GPU {self._index(handle)}: 'processes' must be a list")
+        out = []
+        for entry in procs:
+            used = entry.get("used_memory_bytes") if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or entry.get("type") not in ("compute", "graphics") or not (
+                    _uint_in(entry.get("pid"), 32) and (used is None or _uint_in(used, 64))):
+                raise ValueError(f"{self._origin}: GPU {self._index(handle)}: a process needs an unsigned 'pid', a "
+                                 f"'type' of compute or graphics and 'used_memory_bytes' (or null), got {entry!r}")
+            if entry["type"] != kind:
+                continue
+            info = _PROCESS_INFO()
+            info.pid = entry["pid"]
+            info.usedGpuMemory = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value if used is None else int(used)
+            obj = pynvml.nvmlStructToFriendlyObject(info)
+            if obj.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+                obj.usedGpuMemory = None  # as the bindings hand it over
+            out.append(obj)
+        return out
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, "nvmlDeviceGetComputeRunningProcesses", "compute")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, "nvmlDeviceGetGraphicsRunningProcesses", "graphics")
 
     # -- XID events -----------------------------------------------------------------------------------
     def nvmlEventSetCreate(self) -> Any:
