@@ -16,6 +16,8 @@ GPU reset (`nvidia-smi --gpu-reset -i <bus ids>`, one command for every GPU to r
 - nvidia-smi's answer is read per GPU: "GPU 00000000:1A:00.0 was successfully reset." for each GPU reset, and after
   "The following GPUs could not be reset:" a line "GPU <bus id>: <why>" for each that was not (exit status 255).
   A GPU the answer names neither way was not reset: the answer's first line says why.
+Reading the holders is bounded by the same timeout: an NVML call has none of its own, and a wedged driver can block
+one for good, which is "could not look" too.
 On a recorded node the reset is replayed from tools/nvidia-smi-gpu-reset.out (+ .rc, .hang) and the holders come
 from nvml.json's per-GPU "processes" (docs/scenario-format.md).
 
@@ -30,17 +32,19 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import structlog
 
 from .errors import SourceError, ToolError, ToolMissing
 from .sources.nvml import Gpu, canonical_bdf
-from .sources.tools import ToolRunner, ToolTimeout
+from .sources.tools import ToolRunner
 
 log = structlog.get_logger("gpuwarden.recovery")
+T = TypeVar("T")
 
 RESET_TOOL = "nvidia-smi"
 RESET_NAME = "nvidia-smi-gpu-reset"  # the recorded answer's name on a recorded node: tools/<RESET_NAME>.out
@@ -102,8 +106,7 @@ def reset_gpus(node: Any, gpu_indices: Iterable[int], timeout_s: float) -> StepO
     if not wanted:
         return StepOutcome(False, "not reset: no GPU named")
     try:
-        holders = gpu_holders(node, wanted)
-        gpus = _gpus(node)
+        holders, gpus = _within(timeout_s, lambda: (gpu_holders(node, wanted), _gpus(node)))
     except SourceError as exc:
         return _outcome(None, f"not reset: could not read which processes hold the GPUs: {exc}")
     held = [f"{_name(gpus[i])}: PID {', '.join(map(str, pids))}" for i, pids in sorted(holders.items()) if pids]
@@ -119,9 +122,7 @@ def reset_gpus(node: Any, gpu_indices: Iterable[int], timeout_s: float) -> StepO
         answer = node.tools.run(RESET_NAME, argv, left)
     except ToolMissing as exc:
         return _outcome(None, f"not reset: {exc}")
-    except ToolTimeout as exc:  # it may have reset some of them: not known, so not done
-        return _outcome(None, f"reset not confirmed: {exc}")
-    except ToolError as exc:
+    except ToolError as exc:  # ToolTimeout included: it may have reset some of them; not known, so not done
         return _outcome(None, f"reset not confirmed: {exc}")
     verdicts = parse_reset(answer.output, list(targets), answer.returncode)
     failed = [f"{_name(targets[b])}: {why}" for b, why in verdicts.items() if why is not None]
@@ -217,6 +218,27 @@ def _indices(gpu_indices: Iterable[int]) -> list[int]:
             raise ValueError(f"not a GPU index: {index!r}"[:100])
         out.add(index)
     return sorted(out)
+
+
+def _within(timeout_s: float, read: Callable[[], T]) -> T:
+    """`read()` (NVML calls, which no timeout bounds: a wedged driver can block one for good) in a thread of its own,
+    waited for at most `timeout_s`; HoldersUnknown when it has not returned by then (the thread is left behind)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = read()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as it was
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="gpuwarden-recovery-nvml", daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    if thread.is_alive():
+        raise HoldersUnknown(f"NVML did not answer within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _gpus(node: Any) -> dict[int, Gpu]:

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from conftest import ROOT, record_tool
 from gpuwarden.agent import recovery
 from gpuwarden.agent.node import Node
 from gpuwarden.agent.recovery import HoldersUnknown, StepOutcome, gpu_holders, open_ticket, reboot, reset_gpus
+from gpuwarden.agent.sources.nvml import Nvml
+from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 from gpuwarden.agent.sources.tools import ToolRunner
 
 SMI = ROOT / "fixtures" / "tools" / "nvidia-smi"
@@ -142,6 +145,34 @@ def test_reset_is_refused_when_the_holders_could_not_be_read(scenario_copy, smi)
     out = reset_gpus(node, [3], timeout_s=WAIT_S)
     assert out.ok is None and "could not read which processes hold the GPUs" in out.detail
     assert "GPU 3" in out.detail and "NOT_SUPPORTED" in out.detail
+    assert ran(args) is None
+
+
+class WedgedNvml(RecordedNvml):
+    """The NVML library (outside the project) of a wedged driver: the process list never comes back."""
+
+    release = threading.Event()
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        self.release.wait()
+        return super().nvmlDeviceGetComputeRunningProcesses(handle)
+
+
+def test_reset_is_not_done_when_nvml_does_not_answer(scenario_copy, smi):
+    args = smi(answer(SUCCESS, 0))
+    base = node_of(scenario_copy)
+
+    def wedged():
+        nvml = Nvml(WedgedNvml.from_file(base.root / "nvml.json"), "wedged")
+        nvml._call("nvmlInit")
+        return nvml
+
+    node = Node(base.info, base.root, base.sysfs, base.kmsg, ToolRunner(), wedged)
+    try:
+        assert reset_gpus(node, [0], timeout_s=0.5) == StepOutcome(
+            None, "not reset: could not read which processes hold the GPUs: NVML did not answer within 0.5s")
+    finally:
+        WedgedNvml.release.set()  # the reading thread left behind ends
     assert ran(args) is None
 
 
