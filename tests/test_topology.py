@@ -164,10 +164,12 @@ def test_hostlist(names, expected):
     assert topology.hostlist(names) == expected
 
 
-def test_hostlist_of_a_huge_range_is_split_where_slurm_caps_ranges():
+def test_hostlist_of_a_huge_range_is_split_below_slurms_cap_on_ranges(scontrol):
     names = [f"n{i:05d}" for i in range(65536)]
     random.Random(1).shuffle(names)
-    assert topology.hostlist(names) == "n[00000-16383,16384-32767,32768-49151,49152-65535]"
+    expr = topology.hostlist(names)
+    assert expr == "n[00000-16383,16384-32767,32768-49151,49152-65535]"
+    assert scontrol(expr) == sorted(names)
 
 
 @pytest.fixture
@@ -462,6 +464,13 @@ def test_command_publishes_then_writes_both_files_from_the_fleet(tmp_path, capsy
     assert [(b["block"], b["nodes"]) for b in doc[0]["block"]["blocks"]] == [
         ("nvlf1e65d7add2b", "gb200-r07-t[01-18]"), ("rack08", "gb200-r08-t[01-18]")]
     assert sorted(os.listdir(tmp_path)) == ["topology.conf", "topology.yaml"]
+
+
+def test_command_exits_2_when_the_scheduler_refuses_to_publish(capsys):
+    sched = Scheduler(rack(1, None))
+    assert topology.run(args("--root", str(GB200), "--publish"), {}, sched) == 2  # gb200-rack07-tray03: unknown
+    assert "Refused: unknown node gb200-rack07-tray03" in capsys.readouterr().err
+    assert all(v.domain is None for v in sched.views.values())
 
 
 def test_command_keeps_the_old_file_when_the_scheduler_fails(tmp_path, capsys):
