@@ -81,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
 
     sub.add_parser("checks", help="list the checks and their config keys")
+
+    from . import topology
+
+    top = sub.add_parser("topology", help="this node's NVLink domain; publish it; write Slurm topology files",
+                         epilog="exit codes: 0 done, 1 no NVLink domain known for this node, 2 usage, config, "
+                                "scheduler or file error")
+    topology.add_arguments(top)
+    _log_flags(top)
     return p
 
 
@@ -230,10 +238,20 @@ def cmd_checks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import all_specs
+
+    from . import topology
+
+    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
+    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+    return topology.run(args, cfg, None)  # no scheduler adapter yet: --publish and --slurm-* exit 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
-               "run": cmd_run, "status": cmd_status}
+               "run": cmd_run, "status": cmd_status, "topology": cmd_topology}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:
