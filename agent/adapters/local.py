@@ -371,6 +371,7 @@ class LocalAdapter:
         entry = {"action": action, "at": self._clock(), "node": node, "changed": bool(changed), **detail}
         log.info("local scheduler", **entry)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._lock, open(self.path, "a") as f:
                 f.write(json.dumps(entry, sort_keys=True) + "\n")
         except OSError as exc:  # the scheduler's state is the database; a log that cannot be written loses a line
