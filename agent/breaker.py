@@ -22,7 +22,9 @@ The rule: a node counts as drained by us within the window when its reason is ou
 held out of service on purpose, not for a fault), and its reason was set at or after max(now - window_s,
 reset_at); a drain of ours whose start the scheduler does not give counts too (could not tell is not "old").
 Drains by anyone else (an administrator, NHC) never count: they are not ours to brake. The node asking counts
-as one more unless it is already among them. The limit of a group of n nodes is max(min_nodes,
+as one more unless it is already among them. A group's size n is every node the scheduler lists in it, spares and
+nodes out of service included (the cluster: all of them; a domain: the nodes that published it, so a node with no
+published domain counts in the cluster's share only). The limit of a group of n nodes is max(min_nodes,
 floor(share * n)). A new node is allowed when the count, itself included, is within the limit of its cluster and
 of its domain; a node already drained by us is allowed its next step (drain after cordon, quarantine) when it is
 among the first `limit` of them by the time their drain began (then by name), so when agents on many nodes acted

@@ -292,6 +292,14 @@ def test_a_corrupt_database_is_an_error_naming_the_file(tmp_path, content):
     assert db.read_bytes() == content  # left as it was, for a person to look at
 
 
+def test_a_database_deleted_under_a_running_adapter_starts_again_empty(local):
+    local.cordon("n1", "gpuwarden: xid 79")
+    local.db.unlink()
+    assert list(local.nodes()) == []
+    local.cordon("n2", "gpuwarden: xid 79")
+    assert [v.name for v in local.nodes()] == ["n2"]
+
+
 def test_another_programs_database_is_refused_by_name(tmp_path):
     Store(tmp_path / "state.db").close()  # the agent's own state database, pointed at by mistake
     a = LocalAdapter(tmp_path / "actions.jsonl", db=tmp_path / "state.db")

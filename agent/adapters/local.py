@@ -323,17 +323,16 @@ class LocalAdapter:
         self._schema_ok = True
 
     def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        db = self._connect()
-        try:
-            return fn(db)
-        except sqlite3.Error as exc:
-            raise self._error(exc) from None
-        finally:
-            db.close()
+        return self._call(fn, write=False)
 
     def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        return self._call(fn, write=True)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], Any], write: bool, again: bool = True) -> Any:
         db = self._connect()
         try:
+            if not write:
+                return fn(db)
             db.execute("BEGIN IMMEDIATE")  # the write lock first: the reads below see what no one else can change
             try:
                 result = fn(db)
@@ -343,6 +342,11 @@ class LocalAdapter:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
         except sqlite3.Error as exc:
+            if again and "no such table" in str(exc):
+                # The file was deleted or emptied since this adapter last looked: start it again, once.
+                self._schema_ok = False
+                db.close()
+                return self._call(fn, write, again=False)
             raise self._error(exc) from None
         finally:
             db.close()
