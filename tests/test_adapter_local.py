@@ -58,6 +58,9 @@ def test_apply_records_what_would_be_done_and_touches_no_scheduler(tmp_path, clo
         f.write('{"action": "dr')  # a line a crash left torn
     assert [x["action"] for x in a.actions()] == ["cordon", "cordon"]
     assert LocalAdapter(tmp_path / "none.jsonl").actions() == []
+    named = LocalAdapter(tmp_path / "named.jsonl", node_name="gb200-n7", clock=clock)
+    named.apply("drain", {"reason": "xid 79"})
+    assert named.actions() == [{"action": "drain", "at": clock.now, "node": "gb200-n7", "reason": "xid 79"}]
 
 
 def test_it_is_a_scheduler_adapter(local):

@@ -77,8 +77,9 @@ class LocalAdapter:
     def __init__(self, path: Path, *, db: Path | None = None, timeout_s: float = 5.0, node_name: str | None = None,
                  clock: Callable[[], float] = time.time):
         """`path`: the actions log (JSON lines). `db`: the scheduler's SQLite file, shared by the nodes of a
-        simulated fleet (default: `local-scheduler.db` beside the log). `node_name`: the node `apply` speaks for.
-        Nothing is opened here: the database is opened (and created) by the first call that needs it."""
+        simulated fleet (default: `local-scheduler.db` beside the log). `node_name`: the node `apply` speaks for
+        (named in its lines). Nothing is opened here: the database is opened (and created) by the first call that
+        needs it."""
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= 600):
             raise ValueError(f"local adapter timeout_s must be from 0 to 600 seconds, not {timeout_s!r}")
         self.path = Path(path)
@@ -91,7 +92,10 @@ class LocalAdapter:
 
     # -- the dry-run record (the daemon's action worker) ----------------------------------------------------------
     def apply(self, action: str, detail: dict[str, Any]) -> None:
-        line = json.dumps({"action": action, "at": self._clock(), **detail}, sort_keys=True)
+        head: dict[str, Any] = {"action": action, "at": self._clock()}
+        if self.node_name is not None:
+            head["node"] = self.node_name
+        line = json.dumps({**head, **detail}, sort_keys=True)
         with self._lock, open(self.path, "a") as f:
             f.write(line + "\n")
         log.info("would act", action=action, reason=detail.get("reason", ""))
