@@ -1,33 +1,421 @@
-"""The local adapter: records what it would do (cordon, drain, resume, ...) as JSON lines, and does nothing
-else. Adapters for a real scheduler (Slurm, Kubernetes) are to replace it; the daemon's contract is the same:
-`apply(action, detail)` is called from the daemon's action worker (never under the lock detection holds), one
-intent at a time in the order the transitions happened, and must be idempotent, since a crash between the
-intent's commit and its completion replays it at the next start (detail "replayed": true)."""
+"""The local adapter: gpuwarden's embedded scheduler, for one node with no scheduler, the demo, and a simulated
+fleet. The scheduler's state is one SQLite file (`db`) that every node of a simulated fleet shares; it holds each
+node's service (in service, cordoned, drained), the drain reason and who set it, the node's NVLink domain and
+the spare pools. A node is added the first time a call names it: one node, no scheduler, it just works.
+
+It keeps the adapter contract (agent/adapters/base.py): every call is idempotent; every call is one SQLite
+transaction (`BEGIN IMMEDIATE`, so two processes racing for a spare are serialised by SQLite, and exactly one of
+them gets it) bounded by SQLite's busy timeout (`timeout_s`; a database held longer by another process raises
+`Transient`); what is not ours (an administrator's drain, see `admin_drain`) is never resumed (`Refused`); a
+database that is not one (corrupt, another program's, unreadable) raises `LocalDatabaseError` naming the file.
+
+Every call that changes (or would have changed) the scheduler's state is also written as one JSON line to the
+actions log (`path`, `<state-dir>/actions.jsonl`), with `changed` false for a repeat that found nothing to do.
+`apply(action, detail)` writes only that line and acts on nothing: it records what the agent *would* do in
+dry-run mode (`actions()` reads the log back). It is called from the daemon's action worker (never under the
+lock detection holds), one intent at a time, and is idempotent by construction (a replay writes the line again,
+detail "replayed": true).
+
+The calls `admin_drain`, `admin_resume`, `set_down` and `set_jobs` are the world outside the agent (an
+administrator, a node that stops answering, work starting and ending), for the demo and the fleet simulator.
+"""
 from __future__ import annotations
 
 import json
+import math
+import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import structlog
 
+from ..spares import healthy_spares
+from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
+
 log = structlog.get_logger("gpuwarden.adapter")
+
+SCHEMA_VERSION = 1
+MAX_NAME = 255  # a node or domain name (DNS names are at most 253)
+MAX_REASON = 1024  # a reason longer than this is cut: it is a log line, not a document
+MAX_JOBS = 1 << 20
+
+_SCHEMA = """
+CREATE TABLE gpuwarden_local_scheduler (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE nodes (
+    name TEXT PRIMARY KEY,
+    hold TEXT NOT NULL DEFAULT 'none' CHECK (hold IN ('none', 'cordon', 'drain')),
+    reason TEXT,
+    reason_since REAL,
+    ours INTEGER NOT NULL DEFAULT 0,
+    quarantined INTEGER NOT NULL DEFAULT 0,
+    domain TEXT,
+    spare INTEGER NOT NULL DEFAULT 0,
+    jobs INTEGER,
+    down INTEGER NOT NULL DEFAULT 0,
+    taken_for TEXT,          -- a spare taken into service: the node it replaced (take_spare's idempotency)
+    first_seen REAL NOT NULL
+);
+CREATE INDEX nodes_domain ON nodes (domain);
+CREATE INDEX nodes_taken_for ON nodes (taken_for);
+"""
+_COLUMNS = "name, hold, reason, reason_since, ours, quarantined, domain, spare, jobs, down"
+# SQLite's primary error names: held by another process (retry), or a file that is not a usable database.
+_BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
+_PASSING = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_PROTOCOL", "SQLITE_INTERRUPT")
+
+
+class LocalDatabaseError(Refused):
+    """The local scheduler's database file cannot be used (corrupt, another program's, unreadable): retrying will
+    not help; the message names the file and what to do."""
 
 
 class LocalAdapter:
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._lock = threading.Lock()
+    name = "local"
 
+    def __init__(self, path: Path, *, db: Path | None = None, timeout_s: float = 5.0, node_name: str | None = None,
+                 clock: Callable[[], float] = time.time):
+        """`path`: the actions log (JSON lines). `db`: the scheduler's SQLite file, shared by the nodes of a
+        simulated fleet (default: `local-scheduler.db` beside the log). `node_name`: the node `apply` speaks for
+        (named in its lines). Nothing is opened here: the database is opened (and created) by the first call that
+        needs it."""
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= 600):
+            raise ValueError(f"local adapter timeout_s must be from 0 to 600 seconds, not {timeout_s!r}")
+        self.path = Path(path)
+        self.db = Path(db) if db is not None else self.path.parent / "local-scheduler.db"
+        self.timeout_s = float(timeout_s)
+        self.node_name = node_name
+        self._clock = clock
+        self._lock = threading.Lock()  # one writer of the actions log at a time within this process
+        self._schema_ok = False
+
+    # -- the dry-run record (the daemon's action worker) ----------------------------------------------------------
     def apply(self, action: str, detail: dict[str, Any]) -> None:
-        line = json.dumps({"action": action, "at": time.time(), **detail}, sort_keys=True)
+        head: dict[str, Any] = {"action": action, "at": self._clock()}
+        if self.node_name is not None:
+            head["node"] = self.node_name
+        line = json.dumps({**head, **detail}, sort_keys=True)
         with self._lock, open(self.path, "a") as f:
             f.write(line + "\n")
         log.info("would act", action=action, reason=detail.get("reason", ""))
 
     def actions(self) -> list[dict[str, Any]]:
+        """The actions log, oldest first; a line a crash left torn is skipped."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
+        return out
+
+    # -- the scheduler's view ---------------------------------------------------------------------------------------
+    def nodes(self) -> Sequence[NodeView]:
+        return self._read(lambda db: [_view(r) for r in db.execute(f"SELECT {_COLUMNS} FROM nodes ORDER BY name")])
+
+    def node(self, node: str) -> NodeView:
+        node = _name(node, "node")
+
+        def look(db: sqlite3.Connection) -> NodeView:
+            self._ensure(db, node)
+            return self._get(db, node)
+        return self._write(look)
+
+    def spares(self, domain: str) -> list[str]:
+        domain = _name(domain, "domain")
+        rows = self._read(lambda db: [_view(r) for r in db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE domain = ? AND spare = 1", (domain,))])
+        return list(healthy_spares(rows, domain))
+
+    # -- the agent's calls --------------------------------------------------------------------------------------------
+    def cordon(self, node: str, reason: str) -> None:
+        self._hold("cordon", node, reason)
+
+    def drain(self, node: str, reason: str) -> None:
+        self._hold("drain", node, reason)
+
+    def quarantine(self, node: str, reason: str) -> None:
+        self._hold("quarantine", node, reason)
+
+    def _hold(self, action: str, node: str, reason: str) -> None:
+        node, reason = _name(node, "node"), _reason(reason)
+        hold = "cordon" if action == "cordon" else "drain"
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            v = self._get(db, node)
+            if v.reason is not None and not v.ours:
+                if action == "quarantine":
+                    raise Refused(f"{node} is held by someone else ({v.reason!r}): gpuwarden does not take over "
+                                  f"another's drain to quarantine it")
+                return False  # already out of service by another's hand: left as it is, never taken over
+            was = db.execute("SELECT hold, reason, quarantined, spare FROM nodes WHERE name = ?", (node,)).fetchone()
+            new_hold = "drain" if was[0] == "drain" else hold  # never loosened: a drained node stays drained
+            quarantined = 1 if action == "quarantine" else was[2]
+            if (was[0], was[1], was[2], was[3]) == (new_hold, reason, quarantined, 0):
+                return False
+            # A drain of ours keeps the time it began (the breaker's window); a spare held out of service that
+            # now has a fault of its own leaves the pool, and its drain begins now.
+            since = v.reason_since if v.ours and not v.spare and v.reason_since is not None else self._clock()
+            # A taken spare that is held again is no longer the answer to a retried take_spare.
+            db.execute("UPDATE nodes SET hold = ?, reason = ?, reason_since = ?, ours = 1, quarantined = ?, "
+                       "spare = 0, taken_for = NULL WHERE name = ?", (new_hold, reason, since, quarantined, node))
+            return True
+        self._done(action, node, self._write(change), reason=reason)
+
+    def resume(self, node: str) -> None:
+        node = _name(node, "node")
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            v = self._get(db, node)
+            if v.reason is None:
+                return False
+            if not v.ours:
+                raise Refused(f"{node} is held by someone else ({v.reason!r}): gpuwarden resumes only its own drains")
+            db.execute("UPDATE nodes SET hold = 'none', reason = NULL, reason_since = NULL, ours = 0, "
+                       "quarantined = 0, spare = 0, taken_for = NULL WHERE name = ?", (node,))
+            db.execute("UPDATE nodes SET taken_for = NULL WHERE taken_for = ?", (node,))
+            return True
+        self._done("resume", node, self._write(change))
+
+    def publish_domain(self, node: str, domain: str) -> None:
+        node, domain = _name(node, "node"), _name(domain, "domain")
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            return db.execute("UPDATE nodes SET domain = ? WHERE name = ? AND domain IS NOT ?",
+                              (domain, node, domain)).rowcount > 0
+        self._done("publish_domain", node, self._write(change), domain=domain)
+
+    def take_spare(self, domain: str, for_node: str) -> str | None:
+        domain, for_node = _name(domain, "domain"), _name(for_node, "node")
+
+        def take(db: sqlite3.Connection) -> tuple[str | None, bool]:
+            # One BEGIN IMMEDIATE transaction: the read of the pool and the take are one step for every process
+            # sharing the file; a second agent waits for the first to commit, then reads the pool without it.
+            self._ensure(db, for_node)
+            row = db.execute("SELECT name FROM nodes WHERE taken_for = ? ORDER BY name LIMIT 1", (for_node,)).fetchone()
+            if row is not None:
+                return row[0], False  # a retried intent: the spare already taken for this node
+            pool = [_view(r) for r in db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE domain = ? AND spare = 1",
+                                                 (domain,))]
+            candidates = healthy_spares(pool, domain, exclude=for_node)
+            if not candidates:
+                return None, False
+            db.execute("UPDATE nodes SET hold = 'none', reason = NULL, reason_since = NULL, ours = 0, quarantined = 0,"
+                       " spare = 0, taken_for = ? WHERE name = ?", (for_node, candidates[0]))
+            return candidates[0], True
+        spare, changed = self._write(take)
+        self._done("take_spare", for_node, changed, domain=domain, spare=spare)
+        return spare
+
+    def return_to_pool(self, node: str, domain: str) -> None:
+        node, domain = _name(node, "node"), _name(domain, "domain")
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            v = self._get(db, node)
+            if v.reason is not None and not v.ours:
+                raise Refused(f"{node} is held by someone else ({v.reason!r}): gpuwarden does not take it into "
+                              f"a spare pool")
+            hold = db.execute("SELECT hold FROM nodes WHERE name = ?", (node,)).fetchone()[0]
+            if v.spare and v.domain == domain and hold == "drain" and v.reason == SPARE_REASON:
+                return False
+            db.execute("UPDATE nodes SET hold = 'drain', reason = ?, reason_since = ?, ours = 1, quarantined = 0, "
+                       "spare = 1, domain = ?, taken_for = NULL WHERE name = ?", (SPARE_REASON, self._clock(), domain,
+                                                                                   node))
+            db.execute("UPDATE nodes SET taken_for = NULL WHERE taken_for = ?", (node,))
+            return True
+        self._done("return_to_pool", node, self._write(change), domain=domain)
+
+    # -- the world outside the agent (demo, fleet simulator) ----------------------------------------------------------
+    def admin_drain(self, node: str, reason: str) -> None:
+        """An administrator drains `node` (never ours: gpuwarden will not resume it)."""
+        node = _name(node, "node")
+        reason = _text(reason, "reason", MAX_REASON) or "admin"
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            db.execute("UPDATE nodes SET hold = 'drain', reason = ?, reason_since = ?, ours = 0, quarantined = 0, "
+                       "spare = 0 WHERE name = ?", (reason, self._clock(), node))
+            return True
+        self._done("admin_drain", node, self._write(change), reason=reason)
+
+    def admin_resume(self, node: str) -> None:
+        """An administrator puts `node` back in service, whoever held it."""
+        node = _name(node, "node")
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            return db.execute("UPDATE nodes SET hold = 'none', reason = NULL, reason_since = NULL, ours = 0, "
+                              "quarantined = 0, spare = 0 WHERE name = ? AND hold != 'none'", (node,)).rowcount > 0
+        self._done("admin_resume", node, self._write(change))
+
+    def set_down(self, node: str, down: bool = True) -> None:
+        """The scheduler loses (or finds again) `node`'s daemon."""
+        node = _name(node, "node")
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            return db.execute("UPDATE nodes SET down = ? WHERE name = ? AND down != ?",
+                              (int(bool(down)), node, int(bool(down)))).rowcount > 0
+        self._done("set_down", node, self._write(change), down=bool(down))
+
+    def set_jobs(self, node: str, jobs: int | None) -> None:
+        """Work running on `node` (None: not known). A drain with work left shows as cordoned until it ends."""
+        node = _name(node, "node")
+        if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or not 0 <= jobs <= MAX_JOBS):
+            raise Refused(f"jobs must be a whole number from 0 to {MAX_JOBS} or None, not {jobs!r}")
+
+        def change(db: sqlite3.Connection) -> bool:
+            self._ensure(db, node)
+            return db.execute("UPDATE nodes SET jobs = ? WHERE name = ? AND jobs IS NOT ?",
+                              (jobs, node, jobs)).rowcount > 0
+        self._write(change)
+
+    # -- SQLite ------------------------------------------------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        # One connection per call: safe across threads and forked processes, and no handle held between calls.
+        try:
+            self.db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LocalDatabaseError(f"{self.db}: cannot create its folder: {exc.strerror or exc}") from None
+        try:
+            db = sqlite3.connect(str(self.db), timeout=self.timeout_s, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+        try:
+            if not self._schema_ok:
+                self._check_schema(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _check_schema(self, db: sqlite3.Connection) -> None:
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if not tables:
+                    for statement in _SCHEMA.split(";"):  # not executescript: it would commit the open transaction
+                        if statement.strip():
+                            db.execute(statement)
+                    db.execute("INSERT INTO gpuwarden_local_scheduler VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+                    found = str(SCHEMA_VERSION)
+                elif "gpuwarden_local_scheduler" in tables and "nodes" in tables:
+                    row = db.execute("SELECT value FROM gpuwarden_local_scheduler WHERE key = 'schema'").fetchone()
+                    found = row[0] if row else None
+                else:
+                    found = None
+                db.execute("COMMIT")
+            finally:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+        if found != str(SCHEMA_VERSION):
+            what = "another program's SQLite database" if found is None else f"schema {found!r}, not {SCHEMA_VERSION}"
+            raise LocalDatabaseError(f"{self.db}: not a gpuwarden local scheduler database ({what}); point the local "
+                                     f"adapter at another file, or move this one aside to start an empty one")
+        self._schema_ok = True
+
+    def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        return self._call(fn, write=False)
+
+    def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        return self._call(fn, write=True)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], Any], write: bool, again: bool = True) -> Any:
+        db = self._connect()
+        try:
+            if not write:
+                return fn(db)
+            db.execute("BEGIN IMMEDIATE")  # the write lock first: the reads below see what no one else can change
+            try:
+                result = fn(db)
+                db.execute("COMMIT")
+                return result
+            finally:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            if again and "no such table" in str(exc):
+                # The file was deleted or emptied since this adapter last looked: start it again, once.
+                self._schema_ok = False
+                db.close()
+                return self._call(fn, write, again=False)
+            raise self._error(exc) from None
+        finally:
+            db.close()
+
+    def _error(self, exc: sqlite3.Error) -> Exception:
+        code = getattr(exc, "sqlite_errorname", "") or ""
+        if code.startswith(_BUSY) or "locked" in str(exc):
+            return Transient(f"{self.db}: held by another process for more than {self.timeout_s:g} s ({exc})")
+        if code.startswith(_PASSING):
+            return Transient(f"{self.db}: {exc} ({code})")
+        self._schema_ok = False  # replaced or damaged since: look again at the next call
+        return LocalDatabaseError(f"{self.db}: cannot be used as the local scheduler's database: {exc}"
+                                  f"{' (' + code + ')' if code else ''}; check it is a readable file, or move it "
+                                  f"aside to start an empty one")
+
+    def _ensure(self, db: sqlite3.Connection, node: str) -> None:
+        db.execute("INSERT OR IGNORE INTO nodes (name, first_seen) VALUES (?, ?)", (node, self._clock()))
+
+    def _get(self, db: sqlite3.Connection, node: str) -> NodeView:
+        row = db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE name = ?", (node,)).fetchone()
+        if row is None:
+            raise Refused(f"{node}: not in the local scheduler ({self.db})")
+        return _view(row)
+
+    def _done(self, action: str, node: str, changed: bool, **detail: Any) -> None:
+        entry = {"action": action, "at": self._clock(), "node": node, "changed": bool(changed), **detail}
+        log.info("local scheduler", **entry)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock, open(self.path, "a") as f:
+                f.write(json.dumps(entry, sort_keys=True) + "\n")
+        except OSError as exc:  # the scheduler's state is the database; a log that cannot be written loses a line
+            log.error("actions log not written", path=str(self.path), error=str(exc), action=action, node=node)
+
+
+def _view(row: tuple) -> NodeView:
+    name, hold, reason, since, ours, quarantined, domain, spare, jobs, down = row
+    if down:
+        service = Service.DOWN
+    elif hold == "none":
+        service = Service.IN_SERVICE
+    elif hold == "cordon" or jobs:
+        service = Service.CORDONED  # a drain with work left: no new work, the running work goes on
+    else:
+        service = Service.DRAINED
+    return NodeView(name, service, reason, since, bool(ours), bool(quarantined), domain, bool(spare), jobs)
+
+
+def _text(value: Any, what: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise Refused(f"{what} must be text, not {type(value).__name__}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        value = "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in value)
+    return value.strip()[:limit]
+
+
+def _name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME or value != value.strip() \
+            or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise Refused(f"{what} name must be 1 to {MAX_NAME} printable characters, not {str(value)[:80]!r}")
+    return value
+
+
+def _reason(value: Any) -> str:
+    reason = _text(value, "reason", MAX_REASON)
+    if not reason.startswith(REASON_PREFIX):
+        reason = f"{REASON_PREFIX} {reason}".strip()[:MAX_REASON]  # the mark that makes it ours
+    return reason
