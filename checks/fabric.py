@@ -97,8 +97,8 @@ def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> Fabri
     fm_scope = scope(mode, node.info.sku, CHECK_NAME, switches, [int(info["state"]) for _, info in readings])
     gpus = tuple(GpuFabric(g.index, g.entity.id, g.pci, info) for g, info in readings if info["state"] != 0)
     if not gpus and not problems and not fm_scope.watched:
-        raise NotApplicable(f"no GPU takes part in an NVLink fabric (fabric state NOT_SUPPORTED or not readable), "
-                            f"and Fabric Manager is not watched: {fm_scope.why}")
+        raise NotApplicable(f"every GPU's NVLink fabric state is NOT_SUPPORTED, and Fabric Manager is not watched: "
+                            f"{fm_scope.why}")
     fm = read_fabric_manager(node, float(cfg["tool_timeout_s"])) if fm_scope.watched else None
     return FabricSample(node.hostname, gpus, tuple(problems), fm, fm_scope)
 

@@ -126,8 +126,8 @@ def scope(mode: str, sku: str, check: str, nvswitches: list[str] | None, fabric_
     if any(int(st) != 0 for st in fabric_states):
         return FmScope(True, "no NVSwitch on this system's PCI bus, but its GPUs take part in an NVLink fabric",
                        fails=False)
-    return FmScope(False, "no NVSwitch on this system's PCI bus and no GPU in an NVLink fabric (fabric state "
-                          "NOT_SUPPORTED): Fabric Manager is not this system's (a VM given GPUs without NVSwitches)")
+    return FmScope(False, "no NVSwitch on this system's PCI bus and no GPU in an NVLink fabric: Fabric Manager is not "
+                          "this system's (a VM given GPUs without their NVSwitches)")
 
 
 def read_fabric_manager(node: Any, timeout_s: float) -> FmReading:
