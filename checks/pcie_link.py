@@ -260,6 +260,18 @@ def _gpus_on_bus(sysfs: Any, ignore: set[str]) -> list[str]:
             if bdf not in ignore and bdf.endswith(".0") and not sysfs.exists(f"{PCI_DEVICES}/{bdf}/physfn")]
 
 
+def _nic_on_bus(sysfs: Any) -> bool:
+    """An NVIDIA/Mellanox network function on the PCI bus (an HCA whose driver is not bound has no RDMA device)."""
+    for bdf in sysfs.listdir(PCI_DEVICES):
+        try:
+            if (sysfs.read(f"{PCI_DEVICES}/{bdf}/vendor") in VENDORS
+                    and _role("", sysfs.read(f"{PCI_DEVICES}/{bdf}/class")) == "nic"):
+                return True
+        except SourceError:
+            continue
+    return False
+
+
 def _read_nvml(node: Any, gpu: Any) -> NvmlLink:
     link = node.nvml.pcie_link(gpu)
     try:
@@ -365,8 +377,7 @@ def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
     def entity_of(index: int) -> Entity:
         return by_index.get(index) or Entity("gpu", f"index-{index}", index)
 
-    yield from _affinity(node, cfg, entity_of,
-                         any(lk.role == "nic" for lk in links) or bool(node.sysfs.listdir(IB_CLASS)))
+    yield from _affinity(node, cfg, entity_of, bool(node.sysfs.listdir(IB_CLASS)) or _nic_on_bus(node.sysfs))
 
 
 CHECK = CheckSpec(

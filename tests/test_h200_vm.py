@@ -102,3 +102,20 @@ def test_the_daemon_keeps_the_vm_healthy(daemon):
     text = generate_latest(registry_for(collector)).decode()
     assert 'gpuwarden_node_state{state="healthy"} 1.0' in text
     assert "gpuwarden_fabric_manager_up" not in text
+
+
+def test_a_nic_that_nvidia_smi_does_not_list_stays_unknown(scenario_copy):
+    """No NIC at all is "nothing to place"; a NIC on the bus that `nvidia-smi topo -m` does not list is a view that
+    could not be read."""
+    from gpuwarden.checks.pcie_link import CHECK as PCIE
+
+    root = scenario_copy("h200-vm-1gpu", with_tools=True)
+    node_cfg = dict(PCIE.defaults)
+    (note,) = PCIE.run(Node.recorded_at(root), node_cfg)
+    assert (note.code, note.status.value) == ("pcie-affinity-not-checked", "ok")
+    hca = root / "sys/bus/pci/devices/0000:00:07.0"  # a ConnectX-7 passed through too, its driver not bound
+    hca.mkdir()
+    for name, value in (("vendor", "0x15b3"), ("device", "0x1021"), ("class", "0x020700")):
+        (hca / name).write_text(value + "\n")
+    (f,) = PCIE.run(Node.recorded_at(root), node_cfg)
+    assert (f.code, f.status.value) == ("pcie-affinity-unknown", "unknown") and "lists no NIC" in f.message
