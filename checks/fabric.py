@@ -12,7 +12,8 @@ Sources:
   GPU fails to register with the fabric, it will lose its NVLink peer-to-peer capability"); CUDA on a node whose
   Fabric Manager did not initialise the fabric fails with cudaErrorSystemNotReady (same guide).
 - Fabric Manager runs on NVSwitch HGX nodes (H100/H200/B200), as a systemd unit or in the GPU Operator's driver
-  container, and in a VM only when the VM holds the NVSwitches (which node's FM it is: checks/fabric_manager.py). GB200/GB300 NVL72 compute trays do not run it: the NVLink switch trays' NVOS runs FM, NVLSM and
+  container, and in a VM only when the VM holds the NVSwitches (which node's FM it is: checks/fabric_manager.py).
+  GB200/GB300 NVL72 compute trays do not run it: the NVLink switch trays' NVOS runs FM, NVLSM and
   NMX-Controller (NVIDIA MNNVL user guide and NMX-C docs, as summarised in leptonai/gpud
   components/accelerator/nvidia/fabric-manager), so there the NVML fabric state and health mask are the tray's
   view of the fabric.
@@ -192,7 +193,7 @@ SPEC = PassiveSpec(
     interval_s=30.0,
     defaults={
         "settle_s": 300.0,  # a registration not completed (or FM activating) for this long after first seen fails
-        "fabric_manager": "auto",  # auto: where this system's NVSwitches say FM runs (fabric_manager.py) | required | off
+        "fabric_manager": "auto",  # auto: where this system's NVSwitches say (fabric_manager.py) | required | off
         "tool_timeout_s": 5.0,  # systemctl is-active nvidia-fabricmanager
     },
     choices={"fabric_manager": MODES},

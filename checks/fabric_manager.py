@@ -14,8 +14,9 @@ the same way, vendor 10de class 0680: aws/aws-parallelcluster-cookbook#3098). So
 - on the HGX SKUs when no NVSwitch is on the bus but a GPU takes part in an NVLink fabric (fabric state not
   NOT_SUPPORTED): a shared-NVSwitch guest (FM elsewhere: fine) or an HGX whose switches are not PCI functions of that
   class (FM on HGX B200 reaches its NVSwitches through NVLink management ports, siderolabs/extensions#893: "found
-  NVSwitch LPF: device=mlx5_10"; whether B200 also enumerates them as class 0x0680 was not confirmed). Which one cannot be told from here, so FM down there WARNs (MONITOR) and names the setting;
-  it never drains. The GPUs' own fabric registration is judged by `fabric` either way.
+  NVSwitch LPF: device=mlx5_10"; whether B200 also enumerates them as class 0x0680 was not confirmed). Which one
+  cannot be told from here, so FM down there WARNs (MONITOR) and names the setting; it never drains. The GPUs'
+  own fabric registration is judged by `fabric` either way.
 Otherwise (no NVSwitch, every GPU's fabric state NOT_SUPPORTED: a real H200 passed through alone to a VM, recorded
 in fixtures/nodes/h200-vm-1gpu) FM is not this system's and is not watched. `required` watches FM on any node.
 

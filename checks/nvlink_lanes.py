@@ -16,7 +16,8 @@ A GPU that reports no NVLink at all is told apart from one whose links are down.
 INVALID_ARGUMENT for every link of a GPU whose NVLinks are not exposed to the system (agent/sources/nvml reads those
 as "no such link"): a real H200 passed through alone to a VM (fixtures/nodes/h200-vm-1gpu, driver 580.159.04:
 no link, fabric state NOT_SUPPORTED, `nvidia-smi topo -m` with no NV# column), or the GPUs of a VM given without
-their NVSwitches (NVIDIA Fabric Manager user guide, "Full Passthrough Virtualization Model", the one-GPU VM). So, with `expect_nvlink = "auto"`, at a GPU's first look (no link of it ever reported):
+their NVSwitches (NVIDIA Fabric Manager user guide, "Full Passthrough Virtualization Model", the one-GPU VM).
+So, with `expect_nvlink = "auto"`, at a GPU's first look (no link of it ever reported):
 - one GPU on the node and it reports no link: SKIPPED, the link count of the SKU does not apply here;
 - several GPUs and none reports a link: UNKNOWN, naming the setting that says what the node is (a VM given GPUs
   without NVLink: expect_nvlink = "no"; NVLink that should be there: "yes"); never FAIL, which would drain every
