@@ -12,7 +12,8 @@ Sources:
   GPU fails to register with the fabric, it will lose its NVLink peer-to-peer capability"); CUDA on a node whose
   Fabric Manager did not initialise the fabric fails with cudaErrorSystemNotReady (same guide).
 - Fabric Manager runs on NVSwitch HGX nodes (H100/H200/B200), as a systemd unit or in the GPU Operator's driver
-  container. GB200/GB300 NVL72 compute trays do not run it: the NVLink switch trays' NVOS runs FM, NVLSM and
+  container, and in a VM only when the VM holds the NVSwitches (which node's FM it is: checks/fabric_manager.py).
+  GB200/GB300 NVL72 compute trays do not run it: the NVLink switch trays' NVOS runs FM, NVLSM and
   NMX-Controller (NVIDIA MNNVL user guide and NMX-C docs, as summarised in leptonai/gpud
   components/accelerator/nvidia/fabric-manager), so there the NVML fabric state and health mask are the tray's
   view of the fabric.
@@ -29,7 +30,8 @@ from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.sources.nvml import ERROR_NAMES
 
-from .fabric_manager import MODES, FmReading, judge_fabric_manager, read_fabric_manager, watched
+from .fabric_manager import (MODES, FmReading, FmScope, check_mode, judge_fabric_manager, nvswitches_on_bus,
+                             read_fabric_manager, scope)
 
 CHECK_NAME = "fabric"
 COMPLETED = 3
@@ -82,21 +84,24 @@ class FabricSample:
     gpus: tuple[GpuFabric, ...]
     problems: tuple[Finding, ...]
     fm: FmReading | None = None  # None: Fabric Manager not watched on this node
+    fm_scope: FmScope | None = None
 
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> FabricSample:
-    fm_wanted = watched(cfg["fabric_manager"], node.info.sku, CHECK_NAME)
+    mode = cfg["fabric_manager"]
+    check_mode(mode, CHECK_NAME)
     try:
         readings, problems = read_each_gpu(node, CHECK_NAME, lambda gpu: node.nvml.fabric_info(gpu))
     except NotApplicable:
-        if not fm_wanted:
-            raise  # no GPU with fabric info and no Fabric Manager to watch: SKIPPED
-        readings, problems = [], []
+        readings, problems = [], []  # no GPU with fabric info: the Fabric Manager may still be this node's
+    switches = nvswitches_on_bus(node.sysfs) if mode == "auto" else None
+    fm_scope = scope(mode, node.info.sku, CHECK_NAME, switches, [int(info["state"]) for _, info in readings])
     gpus = tuple(GpuFabric(g.index, g.entity.id, g.pci, info) for g, info in readings if info["state"] != 0)
-    if not gpus and not problems and not fm_wanted:
-        raise NotApplicable("no GPU takes part in an NVLink fabric (fabric state NOT_SUPPORTED)")
-    fm = read_fabric_manager(node, float(cfg["tool_timeout_s"])) if fm_wanted else None
-    return FabricSample(node.hostname, gpus, tuple(problems), fm)
+    if not gpus and not problems and not fm_scope.watched:
+        raise NotApplicable(f"every GPU's NVLink fabric state is NOT_SUPPORTED, and Fabric Manager is not watched: "
+                            f"{fm_scope.why}")
+    fm = read_fabric_manager(node, float(cfg["tool_timeout_s"])) if fm_scope.watched else None
+    return FabricSample(node.hostname, gpus, tuple(problems), fm, fm_scope)
 
 
 def judge(state: Mapping[str, Any], smp: FabricSample, cfg: Mapping[str, Any], now: float) -> Judgement:
@@ -141,7 +146,7 @@ def judge(state: Mapping[str, Any], smp: FabricSample, cfg: Mapping[str, Any], n
     fm_since = state.get("fm_inactive_since")
     if smp.fm is not None:
         fm_findings, fm_metrics, fm_since = judge_fabric_manager(smp.fm, fm_since, now, cfg["settle_s"], CHECK_NAME,
-                                                                 smp.hostname)
+                                                                 smp.hostname, smp.fm_scope)
         findings.extend(fm_findings)
         metrics.extend(fm_metrics)
     return Judgement({"not_ready_since": since, "fm_inactive_since": fm_since}, tuple(findings), tuple(metrics))
@@ -188,7 +193,7 @@ SPEC = PassiveSpec(
     interval_s=30.0,
     defaults={
         "settle_s": 300.0,  # a registration not completed (or FM activating) for this long after first seen fails
-        "fabric_manager": "auto",  # auto: watch Fabric Manager on HGX SKUs | required: on any SKU | off
+        "fabric_manager": "auto",  # auto: where this system's NVSwitches say (fabric_manager.py) | required | off
         "tool_timeout_s": 5.0,  # systemctl is-active nvidia-fabricmanager
     },
     choices={"fabric_manager": MODES},

@@ -12,6 +12,24 @@ per second fail; any replay or recovery error fails. We differ on replays only: 
 retransmission that repairs a CRC error (the data still arrives), so it warns; a recovery is the link
 retraining, during which traffic stalls, so it fails (DRAIN).
 
+A GPU that reports no NVLink at all is told apart from one whose links are down. NVML answers NOT_SUPPORTED or
+INVALID_ARGUMENT for every link of a GPU whose NVLinks are not exposed to the system (agent/sources/nvml reads those
+as "no such link"): a real H200 passed through alone to a VM (fixtures/nodes/h200-vm-1gpu, driver 580.159.04:
+no link, fabric state NOT_SUPPORTED, `nvidia-smi topo -m` with no NV# column), or the GPUs of a VM given without
+their NVSwitches (NVIDIA Fabric Manager user guide, "Full Passthrough Virtualization Model", the one-GPU VM).
+So, with `expect_nvlink = "auto"`, at a GPU's first look (no link of it ever reported):
+- one GPU on the node and it reports no link: SKIPPED, the link count of the SKU does not apply here;
+- several GPUs and none reports a link: UNKNOWN, naming the setting that says what the node is (a VM given GPUs
+  without NVLink: expect_nvlink = "no"; NVLink that should be there: "yes"); never FAIL, which would drain every
+  such VM, and never OK, since the SKU says the links exist;
+- some GPUs report links and another reports none: that one FAILs for every link the SKU has (an asymmetry on one
+  board is a fault, not a deployment).
+A link once reported or seen active and now missing FAILs in every mode. `expect_nvlink = "yes"` judges the SKU's
+links even on a GPU that never reported one; `"no"` expects no link (only those seen active count).
+
+A link down is judged at the look that sees it (no settle time): preflight judges one look, and the daemon's first
+poll makes the same decision; the down time is evidence only.
+
 Counters are volatile (a GPU reset or driver reload zeroes them): a counter that went down is a reset and its
 new value counts as the increase (Prometheus' rate() rule), so no delta is ever negative or spans two lives
 of the counter. A first sample only sets the baseline: errors accumulated before it are not a rate.
@@ -22,7 +40,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from gpuwarden.agent.errors import NotApplicable
+from gpuwarden.agent.errors import ConfigError, NotApplicable
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
@@ -34,6 +52,7 @@ CRC = ("crc_flit", "crc_data")
 # GB300: NVLink 5, 1.8 TB/s = 18 x 100 GB/s; sources in checks/data/thresholds/peer_p2p.toml). Real H100
 # `nvidia-smi nvlink -e` lists links 0..17 (fixtures/logs/nvswitch/stas00__nvidia-smi-nvlink-e__H100-FRAGMENT.txt).
 SKU_LINKS = {"H100-SXM-HGX": 18, "H200-SXM-HGX": 18, "B200-HGX": 18, "GB200-NVL72": 18, "GB300-NVL72": 18}
+EXPECT = ("auto", "yes", "no")
 
 
 @dataclass(frozen=True)
@@ -53,13 +72,38 @@ class NvlinkSample:
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> NvlinkSample:
     readings, problems = read_each_gpu(node, CHECK_NAME, lambda gpu: node.nvml.nvlinks(gpu))
-    expected = int(cfg["expected_links"]) or SKU_LINKS.get(node.info.sku, 0)
+    mode = cfg["expect_nvlink"]
+    if mode not in EXPECT:
+        raise ConfigError(f"checks.{CHECK_NAME}.expect_nvlink must be auto, yes or no, got {mode!r}")
+    expected = 0 if mode == "no" else int(cfg["expected_links"]) or SKU_LINKS.get(node.info.sku, 0)
     gpus = tuple(GpuLinks(g.index, g.entity.id, g.pci, tuple(links)) for g, links in readings)
-    seen_active = any(link.get("active_seen") for g in state.get("gpus", {}).values()
-                      for link in g.get("links", {}).values())
+    known = state.get("gpus", {})
+    seen_active = any(link.get("active_seen") for g in known.values() for link in g.get("links", {}).values())
     if not expected and not seen_active and not problems and not any(g.links for g in gpus):
-        raise NotApplicable("no GPU reports an NVLink and the SKU expects none")
+        raise NotApplicable("no GPU reports an NVLink and none is expected"
+                            + (" (expect_nvlink = \"no\")" if mode == "no" else " on this SKU"))
+    silent = [g for g in gpus if not g.links and not _ever_reported(known.get(g.uuid))]
+    if mode == "auto" and expected and gpus and len(silent) == len(gpus):
+        # No GPU has ever reported a link: NVLink is not exposed here, or it is broken on every GPU at once.
+        nvml = "NVML answers NOT_SUPPORTED or INVALID_ARGUMENT for every NVLink"
+        if len(gpus) == 1 and not problems:
+            raise NotApplicable(f"{nvml} of GPU {gpus[0].index}, the only GPU on this node: NVLink is not exposed "
+                                f"to this system (a GPU passed through alone to a VM); the {expected} links per GPU "
+                                f"of {node.info.sku} are not expected here")
+        unknown = Finding(CHECK_NAME, "nvlink-not-exposed", Entity.node(node.hostname), Status.UNKNOWN,
+                          f"{nvml} of each of the {len(gpus)} GPUs, where {node.info.sku} has {expected} per GPU: "
+                          "NVLink is not exposed to this system (GPUs passed through to a VM without their "
+                          "NVSwitches) or it is down on every GPU at once; say which: [checks.nvlink_lanes] "
+                          "expect_nvlink = \"no\" for a node without NVLink, \"yes\" to judge the links as down",
+                          Action.NONE, {"gpus": [g.index for g in gpus], "expected_links": expected,
+                                        "sku": node.info.sku})
+        return NvlinkSample(0, gpus, (*problems, unknown))
     return NvlinkSample(expected, gpus, tuple(problems))
+
+
+def _ever_reported(rec: Mapping[str, Any] | None) -> bool:
+    """Whether NVML ever reported a link of this GPU (a reported link has counters; one only expected has none)."""
+    return rec is not None and any("counters" in link or link.get("active_seen") for link in rec["links"].values())
 
 
 def _advance(link: dict[str, Any], counters: Mapping[str, int], now: float, window_s: float) -> None:
@@ -231,12 +275,15 @@ SPEC = PassiveSpec(
     interval_s=30.0,
     defaults={
         "expected_links": 0,  # links per GPU; 0 = the SKU's count (18), else only links once seen active
+        "expect_nvlink": "auto",  # auto: a GPU that never reported a link is judged as in the module docstring |
+                                  # yes: the SKU's links always | no: only links seen active
         "rate_window_s": 60.0,  # DCGM's NVLink health watch looks at the last minute
         "crc_warn_per_minute": 0.0,  # CRC FLIT or DATA errors above this rate warn (DCGM: any)
         "crc_fail_per_minute": 6000.0,  # ... and above this fail (DCGM: 100 per second)
         "replay_warn_per_minute": 0.0,  # replays above this rate warn
         "recovery_fail_per_minute": 0.0,  # recoveries (link retraining) above this rate fail (DCGM: any)
     },
+    choices={"expect_nvlink": EXPECT},
     timeout_s=10.0,
     quiet=quiet,
     quiet_rejudge_s=300.0,  # 8 GPUs x 18 links x 4 counters: judging is most of a tick's cost

@@ -21,6 +21,7 @@ from .parse_nvidia_smi_topo import DISTANCE_NAMES, PCIE_DISTANCE, TopoMatrix, pa
 CHECK_NAME = "pcie_link"
 PCI_DEVICES = "/sys/bus/pci/devices"
 VENDORS = {"0x10de": "NVIDIA", "0x15b3": "Mellanox"}
+IB_CLASS = "/sys/class/infiniband"  # every RDMA device (InfiniBand or RoCE, any vendor)
 TOPO_TOOL = "nvidia-smi-topo-m"  # the recorded tool's name (tools/nvidia-smi-topo-m.out)
 TOPO_ARGV = ("nvidia-smi", "topo", "-m")
 NVML_GPU_IDLE = 0x1  # nvmlClocksEventReasonGpuIdle
@@ -259,6 +260,18 @@ def _gpus_on_bus(sysfs: Any, ignore: set[str]) -> list[str]:
             if bdf not in ignore and bdf.endswith(".0") and not sysfs.exists(f"{PCI_DEVICES}/{bdf}/physfn")]
 
 
+def _nic_on_bus(sysfs: Any) -> bool:
+    """An NVIDIA/Mellanox network function on the PCI bus (an HCA whose driver is not bound has no RDMA device)."""
+    for bdf in sysfs.listdir(PCI_DEVICES):
+        try:
+            if (sysfs.read(f"{PCI_DEVICES}/{bdf}/vendor") in VENDORS
+                    and _role("", sysfs.read(f"{PCI_DEVICES}/{bdf}/class")) == "nic"):
+                return True
+        except SourceError:
+            continue
+    return False
+
+
 def _read_nvml(node: Any, gpu: Any) -> NvmlLink:
     link = node.nvml.pcie_link(gpu)
     try:
@@ -268,7 +281,7 @@ def _read_nvml(node: Any, gpu: Any) -> NvmlLink:
     return NvmlLink(link["gen"], link["max_gen"], link["width"], link["max_width"], link["replay"], idle)
 
 
-def _affinity(node: Any, cfg: Mapping[str, Any], entity_of: Callable[[int], Entity]) -> list[Finding]:
+def _affinity(node: Any, cfg: Mapping[str, Any], entity_of: Callable[[int], Entity], has_nic: bool) -> list[Finding]:
     sku = node.info.sku
     worst = cfg["gpu_nic_max_distance"]
     if not worst:
@@ -301,6 +314,12 @@ def _affinity(node: Any, cfg: Mapping[str, Any], entity_of: Callable[[int], Enti
     except (ToolError, ParseError) as err:
         return [Finding(CHECK_NAME, "pcie-affinity-unknown", here, Status.UNKNOWN,
                         f"GPU<->NIC affinity could not be read: {err}")]
+    if not matrix.nics and not has_nic:
+        # Nothing to place: without an RDMA NIC there is no GPUDirect RDMA path (a VM given a GPU and no HCA).
+        return [Finding(CHECK_NAME, "pcie-affinity-not-checked", here, Status.OK,
+                        "GPU<->NIC affinity not judged: this node has no RDMA NIC (none in nvidia-smi topo -m, none "
+                        f"under {IB_CLASS}, no NVIDIA/Mellanox network function on the PCI bus)", Action.NONE,
+                        {"sku": sku, "reason": "no-rdma-nic"})]
     return decide_affinity(matrix, worst, entity_of, here)
 
 
@@ -358,7 +377,7 @@ def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:
     def entity_of(index: int) -> Entity:
         return by_index.get(index) or Entity("gpu", f"index-{index}", index)
 
-    yield from _affinity(node, cfg, entity_of)
+    yield from _affinity(node, cfg, entity_of, bool(node.sysfs.listdir(IB_CLASS)) or _nic_on_bus(node.sysfs))
 
 
 CHECK = CheckSpec(

@@ -299,6 +299,85 @@ def test_applicability(scenario_copy):
         Driver(gb200, {**CFG, "fabric_manager": "yes"}).at(T0)
 
 
+# ---------------------------------------------------------------- whose Fabric Manager: NVSwitches on the PCI bus
+NVSWITCHES = ["0000:83:00.0", "0000:84:00.0", "0000:85:00.0", "0000:86:00.0"]  # h100-hgx-healthy's, from its boot log
+
+
+def without_nvswitches(root):
+    """The node as a VM given the GPUs without their NVSwitches sees it: no class 0x0680 function on its bus."""
+    for bdf in NVSWITCHES:
+        shutil.rmtree(root / "sys/bus/pci/devices" / bdf)
+    return root
+
+
+def test_nvswitches_are_read_from_the_pci_bus(scenario_copy, tmp_path):
+    from gpuwarden.checks.fabric_manager import nvswitches_on_bus
+    assert nvswitches_on_bus(Sysfs(scenario_copy("h100-hgx-healthy"))) == NVSWITCHES
+    assert nvswitches_on_bus(Sysfs(scenario_copy("gb200-nvl72-healthy"))) == []  # the switches are in other trays
+    assert nvswitches_on_bus(Sysfs(scenario_copy("h200-vm-1gpu"))) == []
+    assert nvswitches_on_bus(Sysfs(tmp_path)) is None  # no PCI device list at all: could not look
+
+
+def test_a_vm_given_one_gpu_watches_no_fabric_manager(scenario_copy):
+    # The real capture: one H200 passed through, fabric state NOT_SUPPORTED, no NVSwitch, no systemctl, no FM.
+    root = scenario_copy("h200-vm-1gpu")
+    with pytest.raises(NotApplicable, match="no NVSwitch on this system's PCI bus and no GPU in an NVLink fabric"):
+        Driver(root).at(T0)
+    # Told to, it watches: the process table is the host's (kthreadd at PID 2) and holds no nv-fabricmanager.
+    (f,) = Driver(root, {**CFG, "fabric_manager": "required"}).at(T0).findings
+    assert (f.code, f.status, f.action) == ("fabric-manager-inactive", Status.FAIL, Action.DRAIN)
+
+
+def test_hgx_without_its_nvswitches_watches_no_fabric_manager(scenario_copy):
+    root = record_processes(without_nvswitches(scenario_copy("h100-hgx-healthy")), HOST)  # fabric NOT_SUPPORTED
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    with pytest.raises(NotApplicable, match="not this system's"):
+        Driver(root).at(T0)
+    # The same node with its switches: FM is this node's, and down.
+    for bdf in NVSWITCHES:
+        d = root / "sys/bus/pci/devices" / bdf
+        d.mkdir()
+        (d / "vendor").write_text("0x10de\n")
+        (d / "class").write_text("0x068000\n")
+    (f,) = Driver(root).at(T0).findings
+    assert (f.code, f.status, f.action) == ("fabric-manager-inactive", Status.FAIL, Action.DRAIN)
+    assert f.evidence["watched_because"] == f"4 NVSwitch(es) on this system's PCI bus ({', '.join(NVSWITCHES)})"
+
+
+def test_gpus_in_a_fabric_without_nvswitches_here_warn_never_drain(scenario_copy):
+    # A shared-NVSwitch guest (FM in the service VM) or an HGX whose switches are not PCI functions (B200): the GPUs
+    # are registered in a fabric, no NVSwitch is on this bus. FM not seen is worth a look, not a drain.
+    root = record_processes(without_nvswitches(hgx_recent_driver(scenario_copy)), HOST)
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    d = Driver(root)
+    for t in (T0, T0 + 3600):
+        j = d.at(t)
+        (f,) = j.findings
+        assert (f.code, f.status, f.action) == ("fabric-manager-inactive", Status.WARN, Action.MONITOR)
+        assert 'fabric_manager = \"off\"' in f.message and 'fabric_manager = \"required\"' in f.message
+        assert fm_up(j) == [0.0]
+    record_processes(root, [(48213, "nv-fabricmanager", FM_ARGV)])
+    j = d.at(T0 + 3630)
+    assert j.findings == () and fm_up(j) == [1.0]
+
+
+def test_an_unreadable_pci_bus_leaves_the_sku_to_decide(scenario_copy):
+    root = record_processes(scenario_copy("h100-hgx-healthy"), HOST)
+    shutil.rmtree(root / "sys/bus/pci")
+    record_tool(root, "systemctl-fabricmanager", "failed\n", 3)
+    (f,) = Driver(root).at(T0).findings
+    assert (f.code, f.status, f.action) == ("fabric-manager-inactive", Status.FAIL, Action.DRAIN)
+    assert "could not be read" in f.evidence["watched_because"]
+
+
+def test_nvswitches_on_the_bus_watch_fabric_manager_on_any_sku(scenario_copy):
+    root = record_processes(scenario_copy("h100-hgx-healthy"), HOST)  # e.g. an HGX A100: SKU unknown here
+    (root / "node.toml").write_text((root / "node.toml").read_text().replace('"H100-SXM-HGX"', '"unknown"'))
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    (f,) = Driver(root).at(T0).findings
+    assert (f.code, f.status) == ("fabric-manager-inactive", Status.FAIL)
+
+
 def test_lost_gpu_is_reported_and_the_others_judged(scenario_copy):
     root = scenario_copy("gb200-nvl72-faulty")
     set_fabric(root, 0, health_mask=with_mask(route_unhealthy=1))

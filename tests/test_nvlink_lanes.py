@@ -192,6 +192,78 @@ def test_no_nvlink_anywhere_is_not_applicable(scenario_copy):
     assert f.code == "nvlink-down" and f.evidence["reported"] is False
 
 
+def no_links(root, *gpus):
+    """GPUs whose NVLinks NVML does not expose: every link answers NOT_SUPPORTED / INVALID_ARGUMENT, which the
+    source reads as no link at all (the real H200 VM capture records "nvlinks": [])."""
+    edit_nvml(root, lambda data: [g.update(nvlinks=[]) for g in data["gpus"] if not gpus or g["index"] in gpus])
+
+
+def test_the_only_gpu_reporting_no_link_is_skipped(scenario_copy):
+    root = scenario_copy("h200-vm-1gpu")  # a real capture: one H200 passed through to a VM, "nvlinks": []
+    with pytest.raises(NotApplicable, match="NOT_SUPPORTED or INVALID_ARGUMENT for every NVLink of GPU 0, the only "
+                                            "GPU on this node: NVLink is not exposed to this system"):
+        Driver(root).at(T0)
+    # Told that the links exist, the check judges them: all 18 down.
+    findings = Driver(root, {**CFG, "expect_nvlink": "yes"}).at(T0).findings
+    assert len(findings) == 18 and {(f.code, f.status, f.action) for f in findings} == {
+        ("nvlink-down", Status.FAIL, Action.RESET_GPU)}
+    with pytest.raises(NotApplicable, match="expect_nvlink = \"no\""):
+        Driver(root, {**CFG, "expect_nvlink": "no"}).at(T0)
+
+
+def test_several_gpus_none_reporting_a_link_is_unknown_never_fail(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    no_links(root)
+    d = Driver(root)
+    for t in (T0, T0 + 30, T0 + 3600):  # stays UNKNOWN: time does not turn it into a fault
+        (f,) = d.at(t).findings
+        assert (f.code, f.status, f.action, f.entity.kind) == ("nvlink-not-exposed", Status.UNKNOWN, Action.NONE,
+                                                               "node")
+        assert 'expect_nvlink = "no"' in f.message and "each of the 8 GPUs" in f.message
+        assert f.evidence == {"gpus": list(range(8)), "expected_links": 18, "sku": "H100-SXM-HGX"}
+    with pytest.raises(NotApplicable):
+        Driver(root, {**CFG, "expect_nvlink": "no"}).at(T0)
+    assert len(Driver(root, {**CFG, "expect_nvlink": "yes"}).at(T0).findings) == 8 * 18
+
+
+def test_one_gpu_without_links_beside_gpus_with_them_fails(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    no_links(root, 4)  # an asymmetry on one board is a fault, not a deployment
+    findings = Driver(root).at(T0).findings
+    assert len(findings) == 18 and {(f.entity.index, f.code, f.status) for f in findings} == {
+        (4, "nvlink-down", Status.FAIL)}
+    assert all(not f.evidence["reported"] for f in findings)
+
+
+def test_links_once_reported_and_now_gone_fail_on_every_gpu(scenario_copy):
+    root = scenario_copy("h100-hgx-healthy")
+    d = Driver(root)
+    assert d.at(T0).findings == ()
+    no_links(root)  # every GPU stops reporting its links: not "not exposed", they were there
+    findings = d.at(T0 + 30).findings
+    assert len(findings) == 8 * 18 and all(f.evidence["was_active"] and f.status is Status.FAIL for f in findings)
+    # The same after a restart of the daemon: the persisted state remembers the links.
+    assert len(d.at(T0 + 60, restart=True).findings) == 8 * 18
+
+
+def test_a_single_gpu_that_had_links_is_not_skipped(scenario_copy):
+    root = scenario_copy("h200-vm-1gpu")
+    edit_nvml(root, lambda data: data["gpus"][0].update(nvlinks=[
+        {"link": n, "state": 1, "errors": {c: 0 for c in nvlink_lanes.COUNTERS}} for n in range(18)]))
+    d = Driver(root)
+    assert d.at(T0).findings == ()
+    no_links(root)
+    findings = d.at(T0 + 30).findings
+    assert len(findings) == 18 and all(f.evidence["was_active"] for f in findings)
+
+
+def test_expect_nvlink_is_checked():
+    from gpuwarden.agent.errors import ConfigError
+    with pytest.raises(ConfigError, match="expect_nvlink must be auto, yes or no"):
+        CHECK.sample(Node.recorded_at(Path(__file__).resolve().parent.parent / "fixtures/nodes/h100-hgx-healthy"),
+                     {**CFG, "expect_nvlink": "maybe"}, {})
+
+
 # ---------------------------------------------------------------- error rates
 def test_error_rates_warn_and_fail_then_age_out(scenario_copy):
     root = scenario_copy("gb200-nvl72-healthy")

@@ -338,6 +338,29 @@ def test_fabric_manager_processes_are_recorded(scenario_copy, tmp_path):
     assert replayed.pids == (48213,)  # the script is not FM, on both
 
 
+def test_nvswitches_are_recorded_so_a_replay_knows_whose_fabric_manager_it_is(tmp_path):
+    from gpuwarden.agent.sources.sysfs import Sysfs
+    from gpuwarden.checks.fabric_manager import nvswitches_on_bus
+
+    src = NODES / "h100-hgx-healthy"
+    out = tmp_path / "recorded"
+    record(Node.recorded_at(src), out)
+    switches = nvswitches_on_bus(Sysfs(src))
+    assert len(switches) == 4 and nvswitches_on_bus(Sysfs(out)) == switches
+    for bdf in switches:
+        for name in ("vendor", "device", "class"):
+            assert (out / "sys/bus/pci/devices" / bdf / name).read_text() == (
+                src / "sys/bus/pci/devices" / bdf / name).read_text()
+
+
+def test_the_recorded_h200_vm_replays_from_a_new_recording(tmp_path):
+    """A recording of the bundled real capture reads back to the same quick verdict (record is idempotent)."""
+    src = NODES / "h200-vm-1gpu"
+    out = tmp_path / "recorded"
+    assert record(Node.recorded_at(src), out) == []
+    assert findings(out) == findings(src)
+
+
 def test_a_table_that_is_not_the_hosts_stays_unknown(scenario_copy, tmp_path):
     src = write_processes(scenario_copy("h100-hgx-healthy"), [(1, "tini", ["/tini"]), (7, "bash", ["bash"])])
     out = tmp_path / "recorded"
