@@ -544,8 +544,19 @@ class FakeKubeApi:
             for item in items:  # list items carry no kind/apiVersion, as the real server sends them
                 item.pop("kind", None)
                 item.pop("apiVersion", None)
-            return 200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)},
-                         "items": items}
+            return 200, self._page("NodeList", items, query)
+
+    def _page(self, kind: str, items: list[dict], query: dict) -> dict:
+        """A list answer, a page of `limit` items with a `continue` token when more follow."""
+        try:
+            start, limit = int(query.get("continue") or 0), int(query.get("limit") or 0)
+        except ValueError as e:
+            raise ApiStatus(400, f"bad limit or continue: {e}") from e
+        end = start + limit if limit > 0 else len(items)
+        meta: dict[str, Any] = {"resourceVersion": str(self.rv)}
+        if end < len(items):
+            meta["continue"] = str(end)
+        return {"kind": kind, "apiVersion": "v1", "metadata": meta, "items": items[start:end]}
 
     def _list_pods(self, ns: str | None, query: dict) -> tuple[int, dict]:
         self._check_rbac("list", "pods")
@@ -563,8 +574,7 @@ class FakeKubeApi:
                     item.pop("kind", None)
                     item.pop("apiVersion", None)
                     items.append(item)
-            return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)},
-                         "items": items}
+            return 200, self._page("PodList", items, query)
 
     def _node(self, method: str, name: str, sub: str, ctype: str, body: bytes) -> tuple[int, dict]:
         resource = "nodes/status" if sub else "nodes"
@@ -720,6 +730,7 @@ class FakeKubeApi:
 class _Handler(BaseHTTPRequestHandler):
     server_api: FakeKubeApi
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go as separate writes: no 40 ms wait on each answer
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: the requests are kept in server_api.requests
         pass
