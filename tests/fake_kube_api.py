@@ -18,9 +18,10 @@ adapter's real client code runs against real request and response shapes:
   unknown patch type, 422 for invalid labels, taints or conditions.
 
 Knobs for failures: `fail(status, count)` answers the next requests with a 5xx (or any status), `hang()` holds
-every request without an answer until `unhang()` or `stop()`, `interfere(node, fn)` lets another writer change a
-node just before the next write to it (a real 409 for the writer that read first), `gate_writes(n)` holds node
-writes until `n` of them have arrived (two writers racing on one object).
+every request without an answer until `unhang()` or `stop()`, `trickle_s` sends answers a byte at a time,
+`interfere(node, fn)` lets another writer change a node just before the next write to it (a real 409 for the
+writer that read first), `gate_writes(n)` holds node writes until `n` of them have arrived (two writers racing on
+one object).
 
 Not modelled: watch, server-side apply, admission, field managers, graceful deletion timers, namespaces as objects.
 """
@@ -290,6 +291,7 @@ class FakeKubeApi:
         self.requests: list[dict] = []  # method, path, query, content_type, code of every request answered
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) pairs RBAC would refuse
         self.linger_evictions = False  # an evicted pod starts terminating (deletionTimestamp) instead of going
+        self.trickle_s = 0.0  # > 0: answers are sent one byte at a time, this long apart (a server that crawls)
         self._fail: list[int] = []
         self._hang = threading.Event()
         self._stopping = threading.Event()
@@ -757,7 +759,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
         self.end_headers()
-        self.wfile.write(out)
+        if api.trickle_s <= 0:
+            self.wfile.write(out)
+            return
+        try:
+            for i in range(len(out)):
+                if api._stopping.is_set():
+                    break
+                self.wfile.write(out[i:i + 1])
+                self.wfile.flush()
+                time.sleep(api.trickle_s)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up on it
+        self.close_connection = True
 
     do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _serve
 

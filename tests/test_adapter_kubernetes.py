@@ -338,6 +338,15 @@ def test_kubernetes_spare_pool_return_take_and_retry(api, make):
     assert k8s.SPARE_LABEL not in api.node_obj("spare-b")["metadata"]["labels"]
 
 
+def test_kubernetes_a_spare_without_domain_labels_is_still_found_again_once_taken(api, make):
+    api.add_node("spare-x")  # no clique label: the pool's domain becomes its domain
+    adapter = make()
+    adapter.return_to_pool("spare-x", DOMAIN)
+    assert adapter.node("spare-x").domain == DOMAIN
+    assert adapter.take_spare(DOMAIN, "gpu-1") == "spare-x"
+    assert adapter.take_spare(DOMAIN, "gpu-1") == "spare-x"
+
+
 def test_kubernetes_domain_from_the_clique_label_and_publish_domain(api, make):
     api.add_node("gpu-gfd", labels={CLIQUE: DOMAIN})
     api.add_node("gpu-bare")
@@ -429,6 +438,16 @@ def test_kubernetes_a_hanging_api_server_is_transient_within_the_timeout(api, ma
     api.unhang()
     adapter.cordon("gpu-1", REASON)  # once it answers again, the call goes through
     assert our_taint(api, "gpu-1")["value"] == "cordoned"
+
+
+def test_kubernetes_a_crawling_api_server_is_transient_within_the_timeout(api, make):
+    api.add_node("gpu-1")
+    adapter = make(timeout_s=1.0)
+    api.trickle_s = 0.05  # every byte comes in time for a read timeout, the whole answer never in time
+    with pytest.raises(Transient, match="time ran out"):
+        adapter.node("gpu-1")
+    api.trickle_s = 0.0
+    assert adapter.node("gpu-1").name == "gpu-1"
 
 
 @pytest.mark.parametrize("code", [500, 503, 429])

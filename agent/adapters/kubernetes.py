@@ -90,6 +90,18 @@ def _is_label_value(value: Any) -> bool:
             and all(c.isascii() and (c.isalnum() or c in "-_.") for c in value))
 
 
+def _name(obj: dict) -> str:
+    return str((obj.get("metadata") or {}).get("name") or "")
+
+
+def _rv(obj: dict) -> str:
+    """The object's resourceVersion: every write is guarded by it, so an answer without one cannot be written."""
+    rv = (obj.get("metadata") or {}).get("resourceVersion")
+    if not isinstance(rv, str) or not rv:
+        raise Transient(f"the API server sent {_name(obj) or 'an object'} without a resourceVersion")
+    return rv
+
+
 def _labels(node: dict) -> dict:
     return (node.get("metadata") or {}).get("labels") or {}
 
@@ -318,7 +330,7 @@ class KubernetesAdapter:
             patch = change(node)
             if patch is None:
                 return node, False
-            patch.setdefault("metadata", {})["resourceVersion"] = node["metadata"]["resourceVersion"]
+            patch.setdefault("metadata", {})["resourceVersion"] = _rv(node)
             try:
                 return self._req(f"patch node {name}", "patch", self._core.Node, name, patch,
                                  patch_type=self._patch_type.MERGE), True
@@ -343,7 +355,7 @@ class KubernetesAdapter:
             cond = {"type": CONDITION, "status": status, "reason": reason, "message": message,
                     "lastHeartbeatTime": now,
                     "lastTransitionTime": now if moved else _stamp(old.get("lastTransitionTime"))}
-            patch = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+            patch = {"metadata": {"resourceVersion": _rv(node)},
                      "status": {"conditions": [cond]}}
             try:
                 self._req(f"patch node {name} status", "patch", self._core.Node.Status, name, patch,
@@ -434,13 +446,16 @@ class KubernetesAdapter:
         for pod in self._pods(node):
             if not evictable(pod):
                 continue
-            meta = pod["metadata"]
-            key = f"{meta['namespace']}/{meta['name']}"
+            meta = pod.get("metadata") or {}
+            namespace, pod_name = meta.get("namespace"), meta.get("name")
+            key = f"{namespace}/{pod_name}"
+            if not (_is_dns_subdomain(namespace) and _is_dns_subdomain(pod_name)):
+                raise Refused(f"drain {node}: the API server listed a pod whose name is not valid ({key[:300]!r})")
             if meta.get("deletionTimestamp"):
                 terminating.append(key)
                 continue
             try:
-                self._evict(meta["namespace"], meta["name"])
+                self._evict(namespace, pod_name)
             except _HttpError as e:
                 if e.code == 404:  # gone already
                     continue
@@ -459,7 +474,7 @@ class KubernetesAdapter:
         self._blocked_reported.pop(node, None)
         remaining = [p for p in self._pods(node) if evictable(p)]
         if remaining:
-            names = sorted(f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in remaining)
+            names = sorted(f"{(p.get('metadata') or {}).get('namespace')}/{_name(p)}" for p in remaining)
             raise Transient(f"drain {node}: {len(names)} pod(s) still terminating ({', '.join(names[:10])}); "
                             "retry later")
         cond = _condition(obj, CONDITION) or {}
@@ -527,15 +542,15 @@ class KubernetesAdapter:
 
     def _spare_nodes(self, domain: str, nodes: list[dict]) -> list[dict]:
         return sorted((n for n in nodes if _labels(n).get(SPARE_LABEL) == domain and _is_spare(n)
-                       and _level(n) is None and (_condition(n, "Ready") or {}).get("status") == "True"),
-                      key=lambda n: n["metadata"]["name"])
+                       and _level(n) is None and (_condition(n, "Ready") or {}).get("status") == "True"
+                       and _is_dns_subdomain(_name(n))), key=_name)
 
     @_bounded
     def spares(self, domain: str) -> list[str]:
         if not _is_label_value(domain):
             return []
         found = self._list_nodes(labels={SPARE_LABEL: domain})
-        return [n["metadata"]["name"] for n in self._spare_nodes(domain, found)]
+        return [_name(n) for n in self._spare_nodes(domain, found)]
 
     @_bounded
     def take_spare(self, domain: str, for_node: str) -> str | None:
@@ -544,11 +559,11 @@ class KubernetesAdapter:
         fleet = self._list_nodes()
         for n in fleet:  # a retried intent: the spare already taken for this node
             if _annotations(n).get(TAKEN_FOR) == for_node and domain_of(n) == domain and not _is_spare(n) \
-                    and _level(n) is None:
+                    and _level(n) is None and _is_dns_subdomain(_name(n)):
                 self._took(n, for_node, changed=False)
-                return n["metadata"]["name"]
+                return _name(n)
         for candidate in self._spare_nodes(domain, fleet):
-            name = candidate["metadata"]["name"]
+            name = _name(candidate)
             node: dict | None = candidate
             for _ in range(self.conflict_retries + 1):
                 if node is None:
@@ -560,7 +575,7 @@ class KubernetesAdapter:
                         raise
                 if _labels(node).get(SPARE_LABEL) != domain or not _is_spare(node) or _level(node) is not None:
                     break  # another agent took it (or it went bad): the next one
-                patch = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"],
+                patch = {"metadata": {"resourceVersion": _rv(node),
                                       "labels": {SPARE_LABEL: None}, "annotations": {TAKEN_FOR: for_node}},
                          "spec": {"taints": _with_taint(_taints(node), SPARE_TAINT, None, None)}}
                 if _annotations(node).get(OURS_UNSCHEDULABLE) == "true":
@@ -581,7 +596,7 @@ class KubernetesAdapter:
         return None
 
     def _took(self, node: dict, for_node: str, changed: bool) -> None:
-        name = node["metadata"]["name"]
+        name = _name(node)
         wrote = self._set_condition(name, node, "True", "InService",
                                     f"{REASON_PREFIX} spare in service in place of {for_node}")
         if changed or wrote:
@@ -603,6 +618,8 @@ class KubernetesAdapter:
                 patch.setdefault("spec", {})["taints"] = taints
             if _labels(n).get(SPARE_LABEL) != domain:
                 patch.setdefault("metadata", {}).setdefault("labels", {})[SPARE_LABEL] = domain
+            if domain_of(n) is None:  # so the spare is still known as the domain's once taken into service
+                patch.setdefault("metadata", {}).setdefault("labels", {})[DOMAIN_LABEL] = domain
             if not (n.get("spec") or {}).get("unschedulable"):
                 patch.setdefault("spec", {})["unschedulable"] = True
                 patch.setdefault("metadata", {}).setdefault("annotations", {})[OURS_UNSCHEDULABLE] = "true"
