@@ -11,11 +11,8 @@ import pytest
 
 from conftest import ROOT
 from fake_kube_api import FakeKubeApi
-
-pytest.importorskip("lightkube", reason="the [kubernetes] extra (lightkube) is part of the [test] extra")
-
-from gpuwarden.agent.adapters import kubernetes as k8s  # noqa: E402
-from gpuwarden.agent.adapters.base import SPARE_REASON, Refused, Service, Transient  # noqa: E402
+from gpuwarden.agent.adapters import kubernetes as k8s  # the client comes with the [test] extra: never skipped
+from gpuwarden.agent.adapters.base import SPARE_REASON, Refused, Service, Transient
 
 REASON = "gpuwarden: xid 79 GPU3 0000:1b:00.0"
 DOMAIN = "c9d0e4f2-1a2b-4c3d-8e9f-001122334455.7"

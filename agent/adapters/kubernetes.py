@@ -442,7 +442,7 @@ class KubernetesAdapter:
         obj = self._mark(node, "draining", reason)
         if _level(obj) in ("drained", "quarantined"):
             return obj
-        blocked, terminating = [], []
+        blocked: list[str] = []
         for pod in self._pods(node):
             if not evictable(pod):
                 continue
@@ -451,8 +451,7 @@ class KubernetesAdapter:
             key = f"{namespace}/{pod_name}"
             if not (_is_dns_subdomain(namespace) and _is_dns_subdomain(pod_name)):
                 raise Refused(f"drain {node}: the API server listed a pod whose name is not valid ({key[:300]!r})")
-            if meta.get("deletionTimestamp"):
-                terminating.append(key)
+            if meta.get("deletionTimestamp"):  # evicted already, terminating: waited for below
                 continue
             try:
                 self._evict(namespace, pod_name)
@@ -463,7 +462,6 @@ class KubernetesAdapter:
                     blocked.append(key)
                     continue
                 raise _typed(e, f"evict {key}") from e
-            terminating.append(key)
         if blocked:
             if self._blocked_reported.get(node) != frozenset(blocked):
                 self._blocked_reported[node] = frozenset(blocked)
