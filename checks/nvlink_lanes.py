@@ -68,6 +68,10 @@ class NvlinkSample:
     expected_links: int  # per GPU, from the SKU or the config (0: only links seen active count)
     gpus: tuple[GpuLinks, ...]
     problems: tuple[Finding, ...]  # GPUs NVML could not read (lost -> FAIL, other errors -> UNKNOWN)
+    # GPUs whose NVLink fabric registration has not completed yet (NVML fabric state NOT_STARTED or IN_PROGRESS):
+    # their links come up only once Fabric Manager has trained them, so a link down there is not judged; the
+    # check `fabric` fails a registration that does not complete within its settle_s.
+    fabric_pending: frozenset[str] = frozenset()
 
 
 def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> NvlinkSample:
@@ -98,7 +102,25 @@ def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> Nvlin
                           Action.NONE, {"gpus": [g.index for g in gpus], "expected_links": expected,
                                         "sku": node.info.sku})
         return NvlinkSample(0, gpus, (*problems, unknown))
-    return NvlinkSample(expected, gpus, tuple(problems))
+    return NvlinkSample(expected, gpus, tuple(problems), _fabric_pending(node, [g for g, _ in readings]))
+
+
+FABRIC_PENDING_STATES = (1, 2)  # NVML_GPU_FABRIC_STATE_NOT_STARTED, _IN_PROGRESS (checks/fabric.py STATES)
+
+
+def _fabric_pending(node: Any, gpus: list[Any]) -> frozenset[str]:
+    """The GPUs still registering with the NVLink fabric. At boot the node agent can look before Fabric Manager has
+    trained the links (FM user guide: GPUs register, then links train); links down then are the boot, not a fault.
+    A GPU whose fabric state cannot be read is judged as usual."""
+    pending = set()
+    for gpu in gpus:
+        try:
+            state = int(node.nvml.fabric_info(gpu)["state"])
+        except Exception:  # noqa: BLE001 - not supported, or unreadable: no reason to hold the judgement back
+            continue
+        if state in FABRIC_PENDING_STATES:
+            pending.add(gpu.entity.id)
+    return frozenset(pending)
 
 
 def _ever_reported(rec: Mapping[str, Any] | None) -> bool:
@@ -161,7 +183,7 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
                 lrec["down_since"] = now
             per_gpu.add({"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}, up, n in expected,
                         lrec if n in reported else None)
-            if n in expected and not up:
+            if n in expected and not up and g.uuid not in smp.fabric_pending:
                 findings.append(_down(entity, g, lrec, n in reported, smp.expected_links, now,
                                       rec.get("baseline_active")))
             elif up:

@@ -125,6 +125,34 @@ def test_a_link_that_drops_is_reset_gpu_until_it_is_back(scenario_copy):
     assert not [m for m in j.metrics if "link" in m.labels]  # clean again: its series go
 
 
+def test_links_of_a_gpu_still_registering_with_the_fabric_are_not_judged_at_boot(scenario_copy):
+    """At boot the agent can look before Fabric Manager has trained the links: every link inactive while the GPU's
+    fabric registration is in progress is the boot, not a fault (the check `fabric` fails a registration that
+    does not complete). Once registered, a link still down fails."""
+    root = scenario_copy("h100-hgx-healthy")
+
+    def booting(state):
+        def change(data):
+            for gpu in data["gpus"]:
+                gpu.get("errors", {}).pop("nvmlDeviceGetGpuFabricInfoV", None)  # recorded on driver 535
+                gpu["fabric"] = {"cluster_uuid": "00000000-0000-0000-0000-000000000000", "clique_id": 0,
+                                 "state": state, "status": 0, "health_mask": 0}
+                for link in gpu["nvlinks"]:
+                    link["state"] = 0 if state != 3 else 1
+        edit_nvml(root, change)
+
+    booting(2)  # IN_PROGRESS, links not trained yet
+    d = Driver(root)
+    assert not [f for f in d.at(T0).findings if f.code == "nvlink-down"]
+    booting(1)  # NOT_STARTED (Fabric Manager not up yet)
+    assert not [f for f in d.at(T0 + 30).findings if f.code == "nvlink-down"]
+    booting(3)  # COMPLETED: the links trained
+    assert d.at(T0 + 60).findings == ()
+    set_link(root, 3, 17, state=0)  # a link that drops after registration is judged again
+    (f,) = d.at(T0 + 90).findings
+    assert (f.code, f.status, f.entity.index, f.entity.link) == ("nvlink-down", Status.FAIL, 3, 17)
+
+
 def test_links_the_sku_has_are_expected_from_the_first_sample(scenario_copy):
     root = scenario_copy("h100-hgx-healthy")
     set_link(root, 3, 17, state=0)  # never came up after boot
