@@ -80,6 +80,24 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
     st.add_argument("--json", action="store_true")
 
+    brk = sub.add_parser("breaker", help="the circuit breaker that holds cordons when too many nodes are drained")
+    brk_sub = brk.add_subparsers(dest="breaker_command", required=True)
+    reset = brk_sub.add_parser("reset", help="close a latched breaker: the running daemon judges the fleet again, "
+                                             "counting only drains after now")
+    reset.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
+
+    topo = sub.add_parser("topology", help="the NVLink domains of the fleet: Slurm topology.conf/topology.yaml, "
+                                           "Kubernetes labels")
+    topo.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
+    topo.add_argument("--state-dir", type=Path, help="the local adapter's folder (default /var/lib/gpuwarden)")
+    try:
+        from . import topology
+    except ImportError:  # not part of this installation: the command says so when run
+        topology = None
+    if topology is not None:
+        topology.add_arguments(topo)
+    _log_flags(topo)
+
     sub.add_parser("checks", help="list the checks and their config keys")
     return p
 
@@ -203,6 +221,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return print_status(args)
 
 
+def cmd_breaker(args: argparse.Namespace) -> int:
+    from .run import breaker_reset
+
+    return breaker_reset(args)
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import all_specs
+
+    from .adapters import build
+
+    try:
+        from . import topology
+    except ImportError as exc:
+        raise GpuwardenError(f"topology is not available in this installation ({exc})") from None
+    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
+    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+    name = cfg.remediation["adapter"]
+    state_dir = Path(args.state_dir or cfg.agent["state_dir"])
+    return topology.run(args, cfg, build(name, cfg.remediation.get(name, {}), state_dir))
+
+
 def cmd_checks(args: argparse.Namespace) -> int:
     """Every check once, with where it runs (preflight level quick|full; the daemon's poll interval or "kmsg" for
     the followed kernel log) and its one config table, which every form of the check reads."""
@@ -233,7 +273,7 @@ def cmd_checks(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
-               "run": cmd_run, "status": cmd_status}
+               "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

@@ -1,0 +1,337 @@
+"""The remediation engine driven through time with a controlled clock: a scheduler outage delays and loses nothing,
+a refusal is recorded, the dry run never reaches the scheduler, a restart reconciles instead of replaying, the
+circuit breaker latches until reset, the recovery steps and the spare swap record what they did."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fake_scheduler import DictScheduler
+from gpuwarden.agent.remediation import RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, read_actions
+
+ME = "tray03"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allow: bool
+    reason: str
+    cluster: tuple
+    domain: tuple | None
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Journal:
+    """What the daemon does with the engine's hooks: outcomes in order, meta values, the store's reset time."""
+
+    def __init__(self):
+        self.done: list[tuple[str, str]] = []
+        self.meta: dict = {}
+        self.clear = False
+
+    def hooks(self) -> Hooks:
+        return Hooks(done=lambda key, at, outcome: self.done.append((key, outcome)),
+                     set_meta=self.meta.__setitem__, fault_clear=lambda: self.clear, read_meta=self.meta.get)
+
+    def outcomes(self) -> list[str]:
+        return [o for _, o in self.done]
+
+
+def fleet(n: int = 4, **mine) -> dict:
+    nodes = {f"tray{i:02d}": {"domain": "rack07"} for i in range(n)}
+    nodes[ME] = {"domain": "rack07", **mine}
+    return nodes
+
+
+def intents(*actions: str, at: float = 1000.0, reason: str = "xid/79 on GPU0") -> list:
+    return [(f"{at:.6f}:k:{a}", a, {"at": at, "reason": reason}) for a in actions]
+
+
+def allow(nodes, node, domain, now, policy, reset_at=None):
+    """A breaker verdict that lets every cordon through (the gate's own tests construct the others)."""
+    return Verdict(True, "allowed", (1, len(nodes)), None)
+
+
+def engine(sched, journal, clock, tmp_path: Path, mode: str = "act", **kw) -> Engine:
+    kw.setdefault("judge", allow)
+    settings = Settings(mode=mode, node_name=ME, retry_min_s=1.0, retry_max_s=8.0,
+                        actions_path=tmp_path / "actions.jsonl", **kw.pop("settings", {}))
+    return Engine(sched, settings, journal.hooks(), clock=clock, **kw)
+
+
+def run(e: Engine, clock: Clock, turns: int = 50, until=None) -> list[float]:
+    """Turns of the worker, the clock moved by what each turn asked to wait (no real sleeping)."""
+    waits = []
+    for _ in range(turns):
+        if until is not None and until():
+            break
+        wait = e.step()
+        waits.append(wait)
+        if wait == float("inf"):
+            break
+        clock.t += wait
+    return waits
+
+
+def sample(e: Engine, name: str, **labels) -> float:
+    (value,) = [s.value for s in e.samples() if s.name == name and s.labels == labels]
+    return value
+
+
+def test_an_outage_delays_and_loses_nothing_in_order(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+    e = engine(sched, journal, clock, tmp_path)
+    e.enqueue(intents("cordon", "drain", "quarantine"))
+    sched.outage = "slurmctld not responding"
+    waits = run(e, clock, turns=6)
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]  # the backoff doubles up to retry_max_s
+    assert sched.changes == [] and journal.done == []  # nothing lost, nothing marked done
+    assert len(e.pending()) == 3 and sample(e, "gpuwarden_scheduler_reachable") == 0.0
+    assert journal.meta[STATUS_KEY]["scheduler_error"] == "slurmctld not responding"
+    sched.outage = None
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("cordon", ME), ("drain", ME), ("quarantine", ME)]  # each once, in order
+    assert [k.rsplit(":", 1)[1] for k, _ in journal.done] == ["cordon", "drain", "quarantine"]
+    assert journal.outcomes() == ["done", "done", "done"]
+    assert sample(e, "gpuwarden_scheduler_reachable") == 1.0
+    assert sched.state(ME)["reason"].startswith("gpuwarden: xid/79")  # our prefix and the finding
+
+
+def test_a_refusal_is_recorded_and_counted_and_the_queue_goes_on(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(service="drained", reason="admin: bad PSU", ours=False), clock=clock)
+    e = engine(sched, journal, clock, tmp_path)
+    e.enqueue(intents("resume", "publish_domain"))
+    run(e, clock, until=lambda: not e.pending())
+    assert journal.outcomes()[0].startswith("refused: ") and "not ours" in journal.outcomes()[0]
+    assert sched.state(ME)["service"] == "drained"  # an administrator's drain is never undone
+    assert sample(e, "gpuwarden_intents_carried_out", outcome="refused") == 1.0
+
+
+def test_dry_run_never_calls_the_scheduler(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, mode="dry-run", domain="rack07")
+    e.enqueue(e.start(clock()))
+    e.enqueue(intents("cordon", "drain", "quarantine", "take_spare", "reboot", "ticket"))
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.calls == []  # not even a read
+    logged = read_actions(tmp_path / "actions.jsonl")
+    assert [a["action"] for a in logged] == ["publish_domain", "cordon", "drain", "quarantine", "take_spare",
+                                            "reboot", "ticket"]
+    assert all(o.startswith("dry-run") for o in journal.outcomes())
+    assert sample(e, "gpuwarden_remediation_acting") == 0.0
+
+
+def test_a_restart_reconciles_instead_of_replaying(tmp_path):
+    """The crash came after the scheduler drained and quarantined the node, before the journal marked the intents
+    done: the next start reads the node's state and marks them done without a second call."""
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(service="drained", reason="gpuwarden: xid/79", ours=True, quarantined=True),
+                          clock=clock)
+    e = engine(sched, journal, clock, tmp_path)
+    e.enqueue(intents("cordon", "drain", "quarantine"))
+    run(e, clock, until=lambda: not e.pending())
+    assert [c for c, _ in sched.calls] == ["node", "node", "node"]  # reads only
+    assert sched.changes == []
+    assert all(o.startswith("already so at the scheduler (drained, ours, quarantined") for o in journal.outcomes())
+
+
+def test_a_call_that_timed_out_after_taking_effect_is_not_repeated(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+
+    class TimesOutAfter(DictScheduler):
+        pass
+
+    real = sched.drain
+
+    def drain(node, reason):  # the scheduler did it, the answer never came
+        real(node, reason)
+        from gpuwarden.agent.adapters.base import Transient
+        raise Transient("timed out after 5 s")
+
+    sched.drain = drain
+    e = engine(sched, journal, clock, tmp_path)
+    e.enqueue(intents("drain"))
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("drain", ME)]
+    assert journal.outcomes() == ["already so at the scheduler (drained, ours)"]
+
+
+# -- the circuit breaker's gate (the verdict as agent/breaker.py gives it) -------------------------------------------
+def test_the_breaker_latches_until_reset_and_nothing_is_lost(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+    asked = []
+
+    def judge(nodes, node, domain, now, policy, reset_at=None):
+        asked.append(reset_at)
+        if reset_at is None:
+            return Verdict(False, "3 of 5 nodes drained by us in 600 s (limit 10 %)", (3, 5), (3, 5))
+        return Verdict(True, "1 of 5", (1, 5), (1, 5))
+
+    e = engine(sched, journal, clock, tmp_path, judge=judge, domain="rack07")
+    e.enqueue(intents("cordon", "drain"))
+    waits = run(e, clock, turns=5)
+    assert waits == [5.0] * 5 and len(asked) == 1  # latched: not asked again until a reset
+    assert sched.changes == [] and journal.done == [] and len(e.pending()) == 2  # waiting, neither lost nor done
+    assert sample(e, "gpuwarden_breaker_open") == 1.0
+    status = journal.meta[STATUS_KEY]["breaker"]
+    assert status["reason"].startswith("3 of 5") and status["cluster"] == [3, 5]
+    # A restart keeps the latch (the status is the store's).
+    again = engine(sched, journal, clock, tmp_path, judge=judge, domain="rack07")
+    again.enqueue(intents("cordon", "drain"))
+    run(again, clock, turns=3)
+    assert len(asked) == 1 and again.breaker_open
+    reset_at = journal.meta[RESET_AT_KEY] = clock.t  # `gpuwarden breaker reset`
+    run(again, clock, until=lambda: not again.pending())
+    assert asked == [None, reset_at]  # judged again, with the drains before the reset no longer counting
+    assert sched.changes == [("cordon", ME), ("drain", ME)]
+    assert sample(again, "gpuwarden_breaker_open") == 0.0 and journal.meta[STATUS_KEY]["breaker"] is None
+
+
+def test_the_breaker_is_not_asked_for_a_node_already_out_of_service(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(service="cordoned", ours=True, reason="gpuwarden: x"), clock=clock)
+    e = engine(sched, journal, clock, tmp_path,
+               judge=lambda *a, **k: pytest.fail("asked the breaker about a node already cordoned"))
+    e.enqueue(intents("drain"))
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("drain", ME)]
+
+
+def test_without_the_breaker_module_cordons_wait(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_breaker(name, *args, **kwargs):
+        if name.endswith("breaker"):  # `from .breaker import ...`
+            raise ImportError("no module named breaker")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_breaker)
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, judge=None)
+    e.enqueue(intents("cordon"))
+    run(e, clock, turns=3)
+    assert sched.changes == [] and len(e.pending()) == 1
+    assert "circuit breaker is not available" in journal.meta[STATUS_KEY]["scheduler_error"]
+
+
+# -- recovery steps --------------------------------------------------------------------------------------------------
+def test_a_reboot_the_journal_saw_start_is_done_once_the_boot_changed(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(service="drained", ours=True, quarantined=True), clock=clock)
+    node = SimpleNamespace(info=SimpleNamespace(boot_id="boot-2"))
+    e = engine(sched, journal, clock, tmp_path, node=node,
+               recovery=SimpleNamespace(reboot=lambda *a: pytest.fail("rebooted twice")))
+    e.enqueue([("k:reboot", "reboot", {"at": 1.0, "reason": "recovery: reboot", "boot_id": "boot-1"})])
+    run(e, clock, until=lambda: not e.pending())
+    assert journal.outcomes() == ["done: rebooted (boot boot-1 -> boot-2)"]
+
+
+def test_a_reboot_waits_for_the_work_to_leave(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(service="cordoned", ours=True, jobs=2), clock=clock)
+    node = SimpleNamespace(info=SimpleNamespace(boot_id="boot-1"))
+    rebooted = []
+    outcome = SimpleNamespace(ok=True, detail="systemctl reboot: exit 0")
+    e = engine(sched, journal, clock, tmp_path, node=node,
+               recovery=SimpleNamespace(reboot=lambda cmd, t: rebooted.append(cmd) or outcome))
+    e.enqueue([("k:reboot", "reboot", {"at": 1.0, "reason": "recovery: reboot", "boot_id": "boot-1"})])
+    run(e, clock, turns=3)
+    assert rebooted == [] and len(e.pending()) == 1
+    sched._data["nodes"][ME]["jobs"] = 0
+    run(e, clock, until=lambda: not e.pending())
+    assert rebooted == [["systemctl", "reboot"]] and journal.outcomes() == ["done: systemctl reboot: exit 0"]
+
+
+def test_a_step_that_could_not_run_is_recorded_as_failed_never_as_done(tmp_path):
+    clock, journal = Clock(), Journal()
+    e = engine(DictScheduler(fleet(), clock=clock), journal, clock, tmp_path, node=SimpleNamespace(),
+               recovery=SimpleNamespace(reset_gpus=lambda node, gpus, t: SimpleNamespace(ok=None,
+                                                                                         detail="nvidia-smi timed out")))
+    e.enqueue([("k:reset", "reset_gpu", {"at": 1.0, "reason": "recovery: reset_gpu", "gpus": [0]})])
+    run(e, clock, until=lambda: not e.pending())
+    assert journal.outcomes() == ["failed: could not run: nvidia-smi timed out"]
+    assert sample(e, "gpuwarden_intents_carried_out", outcome="failed") == 1.0
+
+
+def test_the_ticket_hook_gets_the_finding_and_the_idempotency_key(tmp_path):
+    clock, journal = Clock(), Journal()
+    got = []
+    e = engine(DictScheduler(fleet(), clock=clock), journal, clock, tmp_path, domain="rack07",
+               settings={"ticket_command": ("open-ticket",)},
+               recovery=SimpleNamespace(open_ticket=lambda cmd, f, t: got.append((cmd, f)) or
+                                        SimpleNamespace(ok=True, detail="ticket 42")))
+    finding = {"check": "xid", "code": "79"}
+    e.enqueue([("k:ticket", "ticket", {"at": 1.0, "reason": "recovery: ticket", "finding": finding})])
+    run(e, clock, until=lambda: not e.pending())
+    ((cmd, sent),) = got
+    assert cmd == ["open-ticket"] and sent["finding"] == finding and sent["idempotency_key"] == "k:ticket"
+    assert sent["node"] == ME and sent["domain"] == "rack07" and json.dumps(sent)
+    assert journal.outcomes() == ["done: ticket 42"]
+
+
+# -- the NVLink domain ----------------------------------------------------------------------------------------------
+def test_the_domain_is_published_at_start_and_reasserted(tmp_path):
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(domain=None), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", settings={"publish_every_s": 600.0})
+    e.enqueue(e.start(clock()))
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("publish_domain", ME)] and journal.outcomes() == ["done"]
+    sched._data["nodes"][ME]["domain"] = None  # slurmctld restarted and forgot the feature
+    wait = e.step()
+    assert wait == pytest.approx(600.0)
+    clock.t += wait
+    e.step()
+    assert sched.changes == [("publish_domain", ME), ("publish_domain", ME)]
+    assert sched.state(ME)["domain"] == "rack07"
+
+
+# -- with the policy modules (agent/breaker.py, agent/spares.py) -------------------------------------------------------
+def test_the_real_breaker_holds_when_half_the_domain_is_drained(tmp_path):
+    breaker = pytest.importorskip("gpuwarden.agent.breaker")
+    clock, journal = Clock(), Journal()
+    nodes = fleet(8)
+    for name in ("tray00", "tray01", "tray02", "tray04"):
+        nodes[name].update(service="drained", ours=True, reason="gpuwarden: x", reason_since=clock.t - 10)
+    sched = DictScheduler(nodes, clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=None,
+               settings={"breaker": {"cluster_share": 0.5, "domain_share": 0.25, "window_s": 600.0}})
+    assert breaker.BreakerPolicy  # the engine builds it from [remediation.breaker]
+    e.enqueue(intents("cordon"))
+    run(e, clock, turns=3)
+    assert sched.changes == [] and e.breaker_open
+
+
+def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
+    pytest.importorskip("gpuwarden.agent.spares")
+    clock, journal = Clock(), Journal()
+    nodes = fleet(4, service="drained", ours=True, quarantined=True)
+    nodes["spare-a"] = {"domain": "rack07", "spare": True, "service": "drained", "ours": True,
+                        "reason": "gpuwarden: spare"}
+    nodes["spare-b"] = {"domain": "rack08", "spare": True, "service": "drained", "ours": True,
+                        "reason": "gpuwarden: spare"}
+    sched = DictScheduler(nodes, clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07")
+    e.enqueue([("k:swap", "take_spare", {"at": 1.0, "reason": "quarantined", "domain": "rack07"})])
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("take_spare", "spare-a")]
+    assert journal.outcomes() == ["done: spare spare-a of rack07 taken into service"]
