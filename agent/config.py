@@ -57,6 +57,7 @@ REMEDIATION_DEFAULTS: dict[str, Any] = {
     "ladder": {  # the recovery steps of a quarantined node (agent/state.py)
         "reset_gpu": True,  # GPU reset for a RESET_GPU-class fault once no process holds the GPU
         "reboot": True,
+        "step_after_s": 60.0,  # the first step waits this long after quarantine (the drain goes first)
         "holders_wait_s": 300.0,  # the reset waits this long for the GPU's processes to go, else is skipped
         "reset_settle_s": 300.0,  # the fault has this long to clear after a reset before the next step
         "reboot_settle_s": 1800.0,  # ... and after a reboot

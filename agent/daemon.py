@@ -284,7 +284,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         base = {"at": t.at, "from": t.frm.value, "to": t.to.value, "reason": t.reason}
         worst = _worst_fault(self._active())
         actions = list(t.actions)
-        if ("quarantine" in actions and self.opt.domain and self.engine.settings.swap
+        if ("drain" in actions and self.opt.domain and self.engine.settings.swap
                 and t.to is NodeState.QUARANTINED):
             actions.append("take_spare")
         out: list[Intent] = []

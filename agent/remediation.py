@@ -219,6 +219,10 @@ class Engine:
             return "done"
         if action == "take_spare":
             return self._take_spare(adapter, detail)
+        if action == "drain" and detail.get("to") == "quarantined":
+            # The drain that quarantines: drained and marked as held for recovery, in one call (never taken as
+            # a spare, never resumed by another agent).
+            action = "quarantine"
         view = adapter.node(me)
         if _present(action, view):
             return f"already so at the scheduler ({view.service.value}{', ours' if view.ours else ''}" \

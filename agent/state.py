@@ -75,6 +75,7 @@ DEFAULT_POLICY: dict[str, Any] = {
     # The recovery ladder ([remediation.ladder]).
     "reset_gpu": True,  # try a GPU reset for a RESET_GPU-class fault
     "reboot": True,  # try a reboot (after the reset, or first for a REBOOT- or DRAIN-class fault)
+    "step_after_s": 60.0,  # the first step waits this long after quarantine: the drain and the work's exit go first
     "holders_wait_s": 300.0,  # a reset waits this long after quarantine for the GPU's processes to go, then skips
     "reset_settle_s": 300.0,  # after a reset, the fault has this long to clear before the next step
     "reboot_settle_s": 1800.0,  # after a reboot, the same
@@ -152,7 +153,7 @@ def _step(rec: NodeRecord, findings: list[Finding], unknown: list[str], now: flo
         return rec, None
     if s is NodeState.CORDONED:
         if fault and (action >= Action.RESET_GPU or now - rec.since >= policy["quarantine_after_s"]):
-            return go(NodeState.QUARANTINED, why, "drain", "quarantine", step="", step_since=None)
+            return go(NodeState.QUARANTINED, why, "drain", step="", step_since=None)
         if rec.clear_since is not None and now - rec.clear_since >= policy["cordon_clear_s"]:
             return go(NodeState.HEALTHY, "fault cleared before quarantine", "uncordon")
         return rec, None
@@ -188,6 +189,8 @@ def next_recovery(rec: NodeRecord, action: Action, now: float, policy: Mapping[s
         if settle is None or not after or now - since < settle:
             return None
         return after[0]
+    if now - rec.since < policy["step_after_s"]:
+        return None
     if rec.step:  # a step this fault would not take (the fault changed): go on from the steps after it
         after = [s for s in ladder if RECOVERY_STEPS.index(s) > RECOVERY_STEPS.index(rec.step)]
         return after[0] if after else None

@@ -248,8 +248,8 @@ class Store:
         `outcome` is what carrying the intent out gave ("done", "refused: ...", "already so at the scheduler",
         "dry-run", ...); None while pending, and for intents an older version marked done."""
         # A database an older version wrote, read by `status` before a newer daemon opened it, has no outcome column.
-        with self._lock:
-            outcome = "outcome" if "outcome" in _columns(self._db, "intents") else "NULL"
+        columns = {row[1] for row in self._all("PRAGMA table_info(intents)")}
+        outcome = "outcome" if "outcome" in columns else "NULL"
         sql = f"SELECT key, action, created, done, detail, {outcome} FROM intents"
         sql += " WHERE done IS NULL" if pending_only else ""
         sql += " ORDER BY created DESC, rowid DESC LIMIT ?"
