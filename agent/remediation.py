@@ -312,24 +312,28 @@ class Engine:
         return mod.SparePolicy(**kwargs) if hasattr(mod, "SparePolicy") else kwargs
 
     def _take_spare(self, adapter: SchedulerAdapter, detail: Mapping[str, Any]) -> str:
+        """The scheduler is the arbiter (take_spare is atomic there); the plan (agent/spares.py) says beforehand
+        whether the domain has a spare at all, and which domains could host the slice if not."""
         me, domain = self.settings.node_name, str(detail.get("domain") or "")
+        plan = None
         try:
             mod = self._spare_module()
+            plan = mod.plan_swap(list(adapter.nodes()), me, self._spare_policy(mod))
         except ImportError as exc:
-            return f"failed: spare planning not available ({exc})"
-        plan = mod.plan_swap(list(adapter.nodes()), me, self._spare_policy(mod))
-        spare = None if plan.slice_must_move else adapter.take_spare(domain, me)
+            log.warning("spare planning not available; asking the scheduler for a spare directly", error=str(exc))
+        spare = None if plan is not None and plan.slice_must_move else adapter.take_spare(domain, me)
+        reason = plan.reason if plan is not None else ""
         if spare is None:
-            hosts = list(plan.hosts)
+            hosts = list(plan.hosts) if plan is not None else []
             self._swap = {"domain": domain, "spare": None, "slice_must_move": True, "hosts": hosts,
-                          "reason": plan.reason, "at": self.clock()}
+                          "reason": reason, "at": self.clock()}
             log.error("no spare left in the NVLink domain: the slice must move", domain=domain, hosts=hosts,
-                      reason=plan.reason)
+                      reason=reason)
             self._save_status()
             return f"done: no spare in {domain}; the slice must move (domains that could host it: " \
-                   f"{', '.join(hosts) or 'none'})"
-        self._swap = {"domain": domain, "spare": spare, "slice_must_move": False, "hosts": [],
-                      "reason": plan.reason, "at": self.clock()}
+                   f"{', '.join(hosts) or 'none known'})"
+        self._swap = {"domain": domain, "spare": spare, "slice_must_move": False, "hosts": [], "reason": reason,
+                      "at": self.clock()}
         log.info("spare taken into service", domain=domain, spare=spare, for_node=me)
         self._save_status()
         return f"done: spare {spare} of {domain} taken into service"

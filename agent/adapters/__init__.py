@@ -11,11 +11,12 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 
-# name -> (module, class); the local adapter keeps its scheduler in the state folder.
+# name -> (module, class). The local adapter keeps its scheduler in the state folder: its database beside the
+# actions log (actions.jsonl), where it writes every change it makes.
 ADAPTERS = {"local": ("gpuwarden.agent.adapters.local", "LocalAdapter"),
             "slurm": ("gpuwarden.agent.adapters.slurm", "SlurmAdapter"),
             "kubernetes": ("gpuwarden.agent.adapters.kubernetes", "KubernetesAdapter")}
-LOCAL_DB = "scheduler.db"  # the local adapter's own database, next to the state store
+ACTIONS_LOG = "actions.jsonl"
 
 
 def build(name: str, table: Mapping[str, Any], state_dir: Path) -> Any:
@@ -33,7 +34,7 @@ def build(name: str, table: Mapping[str, Any], state_dir: Path) -> Any:
         raise ConfigError(f"remediation.adapter = {name!r}: {module_name} has no {class_name}")
     kwargs = dict(table)
     if name == "local":
-        kwargs.setdefault("path", Path(state_dir) / LOCAL_DB)
+        kwargs.setdefault("path", Path(state_dir) / ACTIONS_LOG)
     try:
         return cls(**kwargs)
     except TypeError as exc:  # an unknown or missing keyword: a key of [remediation.<name>] the adapter refuses
