@@ -268,11 +268,12 @@ class Engine:
         reset = self.hooks.read_meta(RESET_AT_KEY)
         if isinstance(reset, (int, float)) and (self._reset_at is None or reset > self._reset_at):
             self._reset_at = float(reset)
-            if self._latch is not None:
-                log.warning("circuit breaker reset by the operator; judging the fleet again",
-                            was=self._latch.get("reason"))
-                self._latch = None
-                self._save_status()
+        if self._latch is not None and self._reset_at is not None \
+                and self._reset_at >= float(self._latch.get("since") or 0.0):
+            # Reset after the latch (while running, or while the agent was down): judged again from here on.
+            log.warning("circuit breaker reset by the operator; judging the fleet again", was=self._latch.get("reason"))
+            self._latch = None
+            self._save_status()
         if self._latch is not None:
             raise _Latched()
         judge, policy = self._breaker()

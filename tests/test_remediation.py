@@ -335,3 +335,31 @@ def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
     run(e, clock, until=lambda: not e.pending())
     assert sched.changes == [("take_spare", "spare-a")]
     assert journal.outcomes() == ["done: spare spare-a of rack07 taken into service"]
+
+
+# -- `gpuwarden breaker reset` and `gpuwarden status` ---------------------------------------------------------------
+def test_breaker_reset_is_recorded_for_the_daemon_and_status_says_why_it_held(tmp_path, capsys):
+    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.state import NodeRecord, NodeState
+    from gpuwarden.agent.store import Store
+
+    state = tmp_path / "state"
+    store = Store(state / "state.db", lock=True)  # the daemon holds the folder meanwhile
+    latch = {"open": True, "since": 100.0, "reason": "rack07: 5 of 18 nodes drained by us in 600 s (limit 25 %)",
+             "cluster": [5, 72], "domain": [5, 18]}
+    store.commit(node=NodeRecord(NodeState.QUARANTINED, 90.0, "xid/79 on GPU 0", step="reboot", step_since=95.0),
+                 meta={STATUS_KEY: {"mode": "act", "adapter": "slurm", "domain": "rack07", "breaker": latch}},
+                 intents=[("k:reboot", "reboot", {"at": 95.0})], done=[("k:reboot", 96.0, "done: exit 0")])
+    assert main(["status", "--state-dir", str(state)]) == 0
+    text = capsys.readouterr().out
+    assert "circuit breaker OPEN" in text and "rack07: 5 of 18" in text and "gpuwarden breaker reset" in text
+    assert "recovery step: reboot" in text and "done: exit 0" in text
+    assert main(["breaker", "reset", "--state-dir", str(state)]) == 0
+    capsys.readouterr()
+    assert isinstance(store.meta(RESET_AT_KEY), float)  # what the running daemon reads at its next turn
+    assert main(["status", "--state-dir", str(state), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["remediation"]["breaker"]["reason"].startswith("rack07") and doc["remediation"]["breaker_reset_at"]
+    assert doc["remediation"]["ladder"] == {"step": "reboot", "since": 95.0, "outcome": "done: exit 0"}
+    store.close()
+    assert main(["breaker", "reset", "--state-dir", str(tmp_path / "nowhere")]) == 2
