@@ -363,3 +363,53 @@ def test_breaker_reset_is_recorded_for_the_daemon_and_status_says_why_it_held(tm
     assert doc["remediation"]["ladder"] == {"step": "reboot", "since": 95.0, "outcome": "done: exit 0"}
     store.close()
     assert main(["breaker", "reset", "--state-dir", str(tmp_path / "nowhere")]) == 2
+
+
+# -- the [remediation] table -----------------------------------------------------------------------------------------
+def test_remediation_config_is_checked_and_documented(tmp_path):
+    from conftest import ROOT
+    from gpuwarden.agent import config
+    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.checks import all_specs
+
+    specs = all_specs()
+    path = tmp_path / "gpuwarden.toml"
+    path.write_text('[remediation]\nmode = "act"\nadapter = "slurm"\n[remediation.breaker]\ndomain_share = 0.5\n'
+                    '[remediation.ladder]\nticket_command = ["/usr/local/bin/ticket", "--queue", "gpu"]\n'
+                    '[remediation.slurm]\ntimeout_s = 10\nscontrol = "/usr/bin/scontrol"\n[topology]\ndomain = "r7"\n')
+    cfg = config.load(specs, path, explicit=True)
+    assert cfg.remediation["mode"] == "act" and cfg.remediation["breaker"]["domain_share"] == 0.5
+    assert cfg.remediation["breaker"]["cluster_share"] == 0.10  # the rest of a sub-table keeps its defaults
+    assert cfg.remediation["slurm"] == {"timeout_s": 10.0, "scontrol": "/usr/bin/scontrol"}
+    assert cfg.topology["domain"] == "r7"
+    settings = Settings.from_table(cfg.remediation, "host1", None)
+    assert settings.acting and settings.node_name == "host1"
+    assert settings.ticket_command == ("/usr/local/bin/ticket", "--queue", "gpu")
+    assert config.defaults(specs).remediation["mode"] == "dry-run"  # never acts unless told
+    for text, needle in [('[remediation]\nmode = "yes"\n', "remediation.mode"),
+                         ('[remediation.breaker]\ncluster_share = 1.5\n', "remediation.breaker.cluster_share"),
+                         ('[remediation.ladder]\nreboot_comand = ["x"]\n', "remediation.ladder.reboot_comand"),
+                         ('[remediation.slurm]\ntimeout_s = inf\n', "remediation.slurm.timeout_s"),
+                         ('[remediation]\nbreaker = 3\n', "remediation.breaker")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+            config.load(specs, path, explicit=True)
+    doc = (ROOT / "docs" / "configuration.md").read_text().split("## Remediation", 1)[1]
+    for key, value in config.REMEDIATION_DEFAULTS.items():
+        table = f"[remediation.{key}]" if isinstance(value, dict) else "[remediation]"
+        assert table in doc, table
+        for sub in value if isinstance(value, dict) else []:
+            assert f"\n{sub} =" in doc.split(table, 1)[1].split("\n[", 1)[0], f"remediation.{key}.{sub}"
+        if not isinstance(value, dict):
+            assert f"\n{key} =" in doc.split("[remediation]", 1)[1].split("\n[", 1)[0], key
+
+
+def test_an_adapter_is_built_by_name_and_a_bad_table_names_itself(tmp_path):
+    from gpuwarden.agent.adapters import build
+    from gpuwarden.agent.errors import ConfigError
+
+    assert build("local", {}, tmp_path).path == tmp_path / "actions.jsonl"
+    with pytest.raises(ConfigError, match=r"\[remediation\.local\]"):
+        build("local", {"no_such_keyword": 1}, tmp_path)
+    with pytest.raises(ConfigError, match="unknown adapter"):
+        build("pbs", {}, tmp_path)
