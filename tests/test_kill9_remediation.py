@@ -98,7 +98,7 @@ def test_kill_9_during_remediation_loses_and_repeats_nothing(scenario_copy, tmp_
             proc.wait(10)
             kills += 1
             proc = start(root, state, cfg, sched)
-            wait_for(lambda: starts() == kills + 1, timeout_s=60, what=f"agent {kills + 1} up")
+            wait_for(lambda n=kills + 1: starts() == n, timeout_s=60, what=f"agent {kills + 1} up")
         wait_for(lambda: (j := journal(db)) and "take_spare" in {a for a, _, _ in j}
                  and all(done is not None for _, done, _ in j), timeout_s=120, what="every intent done")
     finally:

@@ -263,9 +263,9 @@ def test_a_reboot_waits_for_the_work_to_leave(tmp_path):
 
 def test_a_step_that_could_not_run_is_recorded_as_failed_never_as_done(tmp_path):
     clock, journal = Clock(), Journal()
+    timed_out = SimpleNamespace(ok=None, detail="nvidia-smi timed out")
     e = engine(DictScheduler(fleet(), clock=clock), journal, clock, tmp_path, node=SimpleNamespace(),
-               recovery=SimpleNamespace(reset_gpus=lambda node, gpus, t: SimpleNamespace(ok=None,
-                                                                                         detail="nvidia-smi timed out")))
+               recovery=SimpleNamespace(reset_gpus=lambda node, gpus, t: timed_out))
     e.enqueue([("k:reset", "reset_gpu", {"at": 1.0, "reason": "recovery: reset_gpu", "gpus": [0]})])
     run(e, clock, until=lambda: not e.pending())
     assert journal.outcomes() == ["failed: could not run: nvidia-smi timed out"]
