@@ -88,15 +88,21 @@ def _parser() -> argparse.ArgumentParser:
 
     topo = sub.add_parser("topology", help="the NVLink domains of the fleet: Slurm topology.conf/topology.yaml, "
                                            "Kubernetes labels")
-    topo.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
-    topo.add_argument("--state-dir", type=Path, help="the local adapter's folder (default /var/lib/gpuwarden)")
     try:
         from . import topology
     except ImportError:  # not part of this installation: the command says so when run
         topology = None
     if topology is not None:
         topology.add_arguments(topo)
-    _log_flags(topo)
+    # What the command needs besides topology's own flags (each added unless topology already has it).
+    for flag, kwargs in (("--config", dict(type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if "
+                                                            "present)")),
+                         ("--state-dir", dict(type=Path, help="the local adapter's folder (default "
+                                                              "/var/lib/gpuwarden)")),
+                         ("--log-format", dict(choices=("auto", "json", "console"), help="log format")),
+                         ("--log-level", dict(choices=("debug", "info", "warning", "error"), help="log level"))):
+        if flag not in topo._option_string_actions:
+            topo.add_argument(flag, **kwargs)
 
     sub.add_parser("checks", help="list the checks and their config keys")
     return p
