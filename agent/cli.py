@@ -80,15 +80,31 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
     st.add_argument("--json", action="store_true")
 
-    sub.add_parser("checks", help="list the checks and their config keys")
+    brk = sub.add_parser("breaker", help="the circuit breaker that holds cordons when too many nodes are drained")
+    brk_sub = brk.add_subparsers(dest="breaker_command", required=True)
+    reset = brk_sub.add_parser("reset", help="close a latched breaker: the running daemon judges the fleet again, "
+                                             "counting only drains after now")
+    reset.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
 
     from . import topology
 
-    top = sub.add_parser("topology", help="this node's NVLink domain; publish it; write Slurm topology files",
-                         epilog="exit codes: 0 done, 1 no NVLink domain known for this node, 2 usage, config, "
-                                "scheduler or file error")
-    topology.add_arguments(top)
-    _log_flags(top)
+    topo = sub.add_parser("topology", help="this node's NVLink domain; publish it; write Slurm topology.conf / "
+                                           "topology.yaml from the scheduler's view",
+                          epilog="exit codes: 0 done, 1 no NVLink domain known for this node, 2 usage, config, "
+                                 "scheduler or file error")
+    topology.add_arguments(topo)
+    # What the command needs besides topology's own flags (each added unless topology already has it).
+    for flag, kwargs in (("--config", dict(type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if "
+                                                            "present)")),
+                         ("--state-dir", dict(type=Path, help="the local adapter's folder (default "
+                                                              "/var/lib/gpuwarden)")),
+                         ("--log-format", dict(choices=("auto", "json", "console"), help="log format")),
+                         ("--log-level", dict(choices=("debug", "info", "warning", "error"), help="log level"))):
+        if flag not in topo._option_string_actions:
+            topo.add_argument(flag, **kwargs)
+
+    sub.add_parser("checks", help="list the checks and their config keys")
+
     return p
 
 
@@ -211,6 +227,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     return print_status(args)
 
 
+def cmd_breaker(args: argparse.Namespace) -> int:
+    from .run import breaker_reset
+
+    return breaker_reset(args)
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from gpuwarden.checks import all_specs
+
+    from .adapters import build
+
+    from . import topology
+
+    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
+    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+    name = cfg.remediation["adapter"]
+    state_dir = Path(args.state_dir or cfg.agent["state_dir"])
+    return topology.run(args, cfg, build(name, cfg.remediation.get(name, {}), state_dir))
+
+
 def cmd_checks(args: argparse.Namespace) -> int:
     """Every check once, with where it runs (preflight level quick|full; the daemon's poll interval or "kmsg" for
     the followed kernel log) and its one config table, which every form of the check reads."""
@@ -238,20 +274,10 @@ def cmd_checks(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_topology(args: argparse.Namespace) -> int:
-    from gpuwarden.checks import all_specs
-
-    from . import topology
-
-    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
-    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
-    return topology.run(args, cfg, None)  # no scheduler adapter yet: --publish and --slurm-* exit 2
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
-               "run": cmd_run, "status": cmd_status, "topology": cmd_topology}
+               "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

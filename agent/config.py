@@ -36,9 +36,51 @@ AGENT_DEFAULTS: dict[str, Any] = {
     "log_format": "auto",  # auto (console on a TTY, JSON otherwise) | json | console
     "log_level": "info",
 }
+# [remediation]: what the agent does about a fault (docs/remediation.md). Dry-run until the operator says "act".
+REMEDIATION_DEFAULTS: dict[str, Any] = {
+    "mode": "dry-run",  # dry-run: intents logged (and written to actions.jsonl), never carried out | act
+    "adapter": "local",  # the scheduler: local (embedded, SQLite) | slurm | kubernetes
+    "node_name": "",  # the scheduler's name for this node ("" = the hostname)
+    "retry_min_s": 1.0,  # a scheduler call that failed for now is retried after this, doubling ...
+    "retry_max_s": 300.0,  # ... up to this
+    "publish_every_s": 600.0,  # the node's NVLink domain is re-asserted this often (0 = only at start)
+    "breaker": {  # the circuit breaker (agent/breaker.py): no more cordons past these shares within window_s
+        "cluster_share": 0.10,  # of all the scheduler's nodes drained by the agents
+        "domain_share": 0.25,  # of one NVLink domain's nodes
+        "window_s": 600.0,
+        "min_nodes": 1,  # a cordon is always allowed while fewer than this many are drained in the window
+    },
+    "spares": {
+        "swap": True,  # take a spare of the domain into service when this node is quarantined
+        "per_domain": 2,  # spares kept per NVLink domain (NVL72: 16 of 18 trays in use)
+    },
+    "ladder": {  # the recovery steps of a quarantined node (agent/state.py)
+        "reset_gpu": True,  # GPU reset for a RESET_GPU-class fault once no process holds the GPU
+        "reboot": True,
+        "step_after_s": 60.0,  # the first step waits this long after quarantine (the drain goes first)
+        "holders_wait_s": 300.0,  # the reset waits this long for the GPU's processes to go, else is skipped
+        "reset_settle_s": 300.0,  # the fault has this long to clear after a reset before the next step
+        "reboot_settle_s": 1800.0,  # ... and after a reboot
+        "reboot_command": ["systemctl", "reboot"],
+        "ticket_command": [],  # the service-ticket hook: the finding as JSON on its stdin ([] = none)
+        "step_timeout_s": 600.0,  # a reset, the reboot command or the ticket hook is ended after this
+    },
+    # Each adapter's own keyword arguments (timeout_s, and e.g. scontrol = "/usr/bin/scontrol", kubeconfig = ...),
+    # checked by the adapter when it is built.
+    "local": {},
+    "slurm": {},
+    "kubernetes": {},
+}
+TOPOLOGY_DEFAULTS: dict[str, Any] = {
+    "domain": "",  # this node's NVLink domain; "" = read it from NVML (GPU fabric clusterUuid.cliqueId)
+}
+_SECTIONS = ("agent", "remediation", "topology")
+_FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes"}  # keys checked by their users
 _CHOICES: dict[str, tuple[Any, ...]] = {"agent.log_format": ("auto", "json", "console"),
                                         "agent.log_level": ("debug", "info", "warning", "error"),
-                                        "agent.level": ("quick", "full")}
+                                        "agent.level": ("quick", "full"),
+                                        "remediation.mode": ("dry-run", "act"),
+                                        "remediation.adapter": ("local", "slurm", "kubernetes")}
 
 MAX_FILE_BYTES = 1 << 20
 MAX_STR = 4096  # characters in one string value
@@ -55,6 +97,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "checks.clock_events.hw_fail_ratio": (0.0, 1.0),
     "checks.clock_events.hw_warn_ratio": (0.0, 1.0),
     "checks.clock_events.sw_thermal_warn_ratio": (0.0, 1.0),
+    "remediation.breaker.cluster_share": (0.0, 1.0),
+    "remediation.breaker.domain_share": (0.0, 1.0),
 }
 
 
@@ -68,6 +112,8 @@ class Config:
 
     # Keys a check reads from another concern's table: {"rdma_loopback": {"ignore_ports": "ib_port"}}.
     shared: dict[str, dict[str, str]] = field(default_factory=dict)
+    remediation: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(REMEDIATION_DEFAULTS))
+    topology: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(TOPOLOGY_DEFAULTS))
 
     def for_check(self, name: str) -> dict[str, Any]:
         table = self.checks.get(name, {})
@@ -82,7 +128,8 @@ def defaults(specs: Iterable[Any]) -> Config:
     a table (the union of their keys; a key both declare must have one default)."""
     specs = list(specs)
     tables: dict[str, dict[str, Any]] = {}
-    list_types: dict[str, type] = {"agent.checks": str}
+    list_types: dict[str, type] = {"agent.checks": str, "remediation.ladder.reboot_command": str,
+                                   "remediation.ladder.ticket_command": str}
     shared: dict[str, dict[str, str]] = {}
     for spec in specs:
         table = tables.setdefault(spec.name, {})
@@ -161,8 +208,8 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
           choices: Mapping[str, tuple[Any, ...]] | None = None) -> None:
     choices = _CHOICES if choices is None else choices
     for key, value in data.items():
-        if key == "agent":
-            _merge(cfg, cfg.agent, _table(value, "agent", origin), "agent", origin, choices)
+        if key in _SECTIONS:
+            _merge(cfg, getattr(cfg, key), _table(value, key, origin), key, origin, choices)
         elif key == "checks":
             for name, table in _table(value, "checks", origin).items():
                 if name not in check_names:
@@ -171,7 +218,8 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
                 _merge(cfg, cfg.checks[name], _table(table, f"checks.{name}", origin), f"checks.{name}", origin,
                        choices)
         else:
-            raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent] and [checks.<name>])")
+            raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], "
+                              "[topology] and [checks.<name>])")
     unknown_checks = [c for c in cfg.agent["checks"] if c not in check_names]
     if unknown_checks:
         raise ConfigError(f"{origin}: agent.checks names unknown check '{unknown_checks[0]}'")
@@ -187,9 +235,29 @@ def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefi
            choices: Mapping[str, tuple[Any, ...]]) -> None:
     for key, value in values.items():
         full = f"{prefix}.{key}"
+        if prefix in _FREE_TABLES:
+            target[key] = _free_value(full, value, origin)
+            continue
         if key not in target:
             raise ConfigError(f"{origin}: unknown key '{full}' (known: {', '.join(sorted(target)) or 'none'})")
+        if isinstance(target[key], dict):
+            _merge(cfg, target[key], _table(value, full, origin), full, origin, choices)
+            continue
         target[key] = coerce(full, value, target[key], origin, cfg.list_types.get(full), choices.get(full))
+
+
+def _free_value(key: str, value: Any, origin: str) -> Any:
+    """A value of a table whose keys its user checks (an adapter's keywords): a string, number, boolean or a list
+    of strings, bounded as every other value; a number finite and, for a *_s key, a duration."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return coerce(key, value, 0.0 if isinstance(value, float) or key.endswith("_s") else 0, origin)
+    if isinstance(value, str):
+        return coerce(key, value, "", origin)
+    if isinstance(value, list):
+        return coerce(key, value, [], origin, str)
+    raise ConfigError(f"{origin}: '{key}' must be a string, a number, true or false, or a list of strings")
 
 
 def set_flag(cfg: Config, key: str, value: Any, flag: str) -> None:

@@ -5,8 +5,9 @@ nothing slow happens under it. Two workers carry the changes out of it:
 - the **writer** writes each consistent cut of that memory to SQLite in one transaction (agent/store.py), retries
   a write that failed (disk full, database locked) with a backoff while detection goes on in memory, and
   recreates a state folder deleted under it;
-- the **action worker** hands intents to the scheduler adapter, in order, each once, and marks them done: a
-  scheduler that hangs delays actions, never detection.
+- the **action worker** runs the remediation engine (agent/remediation.py), which carries intents out against the
+  scheduler adapter in order, each once, reconciled against the scheduler's state, and marks them done with their
+  outcome: a scheduler that hangs delays actions, never detection.
 A sample that hangs is UNKNOWN and never blocks the other checks; a scrape of /metrics reads only memory. Every
 loop stamps a heartbeat; `stalled()` names the loops that have not come back within their deadline, and the
 systemd watchdog is fed only while there are none (agent/run.py), so a stuck loop gets the agent restarted.
@@ -20,21 +21,21 @@ import os
 import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import structlog
 
-from .adapters.local import LocalAdapter
+from .adapters.base import SchedulerAdapter
 from .daemon_devices import DeviceLoop
 from .daemon_events import KMSG_CHECK, EventLoops
 from .daemon_polls import PollLoops, InFlight
 from .metrics import DaemonCollector, Snapshot
-from .model import CheckResult, Finding, Status, fold_status
+from .model import Action, CheckResult, Finding, Status, fold_status
 from .passive import Judgement, KernelConsumer, MetricSample, PassiveSpec
 from .sources.kmsg import Cursor
-from .state import DEFAULT_POLICY, NodeRecord, Transition, next_state, wants_retest
+from .remediation import Engine, Hooks, Settings
+from .state import DEFAULT_POLICY, NodeRecord, NodeState, Transition, next_state, wants_retest
 from .store import CheckRecord, Store, StoreError
 from .systemd import name_this_thread
 
@@ -64,11 +65,19 @@ class DaemonOptions:
     # The writer looks at the state folder this often when nothing is written (a folder deleted under an idle
     # daemon is noticed within this).
     store_check_s: float = 30.0
+    # What the remediation engine does with intents ([remediation]); None: dry-run, actions.jsonl in the state folder.
+    remediation: Settings | None = None
+    domain: str | None = None  # this node's NVLink domain (agent/topology.py), None when not known
+    holders_every_s: float = 10.0  # a quarantined node's GPU holders are read this often (the reset waits on them)
+    # The circuit breaker's judge and the recovery steps, when not agent/breaker.py's and agent/recovery.py's.
+    judge: Callable[..., Any] | None = None
+    recovery: Any = None
 
 
 class Daemon(PollLoops, EventLoops, DeviceLoop):
     def __init__(self, node: Any, passive: list[PassiveSpec], consumers: list[KernelConsumer], config: Any,
-                 store: Store, adapter: LocalAdapter, collector: DaemonCollector, options: DaemonOptions | None = None):
+                 store: Store, adapter: SchedulerAdapter | None, collector: DaemonCollector,
+                 options: DaemonOptions | None = None):
         self.node, self.passive, self.consumers = node, passive, consumers
         self.config, self.store, self.adapter, self.collector = config, store, adapter, collector
         self.opt = options or DaemonOptions()
@@ -122,11 +131,16 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._store_error: str | None = None
         self._store_error_since: float | None = None
         self._store_failures = 0
-        # The action worker's queue: intents in the order their transitions happened, each applied once.
-        self._actions: deque[Intent] = deque()
-        self._actions_wanted = threading.Condition(self._lock)
-        self._applied: set[str] = set()
-        self._action_error: str | None = None
+        settings = self.opt.remediation or Settings(node_name=node.hostname)
+        if settings.actions_path is None:
+            settings = replace(settings, actions_path=store.path.parent / "actions.jsonl")
+        self._held: bool | None = None  # a process holds a GPU of the fault (None: not known)
+        self._holders_at = 0.0
+        self.engine = Engine(adapter, settings, Hooks(done=self._intent_done, set_meta=self._set_meta_locked,
+                                                      fault_clear=self._fault_clear, read_meta=self._read_meta),
+                             node=node, domain=self.opt.domain, clock=self.opt.clock, lock=self._lock,
+                             judge=self.opt.judge, recovery=self.opt.recovery)
+        self._actions_wanted = self.engine.wanted
         if store.set_aside:
             log.error("state store set aside", detail=store.set_aside)
             self._set_meta("store_set_aside", {"at": self.opt.clock(), "detail": store.set_aside})
@@ -134,9 +148,15 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
-        # Intents a crash left half-done are applied again, first (idempotent), by the action worker.
-        for intent in self.store.intents(pending_only=True):
-            self._actions.append((intent["key"], intent["action"], {**intent["detail"], "replayed": True}))
+        # Intents a crash left pending go first; the engine reconciles each against the scheduler's state before
+        # it calls the scheduler (an effect already there is marked done, not done again).
+        self.engine.enqueue([(i["key"], i["action"], {**i["detail"], "replayed": True})
+                             for i in self.store.intents(pending_only=True)])
+        with self._lock:
+            started = self.engine.start(self.opt.clock())
+            self._new_intents.extend(started)
+            self.engine.enqueue(started)
+            self._write_wanted.set()
         self._spawn("writer", self._writer_loop)
         self._spawn("actions", self._action_loop)
         for spec in self.passive:
@@ -232,7 +252,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         for key, value in (meta or {}).items():
             self._set_meta(key, value)
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
-                                        retest)
+                                        retest, self._held)
         if record.clear_since is not None and self._record.clear_since is None:
             # The faults have cleared: a retest judges the kernel log from here on (agent/retest.py), so what was
             # fixed (a GPU reset after an XID 48) is not held against the node, and what comes back is.
@@ -243,10 +263,9 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         if transition:
             self._transitions += 1
             self._new_transitions.append(transition)
-            intents = _intents(transition)
+            intents = self._intents(transition)
             self._new_intents.extend(intents)
-            self._actions.extend(intents)
-            self._actions_wanted.notify_all()
+            self.engine.enqueue(intents)
             log.info("node state", frm=transition.frm.value, to=transition.to.value, reason=transition.reason,
                      actions=list(transition.actions))
         if self._dirty or self._meta_dirty or self._node_dirty or self._new_transitions:
@@ -257,6 +276,53 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                 and now >= self._next_retest_at):
             self._retesting = True
             self._spawn("retest", self._retest)
+
+    def _intents(self, t: Transition) -> list[Intent]:
+        """The transition's intents, each with what carrying it out needs (the GPUs to reset, the boot a reboot
+        leaves, the finding a ticket carries), and a spare's swap when the node is quarantined in a known domain.
+        The key is the transition itself: a crash between commit and carrying out finds the same key again."""
+        base = {"at": t.at, "from": t.frm.value, "to": t.to.value, "reason": t.reason}
+        worst = _worst_fault(self._active())
+        actions = list(t.actions)
+        if ("drain" in actions and self.opt.domain and self.engine.settings.swap
+                and t.to is NodeState.QUARANTINED):
+            actions.append("take_spare")
+        out: list[Intent] = []
+        for a in actions:
+            detail = dict(base)
+            if a == "reset_gpu":
+                detail["gpus"] = _fault_gpus(self._active())
+            elif a == "reboot":
+                detail["boot_id"] = self.node.info.boot_id
+            elif a == "ticket":
+                detail["finding"] = worst.to_dict() if worst else None
+            elif a in ("take_spare", "return_to_pool"):
+                detail["domain"] = self.opt.domain
+            out.append((f"{t.at:.6f}:{t.frm.value}->{t.to.value}:{a}", a, detail))
+        return out
+
+    def _intent_done(self, key: str, at: float, outcome: str) -> None:
+        with self._lock:
+            self._done.append((key, at, outcome))
+            self._write_wanted.set()
+            self._publish()
+
+    def _set_meta_locked(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._set_meta(key, value)
+            self._publish()
+
+    def _read_meta(self, key: str) -> Any:
+        """A meta value as the store holds it now: what another process (`gpuwarden breaker reset`) wrote."""
+        try:
+            return self.store.meta(key)
+        except StoreError as exc:
+            log.warning("could not read the state store", key=key, error=str(exc))
+            return None
+
+    def _fault_clear(self) -> bool:
+        with self._lock:
+            return self._record.clear_since is not None
 
     def _set_meta(self, key: str, value: Any) -> None:
         if self._meta.get(key, _MISSING) != value:
@@ -328,7 +394,8 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             MetricSample("gpuwarden_store_write_failures", "State store writes that failed since start.", {},
                          float(self._store_failures), "counter"),
             MetricSample("gpuwarden_actions_pending", "Remediation intents not yet carried out by the adapter.", {},
-                         float(len(self._actions))),
+                         float(len(self.engine.pending()))),
+            *self.engine.samples(),
         )
 
     # -- the writer: memory to SQLite, outside the lock --------------------------------------------------------------
@@ -402,9 +469,9 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             self._dirty |= set(self._records)
             self._meta_dirty |= set(self._meta)
             self._node_dirty = True
-            done = {k for k, _ in self._done}
+            done = {k for k, *_ in self._done}
             journalled = {k for k, _, _ in self._new_intents}
-            self._new_intents.extend(i for i in self._actions if i[0] not in done and i[0] not in journalled)
+            self._new_intents.extend(i for i in self.engine.pending() if i[0] not in done and i[0] not in journalled)
             self._store_failed(RuntimeError("state folder was deleted or replaced; recreated"))
 
     def _store_failed(self, exc: BaseException) -> None:
@@ -424,39 +491,51 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._store_error = self._store_error_since = None
         self._publish()
 
-    # -- the action worker: intents to the adapter, outside the lock ------------------------------------------------
+    # -- the action worker: the remediation engine, outside the lock ------------------------------------------------
     def _action_loop(self) -> None:
         backoff = self.opt.error_backoff_s
         while not self.stop_event.is_set():
+            # Waiting on the scheduler is waiting on something outside the agent: a restart would not help, so a
+            # call that hangs does not starve the watchdog (actions_pending and scheduler_reachable show it).
+            self._beat_off("actions")
+            try:
+                self._refresh_holders()
+                wait = self.engine.step()
+                backoff = self.opt.error_backoff_s
+            except Exception as exc:  # noqa: BLE001 - a bug in the engine must not end the worker
+                self._fail_loop("actions", None, exc)
+                wait, backoff = backoff, min(2 * backoff, self.opt.retry_max_s)
+            if wait <= 0:
+                continue
+            wait = min(wait, self.opt.store_check_s)
+            self._beat("actions", wait)
             with self._lock:
-                if not self._actions:
-                    self._beat("actions", self.opt.store_check_s)
-                    self._actions_wanted.wait(self.opt.store_check_s)
+                if self.stop_event.is_set() or self.engine.ready(self.opt.clock()):
                     continue
-                key, action, detail = self._actions[0]
-            if key not in self._applied:
-                # Waiting on the scheduler is waiting on something outside the agent: a restart would not help,
-                # so it does not starve the watchdog (actions_pending on /metrics shows it).
-                self._beat_off("actions")
-                try:
-                    self.adapter.apply(action, detail)
-                except Exception as exc:  # noqa: BLE001 - the adapter's error: kept pending, retried
-                    self._action_error = f"{type(exc).__name__}: {exc}"
-                    log.error("action failed; retrying", action=action, key=key, error=self._action_error,
-                              retry_in_s=backoff)
-                    self._beat("actions", backoff)
-                    self._sleep(backoff)
-                    backoff = min(2 * backoff, self.opt.retry_max_s)
-                    continue
-                backoff, self._action_error = self.opt.error_backoff_s, None
-            with self._lock:
-                self._applied.add(key)
-                if self._actions and self._actions[0][0] == key:
-                    self._actions.popleft()
-                self._done.append((key, self.opt.clock()))
-                self._write_wanted.set()
-                self._publish()
+                self._actions_wanted.wait(wait)
         self._beat_off("actions")
+
+    def _refresh_holders(self) -> None:
+        """Whether a process still holds a GPU of a quarantined node's fault: a GPU reset waits until none does
+        (agent/state.py). Read only while the ladder has yet to take its first step."""
+        with self._lock:
+            rec, gpus = self._record, _fault_gpus(self._active())
+        now = self.opt.clock()
+        if rec.state is not NodeState.QUARANTINED or rec.step or now < self._holders_at:
+            return
+        self._holders_at = now + self.opt.holders_every_s
+        held: bool | None = None
+        try:
+            recovery = self.opt.recovery
+            if recovery is None:
+                from . import recovery  # noqa: PLC0415 - the ladder's actions
+            held = any(recovery.gpu_holders(self.node, gpus).values()) if gpus else None
+        except Exception as exc:  # noqa: BLE001 - could not look: not known, never "free"
+            log.warning("could not read the processes holding the GPUs", gpus=gpus, error=str(exc))
+        with self._lock:
+            if held != self._held:
+                self._held = held
+                self._commit([], None, self.opt.clock())
 
     # -- for `status` and tests -----------------------------------------------------------------------------------
     @property
@@ -473,8 +552,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         return self._store_error
 
     def pending_actions(self) -> int:
-        with self._lock:
-            return len(self._actions)
+        return len(self.engine.pending())
 
     def reload(self, config: Any) -> None:
         with self._lock:
@@ -495,7 +573,15 @@ def _differs(old: CheckRecord | None, new: CheckRecord, durable: Callable[[Any],
     return durable(old.state) != durable(new.state)
 
 
-def _intents(t: Transition) -> list[Intent]:
-    # The key is the transition itself: a crash between commit and apply replays the same key, never a new one.
-    return [(f"{t.at:.6f}:{t.frm.value}->{t.to.value}:{a}", a, {"at": t.at, "from": t.frm.value, "to": t.to.value,
-                                                              "reason": t.reason}) for a in t.actions]
+def _faults(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.status is Status.FAIL and f.action >= Action.DRAIN]
+
+
+def _worst_fault(findings: list[Finding]) -> Finding | None:
+    faults = _faults(findings)
+    return max(faults, key=lambda f: f.action) if faults else None
+
+
+def _fault_gpus(findings: list[Finding]) -> list[int]:
+    """The GPUs (by index) of the faults a reset would act on."""
+    return sorted({f.entity.index for f in _faults(findings) if f.entity.kind == "gpu" and f.entity.index is not None})

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from .model import CheckResult, Status
 from .passive import MetricSample
-from .state import NodeRecord, NodeState
+from .state import RECOVERY_STEPS, NodeRecord, NodeState
 
 
 @dataclass
@@ -54,6 +54,18 @@ class DaemonCollector(Collector):
                                   "Unix time the node entered its current state.")
         since.add_metric([], snap.record.since)
         yield since
+        # The recovery ladder of a quarantined node: the step it is at ("none" before the first and out of
+        # quarantine), and since when.
+        ladder = GaugeMetricFamily("gpuwarden_ladder_step", "1 for the recovery step the quarantined node is at "
+                                   "(none, reset_gpu, reboot, ticket), 0 for the others.", labels=["step"])
+        current = snap.record.step if snap.record.state is NodeState.QUARANTINED and snap.record.step else "none"
+        for step in ("none", *RECOVERY_STEPS):
+            ladder.add_metric([step], 1.0 if step == current else 0.0)
+        yield ladder
+        step_since = GaugeMetricFamily("gpuwarden_ladder_step_since_seconds",
+                                       "Unix time the current recovery step was taken (0: none).")
+        step_since.add_metric([], snap.record.step_since or 0.0 if current != "none" else 0.0)
+        yield step_since
         success = GaugeMetricFamily("gpuwarden_check_success",
                                     "1 if the check could look (ok, warn or fail), 0 if not (unknown) or skipped.",
                                     labels=["check"])

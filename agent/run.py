@@ -1,4 +1,4 @@
-"""Wiring of `gpuwarden run` (daemon, HTTP endpoint, signals, systemd) and `gpuwarden status`."""
+"""Wiring of `gpuwarden run` (daemon, HTTP endpoint, signals, systemd, remediation) and `gpuwarden status`."""
 from __future__ import annotations
 
 import argparse
@@ -16,13 +16,15 @@ import structlog
 
 from . import config as config_mod
 from . import logs
-from .adapters.local import LocalAdapter
+from .adapters import build as build_adapter
 from .daemon import Daemon, DaemonOptions
 from .errors import ConfigError, GpuwardenError
 from .http_endpoint import MetricsEndpoint, raise_fd_limit
 from .metrics import DaemonCollector, registry_for, write_textfile
 from .model import EXIT_PASS, EXIT_UNDECIDED
-from .store import Store, StoreError
+from .remediation import RESET_AT_KEY, STATUS_KEY, Settings
+from .state import DEFAULT_POLICY
+from .store import Store, StoreError, record_meta
 from .systemd import name_this_thread, notify, watchdog_interval_s
 
 log = structlog.get_logger("gpuwarden")
@@ -50,6 +52,8 @@ def run_daemon(args: argparse.Namespace) -> int:
     host, port = _listen(args.listen or cfg.agent["listen"])
     textfile = args.textfile or (Path(cfg.agent["textfile"]) if cfg.agent["textfile"] else None)
     node = _node(args.root)
+    # The scheduler adapter is built before anything is locked: a bad [remediation] table refuses to start.
+    remediation, adapter, domain = remediation_setup(cfg, node, state_dir)
     name_this_thread("gpuwarden")  # the main thread's name is the process's in ps/top (else "python3")
     collector = DaemonCollector()
     registry = registry_for(collector)
@@ -73,8 +77,8 @@ def run_daemon(args: argparse.Namespace) -> int:
                  results={r.check: r.status.value for r in results})
         return passed
 
-    daemon = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
-                    LocalAdapter(state_dir / "actions.jsonl"), collector, DaemonOptions(retest=retest))
+    daemon = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store, adapter, collector,
+                    DaemonOptions(retest=retest, remediation=remediation, domain=domain, policy=policy_of(cfg)))
     reload_requested = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -94,7 +98,12 @@ def run_daemon(args: argparse.Namespace) -> int:
     # periodic garbage collections from walking it again and again (CPython's gc.freeze, meant for this).
     gc.freeze()
     log.info("running", node=node.hostname, listen=f"{host}:{port}", state_dir=str(state_dir),
-             passive=[s.name for s in PASSIVE], kernel=[c.name for c in KERNEL_CONSUMERS])
+             passive=[s.name for s in PASSIVE], kernel=[c.name for c in KERNEL_CONSUMERS],
+             remediation=remediation.mode, adapter=remediation.adapter, scheduler_node=remediation.node_name,
+             domain=domain)
+    if not remediation.acting:
+        log.warning("remediation in dry-run: intents are logged and written to actions.jsonl, never carried out "
+                    "(set [remediation] mode = \"act\" to act)")
     notify("READY=1\nSTATUS=watching")
     # Woken by a signal at once; otherwise only as often as the watchdog or the textfile needs.
     tick = min(x for x in (watchdog_interval_s(), TEXTFILE_EVERY_S if textfile else None, IDLE_WAKE_S) if x)
@@ -120,6 +129,47 @@ def run_daemon(args: argparse.Namespace) -> int:
         for fd in (wake_r, wake_w):
             os.close(fd)
         log.info("stopped")
+    return EXIT_PASS
+
+
+def remediation_setup(cfg: Any, node: Any, state_dir: Path) -> tuple[Settings, Any, str | None]:
+    """The engine's settings, the scheduler adapter and this node's NVLink domain, from the config."""
+    table = cfg.remediation
+    settings = Settings.from_table(table, node.hostname, state_dir / "actions.jsonl")
+    adapter = build_adapter(settings.adapter, table.get(settings.adapter, {}), state_dir)
+    return settings, adapter, node_domain(node, cfg)
+
+
+def node_domain(node: Any, cfg: Any) -> str | None:
+    """agent/topology.py's answer ([topology] domain, else NVML's fabric clusterUuid.cliqueId); where that module
+    is not installed, the configured domain or the one the node's description names."""
+    try:
+        from .topology import node_domain as from_topology
+    except ImportError:
+        return cfg.topology.get("domain") or getattr(node.info, "nvlink_domain", None) or None
+    try:
+        return from_topology(node, cfg)
+    except Exception as exc:  # noqa: BLE001 - could not look: the domain is not known, never guessed
+        log.warning("could not read this node's NVLink domain", error=f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def policy_of(cfg: Any) -> dict[str, Any]:
+    """The state machine's policy with the ladder's settings of [remediation.ladder]."""
+    ladder = cfg.remediation.get("ladder", {})
+    return {**DEFAULT_POLICY, **{k: ladder[k] for k in DEFAULT_POLICY if k in ladder}}
+
+
+def breaker_reset(args: argparse.Namespace) -> int:
+    """`gpuwarden breaker reset`: records the reset time in the node's state store; the running daemon reads it at
+    its next turn, closes the breaker and judges the fleet again, counting only drains after this time."""
+    import time
+
+    state_dir = Path(args.state_dir or config_mod.AGENT_DEFAULTS["state_dir"])
+    now = time.time()
+    record_meta(state_dir / "state.db", RESET_AT_KEY, now)
+    print(f"circuit breaker reset at {now:.0f}: drains before now no longer count; the daemon judges the fleet "
+          "again at its next turn")
     return EXIT_PASS
 
 
@@ -166,6 +216,51 @@ def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:
         log.error("config reload failed; keeping the running config", error=str(exc))
 
 
+def _remediation_view(record: Any, saved: Any, reset_at: Any, recent: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `status` says about remediation: the mode, the breaker, the recovery ladder's step (since when, and
+    what its intent gave), the last spare swap."""
+    saved = saved if isinstance(saved, dict) else {}
+    step = getattr(record, "step", "") if record else ""
+    outcome = None
+    for p in reversed(recent):
+        if step and p.get("action") == step:
+            outcome = p.get("outcome") if p.get("done") is not None else "pending"
+            break
+    return {"mode": saved.get("mode", "dry-run"), "adapter": saved.get("adapter"), "domain": saved.get("domain"),
+            "breaker": saved.get("breaker"), "breaker_reset_at": reset_at, "swap": saved.get("swap"),
+            "scheduler_error": saved.get("scheduler_error"),
+            "scheduler_error_since": saved.get("scheduler_error_since"),
+            "ladder": {"step": step or None, "since": getattr(record, "step_since", None) if record else None,
+                       "outcome": outcome}}
+
+
+def _remediation_text(view: dict[str, Any], now: float) -> str:
+    from .render import when
+
+    lines = [f"\nremediation: {view['mode']}" + (f" through {view['adapter']}" if view.get("adapter") else "")
+             + (f", NVLink domain {view['domain']}" if view.get("domain") else "")
+             + (" (intents are logged, not carried out)" if view["mode"] != "act" else "")]
+    if view.get("scheduler_error"):
+        lines.append(f"  scheduler unreachable since {when(view.get('scheduler_error_since'), now)}: "
+                     f"{view['scheduler_error']} (retried; detection goes on)")
+    breaker = view.get("breaker")
+    if isinstance(breaker, dict):
+        lines.append(f"  circuit breaker OPEN since {when(breaker.get('since'), now)}: {breaker.get('reason')} "
+                     "(cordons wait; `gpuwarden breaker reset` once the cause is understood)")
+    ladder = view["ladder"]
+    if ladder.get("step"):
+        lines.append(f"  recovery step: {ladder['step']} since {when(ladder.get('since'), now)}"
+                     f" ({ladder.get('outcome') or 'pending'})"
+                     + ("; waiting for repair" if ladder["step"] == "ticket" else ""))
+    swap = view.get("swap")
+    if isinstance(swap, dict) and swap.get("slice_must_move"):
+        lines.append(f"  no spare left in {swap.get('domain')}: the slice must move (domains that could host it: "
+                     f"{', '.join(swap.get('hosts') or []) or 'none'})")
+    elif isinstance(swap, dict) and swap.get("spare"):
+        lines.append(f"  spare {swap['spare']} of {swap.get('domain')} taken into service in this node's place")
+    return "\n".join(lines) + "\n"
+
+
 def print_status(args: argparse.Namespace) -> int:
     import time
 
@@ -192,6 +287,9 @@ def print_status(args: argparse.Namespace) -> int:
         checks = read("checks", store.checks, [])
         transitions = read("transitions", lambda: store.transitions(10), [])
         pending = read("intents", lambda: store.intents(pending_only=True), [])
+        recent = read("intents", lambda: store.intents(limit=10), [])
+        remediation = read("meta", lambda: store.meta(STATUS_KEY), None)
+        reset_at = read("meta", lambda: store.meta(RESET_AT_KEY), None)
         store_notes = [n for n in (read("meta", lambda: store.meta("store_fault"), None),
                                    read("meta", lambda: store.meta("store_set_aside"), None)) if n]
     finally:
@@ -211,6 +309,9 @@ def print_status(args: argparse.Namespace) -> int:
             "transitions": [{"at": t.at, "at_utc": iso_utc(t.at), "from": t.frm.value, "to": t.to.value,
                              "reason": t.reason, "actions": list(t.actions)} for t in transitions],
             "pending_intents": [{**p, "created_utc": iso_utc(p.get("created"))} for p in pending],
+            "intents": [{**p, "created_utc": iso_utc(p.get("created")), "done_utc": iso_utc(p.get("done"))}
+                        for p in recent],
+            "remediation": _remediation_view(record, remediation, reset_at, recent),
             "store": store_notes, "unreadable": problems}, indent=2))
         return EXIT_UNDECIDED if problems else EXIT_PASS
     out = sys.stdout
@@ -225,10 +326,16 @@ def print_status(args: argparse.Namespace) -> int:
         out.write("\nrecent transitions (newest first):\n")
         for t in transitions:
             out.write(f"  {when(t.at, now)} {t.frm.value} -> {t.to.value}: {t.reason} {list(t.actions)}\n")
+    out.write(_remediation_text(_remediation_view(record, remediation, reset_at, recent), now))
     if pending:
         out.write("\npending actions:\n")
         for p in pending:
             out.write(f"  {p['action']} since {when(p.get('created'), now)}\n")
+    done = [p for p in recent if p.get("done") is not None]
+    if done:
+        out.write("\nrecent actions (oldest first):\n")
+        for p in done:
+            out.write(f"  {when(p.get('done'), now)} {p['action']}: {p.get('outcome') or 'done'}\n")
     for note in store_notes:
         if isinstance(note, dict) and "detail" in note:
             out.write(f"\nstate store: {note['detail']}\n")

@@ -1,9 +1,14 @@
 """The node state machine, as a pure function of the previous record, the findings that hold now, and time.
 
 HEALTHY → SUSPECT → CORDONED → QUARANTINED → (retest) → HEALTHY, or RETIRED after too many failed retests.
-Edge-triggered: actions (cordon, drain, retest, resume, retire, uncordon) are emitted only on a transition.
-UNKNOWN is an input of its own: a check that cannot look makes the node SUSPECT after a grace period, never
-CORDONED: a bad signal must not drain a node (let alone a fleet).
+Edge-triggered: actions (cordon, drain, resume, retire, uncordon, and the recovery steps) are emitted only on a
+transition. UNKNOWN is an input of its own: a check that cannot look makes the node SUSPECT after a grace period,
+never CORDONED: a bad signal must not drain a node (let alone a fleet).
+
+While QUARANTINED and the fault holds, the recovery ladder takes one step at a time, each only when the one before
+did not clear the fault within its settle time: a GPU reset (only for a fault whose worst action is RESET_GPU, and
+only once no process holds the GPU), then a reboot, then a service ticket; then it waits for the repair. A fault
+that clears is judged by the retest, which returns the node to service or, after max_retests failures, retires it.
 """
 from __future__ import annotations
 
@@ -30,15 +35,23 @@ class NodeRecord:
     retests: int = 0  # failed retests since the node was quarantined
     fault_since: float | None = None  # first time the current fault (or could-not-look) was seen
     clear_since: float | None = None  # first time everything looked fine again
+    step: str = ""  # QUARANTINED: the last recovery step taken ("" none yet; one of RECOVERY_STEPS)
+    step_since: float | None = None  # when it was taken
 
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state.value, "since": self.since, "reason": self.reason, "retests": self.retests,
-                "fault_since": self.fault_since, "clear_since": self.clear_since}
+                "fault_since": self.fault_since, "clear_since": self.clear_since, "step": self.step,
+                "step_since": self.step_since}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "NodeRecord":
+        step = str(d.get("step") or "")
+        if step and step not in RECOVERY_STEPS:
+            raise ValueError(f"unknown recovery step {step!r}")
+        step_since = d.get("step_since")
         return cls(NodeState(d["state"]), float(d["since"]), d.get("reason", ""), int(d.get("retests", 0)),
-                   d.get("fault_since"), d.get("clear_since"))
+                   d.get("fault_since"), d.get("clear_since"), step,
+                   float(step_since) if step_since is not None else None)
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,8 @@ class Transition:
     at: float
 
 
+RECOVERY_STEPS = ("reset_gpu", "reboot", "ticket")  # the ladder, in order; each is also the intent's action
+
 DEFAULT_POLICY: dict[str, Any] = {
     "unknown_grace_s": 120.0,  # a check that cannot look for this long makes the node SUSPECT
     "suspect_clear_s": 600.0,  # SUSPECT back to HEALTHY after this long with nothing to say
@@ -57,6 +72,13 @@ DEFAULT_POLICY: dict[str, Any] = {
     "quarantine_after_s": 300.0,  # a DRAIN-class fault that persists this long in CORDONED quarantines
     "retest_after_s": 60.0,  # QUARANTINED: all clear this long -> run a retest
     "max_retests": 2,  # failed retests before the node is RETIRED
+    # The recovery ladder ([remediation.ladder]).
+    "reset_gpu": True,  # try a GPU reset for a RESET_GPU-class fault
+    "reboot": True,  # try a reboot (after the reset, or first for a REBOOT- or DRAIN-class fault)
+    "step_after_s": 60.0,  # the first step waits this long after quarantine: the drain and the work's exit go first
+    "holders_wait_s": 300.0,  # a reset waits this long after quarantine for the GPU's processes to go, then skips
+    "reset_settle_s": 300.0,  # after a reset, the fault has this long to clear before the next step
+    "reboot_settle_s": 1800.0,  # after a reboot, the same
 }
 
 
@@ -69,7 +91,7 @@ def _worst(findings: Iterable[Finding]) -> tuple[Status, Action, str]:
 
 
 def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[str], now: float,
-               policy: Mapping[str, Any] = DEFAULT_POLICY, retest: bool | None = None
+               policy: Mapping[str, Any] = DEFAULT_POLICY, retest: bool | None = None, held: bool | None = None
                ) -> tuple[NodeRecord, Transition | None]:
     """The record after this observation, and the transition it caused (None when the state stays).
 
@@ -77,12 +99,15 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
     healthy node cordons and quarantines it at once, as one transition whose actions are every step's, in order.
 
     `findings`: the active findings of every check; `unknown`: the checks that could not look; `retest`: the
-    outcome of a retest that finished since the last call (None when none did)."""
+    outcome of a retest that finished since the last call (None when none did); `held`: whether a process holds
+    a GPU of the fault (None: not known), which a GPU reset needs to be False."""
     findings, unknown = list(findings), sorted(unknown)
+    # The ladder's first step comes at an observation after the one that quarantined: the drain goes first.
+    recover = rec.state is NodeState.QUARANTINED
     first: Transition | None = None
     actions: list[str] = []
     for _ in range(len(NodeState)):  # each step moves forward on the ladder: a bounded walk
-        rec, step = _step(rec, findings, unknown, now, policy, retest)
+        rec, step = _step(rec, findings, unknown, now, policy, retest, held if recover else _NO_LADDER)
         if step is None:
             break
         retest = None  # a retest's outcome is used by the step it moves, once
@@ -96,8 +121,11 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
     return rec, Transition(first.frm, last_to, rec.reason, tuple(actions), now)
 
 
+_NO_LADDER: Any = object()
+
+
 def _step(rec: NodeRecord, findings: list[Finding], unknown: list[str], now: float, policy: Mapping[str, Any],
-          retest: bool | None) -> tuple[NodeRecord, Transition | None]:
+          retest: bool | None, held: Any) -> tuple[NodeRecord, Transition | None]:
     status, action, why = _worst(findings)
     fault = status is Status.FAIL and action >= Action.DRAIN
     concern = status in (Status.FAIL, Status.WARN) or bool(unknown)
@@ -125,18 +153,54 @@ def _step(rec: NodeRecord, findings: list[Finding], unknown: list[str], now: flo
         return rec, None
     if s is NodeState.CORDONED:
         if fault and (action >= Action.RESET_GPU or now - rec.since >= policy["quarantine_after_s"]):
-            return go(NodeState.QUARANTINED, why, "drain")
+            return go(NodeState.QUARANTINED, why, "drain", step="", step_since=None)
         if rec.clear_since is not None and now - rec.clear_since >= policy["cordon_clear_s"]:
             return go(NodeState.HEALTHY, "fault cleared before quarantine", "uncordon")
         return rec, None
-    # QUARANTINED: waits for the fault to clear (repair, reset, reboot), then a retest decides.
+    # QUARANTINED: the recovery ladder while the fault holds; once it clears, a retest decides.
     if retest is True:
-        return go(NodeState.HEALTHY, "retest passed", "resume", retests=0)
+        return go(NodeState.HEALTHY, "retest passed", "resume", retests=0, step="", step_since=None)
     if retest is False:
         if rec.retests + 1 >= policy["max_retests"]:
             return go(NodeState.RETIRED, f"{rec.retests + 1} failed retests", "retire", retests=rec.retests + 1)
         return replace(rec, retests=rec.retests + 1, clear_since=None), None
+    if fault and held is not _NO_LADDER:
+        step = next_recovery(rec, action, now, policy, held)
+        if step is not None:
+            new = replace(rec, step=step, step_since=now)
+            return new, Transition(rec.state, rec.state, f"recovery: {step} ({why})", (step,), now)
     return rec, None
+
+
+def next_recovery(rec: NodeRecord, action: Action, now: float, policy: Mapping[str, Any] = DEFAULT_POLICY,
+                  held: bool | None = None) -> str | None:
+    """The recovery step to take now on a quarantined node whose fault (worst action `action`) still holds, or
+    None (the step before is still settling, the reset waits for the GPU's processes, or the ladder is at its
+    end: a ticket was opened and the node waits for the repair)."""
+    # The steps this fault may use: a GPU reset only helps a fault that asks for one (REBOOT and SERVICE faults are
+    # past what a reset fixes); a reboot helps anything up to REBOOT; a ticket is always the last step.
+    ladder = [s for s, wanted in (("reset_gpu", action == Action.RESET_GPU and policy["reset_gpu"]),
+                                  ("reboot", action <= Action.REBOOT and policy["reboot"]),
+                                  ("ticket", True)) if wanted]
+    if rec.step in ladder:
+        after = ladder[ladder.index(rec.step) + 1:]
+        settle = {"reset_gpu": policy["reset_settle_s"], "reboot": policy["reboot_settle_s"]}.get(rec.step)
+        since = rec.step_since if rec.step_since is not None else rec.since
+        if settle is None or not after or now - since < settle:
+            return None
+        return after[0]
+    if now - rec.since < policy["step_after_s"]:
+        return None
+    if rec.step:  # a step this fault would not take (the fault changed): go on from the steps after it
+        after = [s for s in ladder if RECOVERY_STEPS.index(s) > RECOVERY_STEPS.index(rec.step)]
+        return after[0] if after else None
+    if ladder[0] == "reset_gpu":
+        if held is False:
+            return "reset_gpu"
+        if now - rec.since < policy["holders_wait_s"]:
+            return None  # the drain lets the work finish: its processes leave the GPU
+        return ladder[1]  # still held (or not known) after the wait: a reset would be refused; reboot instead
+    return ladder[0]
 
 
 def wants_retest(rec: NodeRecord, now: float, policy: Mapping[str, Any] = DEFAULT_POLICY) -> bool:

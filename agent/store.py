@@ -39,9 +39,13 @@ CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, frm TEXT NOT NULL, too TEXT NOT NULL,
     reason TEXT NOT NULL, actions TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS intents (
-    key TEXT PRIMARY KEY, action TEXT NOT NULL, created REAL NOT NULL, done REAL, detail TEXT NOT NULL);
+    key TEXT PRIMARY KEY, action TEXT NOT NULL, created REAL NOT NULL, done REAL, detail TEXT NOT NULL,
+    outcome TEXT);
 """
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+# Columns added after a table's first release, added to an existing database at open (ALTER TABLE ... ADD COLUMN:
+# the rows already there read NULL, what an older daemon would have meant).
+_ADDED_COLUMNS = (("intents", "outcome", "TEXT"),)
 LOCK_NAME = "gpuwarden.lock"
 BUSY_TIMEOUT_S = 5.0  # a database locked by another process fails a write after this (the writer retries)
 # SQLite result codes that mean the file's content cannot be trusted (sqlite3.h), as opposed to a write that
@@ -121,7 +125,10 @@ class Store:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed write survives a crash
             db.executescript(SCHEMA)
-            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            for table, column, kind in _ADDED_COLUMNS:
+                if column not in _columns(db, table):
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
         except sqlite3.Error as exc:
             if _unreadable(exc):
                 self._db = db
@@ -236,12 +243,20 @@ class Store:
         return [_decode(f"transition at {r[0]!r}", lambda r=r: Transition(
             NodeState(r[1]), NodeState(r[2]), str(r[3]), tuple(json.loads(r[4])), float(r[0]))) for r in rows]
 
-    def intents(self, pending_only: bool = False) -> list[dict[str, Any]]:
-        sql = "SELECT key, action, created, done, detail FROM intents"
-        sql += " WHERE done IS NULL ORDER BY created" if pending_only else " ORDER BY created"
+    def intents(self, pending_only: bool = False, limit: int = -1) -> list[dict[str, Any]]:
+        """The journal in the order the intents were made (`limit`: the newest that many, still oldest first).
+        `outcome` is what carrying the intent out gave ("done", "refused: ...", "already so at the scheduler",
+        "dry-run", ...); None while pending, and for intents an older version marked done."""
+        # A database an older version wrote, read by `status` before a newer daemon opened it, has no outcome column.
+        columns = {row[1] for row in self._all("PRAGMA table_info(intents)")}
+        outcome = "outcome" if "outcome" in columns else "NULL"
+        sql = f"SELECT key, action, created, done, detail, {outcome} FROM intents"
+        sql += " WHERE done IS NULL" if pending_only else ""
+        sql += " ORDER BY created DESC, rowid DESC LIMIT ?"
+        rows = list(reversed(self._all(sql, (limit,))))
         return [{"key": k, "action": a, "created": c, "done": d,
-                 "detail": _decode(f"intent {k!r}", lambda x=x: _object(json.loads(x)))}
-                for k, a, c, d, x in self._all(sql)]
+                 "detail": _decode(f"intent {k!r}", lambda x=x: _object(json.loads(x))), "outcome": o}
+                for k, a, c, d, x, o in rows]
 
     def _one(self, sql: str, args: tuple = ()) -> tuple | None:
         rows = self._all(sql, args)
@@ -260,9 +275,10 @@ class Store:
     def commit(self, checks: Iterable[CheckRecord] = (), meta: dict[str, Any] | None = None,
                node: NodeRecord | None = None, transition: Transition | Iterable[Transition] | None = None,
                intents: Iterable[tuple[str, str, dict[str, Any]]] = (),
-               done: Iterable[tuple[str, float]] = ()) -> list[str]:
+               done: Iterable[tuple[str, float] | tuple[str, float, str]] = ()) -> list[str]:
         """Write everything one cut of the daemon's memory holds, atomically. Intents are (key, action, detail);
-        a key that exists already is not written again (idempotency); `done` marks intents carried out. Returns
+        a key that exists already is not written again (idempotency); `done` marks intents carried out, as
+        (key, at) or (key, at, outcome). Returns
         the intent keys newly written. Raises StoreError (nothing written) when the write fails."""
         transitions = [transition] if isinstance(transition, Transition) else list(transition or ())
         new_keys: list[str] = []
@@ -282,12 +298,14 @@ class Store:
                     self._db.execute("INSERT INTO transitions (at, frm, too, reason, actions) VALUES (?, ?, ?, ?, ?)",
                                      (t.at, t.frm.value, t.to.value, t.reason, json.dumps(list(t.actions))))
                 for key, action, detail in intents:
-                    cur = self._db.execute("INSERT OR IGNORE INTO intents VALUES (?, ?, ?, NULL, ?)",
+                    cur = self._db.execute("INSERT OR IGNORE INTO intents (key, action, created, done, detail) "
+                                           "VALUES (?, ?, ?, NULL, ?)",
                                            (key, action, detail.get("at", 0.0), json.dumps(detail)))
                     if cur.rowcount:
                         new_keys.append(key)
-                for key, at in done:
-                    self._db.execute("UPDATE intents SET done = ? WHERE key = ? AND done IS NULL", (at, key))
+                for key, at, *outcome in done:
+                    self._db.execute("UPDATE intents SET done = ?, outcome = ? WHERE key = ? AND done IS NULL",
+                                     (at, outcome[0] if outcome else "done", key))
                 self._db.execute("COMMIT")
             except BaseException as exc:
                 # A failed COMMIT (SQLITE_FULL) may already have ended the transaction: ROLLBACK then raises "no
@@ -302,8 +320,8 @@ class Store:
                 raise
         return new_keys
 
-    def mark_done(self, key: str, at: float) -> None:
-        self.commit(done=[(key, at)])
+    def mark_done(self, key: str, at: float, outcome: str = "done") -> None:
+        self.commit(done=[(key, at, outcome)])
 
     def forget(self, names: Iterable[str]) -> None:
         """Drop the records of checks the daemon no longer runs (an older version's names): left in place, their
@@ -320,6 +338,29 @@ class Store:
                     except sqlite3.Error:
                         pass
                 raise StoreError(f"{self.path}: write failed: {exc}") from None
+
+
+def record_meta(path: Path, key: str, value: Any, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
+    """One meta value written into the database of a daemon that may be running (`gpuwarden breaker reset`): a
+    short transaction of its own, which the daemon reads at its next turn. Never creates, locks the folder, repairs
+    or sets aside anything; a missing database is an error that says so."""
+    if not Path(path).exists():
+        raise StoreError(f"{path}: no daemon state here (is `gpuwarden run` using another --state-dir?)")
+    try:
+        db = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=rw", uri=True, isolation_level=None,
+                             timeout=busy_timeout_s)
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path}: cannot open state database: {exc}") from None
+    try:
+        db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path}: write failed: {exc}") from None
+    finally:
+        db.close()
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})").fetchall()}
 
 
 def _identity(path: Path) -> tuple | None:

@@ -413,3 +413,59 @@ def test_the_daemon_and_preflight_judge_the_boots_log_alike(scenario_copy, tmp_p
         store.close()
     assert daemon == pre
     assert [code for code, _ in pre["xid"]] == ["79"] and len(pre["nvswitch_sxid"]) == 3
+
+
+# -- acting on the finding: the scheduler, the ladder, the spare -------------------------------------------------------
+HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname
+
+
+def test_act_mode_drains_with_our_reason_swaps_a_spare_and_climbs_the_ladder(scenario_copy, tmp_path):
+    """mode = act on a recorded node: an XID 79 quarantines it at the scheduler with the agent's reason and the
+    finding, a spare of its NVLink domain goes into service, and the recovery ladder runs its steps in order (a
+    reboot, then, the fault still there after the settle time, a ticket with the finding on the hook's stdin)."""
+    from types import SimpleNamespace
+
+    from fake_scheduler import DictScheduler
+    from gpuwarden.agent.remediation import Settings
+
+    root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
+    sched = DictScheduler({HOST: {"domain": "rack07"}, "tray04": {"domain": "rack07"},
+                           "spare-a": {"domain": "rack07", "spare": True, "service": "drained", "ours": True,
+                                       "reason": "gpuwarden: spare"}})
+    rebooted, ticket = tmp_path / "rebooted", tmp_path / "ticket.json"
+    settings = Settings(mode="act", node_name=HOST, retry_min_s=0.05, retry_max_s=0.2,
+                        reboot_command=(sys.executable, "-c", f"open({str(rebooted)!r}, 'a').write('x')"),
+                        ticket_command=(sys.executable, "-c",
+                                        f"import sys; open({str(ticket)!r}, 'w').write(sys.stdin.read())"))
+    policy = dict(DEFAULT_POLICY, step_after_s=0.2, reboot_settle_s=0.5)
+    store = Store(state / "state.db")
+    d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), config.defaults(all_specs()), store, sched,
+               DaemonCollector(), DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, policy=policy, domain="rack07",
+                                                remediation=settings, judge=lambda fleet, *a, **k: SimpleNamespace(
+                                                    allow=True, reason="allowed", cluster=(1, 3), domain=(1, 3))))
+    d.start()
+    try:
+        wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
+        append(root, XID79)
+        journal = wait_for(lambda: (j := [(i["action"], i["outcome"]) for i in store.intents()])
+                           and [a for a, _ in j][-1:] == ["ticket"] and j[-1][1] is not None and j, timeout_s=60,
+                           what="the ladder's last step carried out")
+        assert [a for a, _ in journal] == ["publish_domain", "cordon", "drain", "take_spare", "reboot", "ticket"]
+        assert sched.changes == [("cordon", HOST), ("quarantine", HOST), ("take_spare", "spare-a")]
+        me = sched.state(HOST)
+        assert me["quarantined"] and me["reason"].startswith("gpuwarden: xid/79 on GPU 0")
+        assert sched.state("spare-a")["service"] == "in_service"
+        assert dict(journal)["take_spare"] == "done: spare spare-a of rack07 taken into service"
+        assert d.record.step == "ticket"
+        text = metrics_text(d.collector)
+        assert 'gpuwarden_ladder_step{step="ticket"} 1.0' in text and "gpuwarden_remediation_acting 1.0" in text
+        try:
+            import gpuwarden.agent.recovery  # noqa: F401 - the steps' own outcomes need the recovery module
+        except ImportError:
+            return
+        assert rebooted.read_text() == "x" and dict(journal)["reboot"].startswith("done")
+        sent = json.loads(ticket.read_text())
+        assert sent["finding"]["code"] == "79" and sent["node"] == HOST and sent["idempotency_key"].endswith("ticket")
+    finally:
+        d.stop()
+        store.close()

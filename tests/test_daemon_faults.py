@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from conftest import ROOT, wait_for
+from fake_scheduler import DictScheduler
 from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
 from gpuwarden.agent.metrics import DaemonCollector, registry_for
 from gpuwarden.agent.node import Node
@@ -53,7 +53,7 @@ def make(root: Path, state: Path, passive=(), adapter=None, store: Store | None 
     store = store or Store(state / "state.db", lock=True)
     cfg = config.defaults([*all_specs(), *passive])
     return Daemon(Node.recorded_at(root), list(passive), list(KERNEL_CONSUMERS), cfg, store,
-                  adapter or LocalAdapter(state / "actions.jsonl"), DaemonCollector(),
+                  adapter, DaemonCollector(),
                   DaemonOptions(**{**FAST, **options}))
 
 
@@ -125,66 +125,90 @@ def test_a_stuck_loop_is_named_and_the_watchdog_is_not_fed(scenario_copy, tmp_pa
 
 
 # -- a scheduler that hangs delays actions, never detection -------------------------------------------------------
-class BlockingAdapter(LocalAdapter):
-    def __init__(self, path: Path):
-        super().__init__(path)
-        self.release = threading.Event()
-        self.calls: list[str] = []
+HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname: the scheduler's name for it
 
-    def apply(self, action, detail):
-        self.calls.append(action)
+
+def allow(nodes, node, domain, now, policy, reset_at=None):
+    """A circuit-breaker verdict that lets the cordon through (agent/breaker.py's own tests judge the fleet)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(allow=True, reason="allowed", cluster=(1, len(nodes)), domain=None)
+
+
+def acting(**options) -> dict:
+    from gpuwarden.agent.remediation import Settings
+
+    return dict(remediation=Settings(mode="act", node_name=HOST, retry_min_s=0.05, retry_max_s=0.2), judge=allow,
+                **options)
+
+
+class AnswerLost(DictScheduler):
+    """A scheduler that carries a change out and then never answers (until released): what a kill of the agent
+    during the call, or a timeout after the change took effect, leaves behind."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def _change(self, what, node, **fields):
+        super()._change(what, node, **fields)
         assert self.release.wait(60), "never released"
-        super().apply(action, detail)
 
 
 def test_a_hung_scheduler_delays_actions_never_detection(scenario_copy, tmp_path, running):
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
-    adapter = BlockingAdapter(tmp_path / "actions.jsonl")
+    adapter = DictScheduler({HOST: {}, "tray04": {}})
+    adapter.block = threading.Event()
     ib = replace(ib_downtime.SPEC, change_probe=None)
     d = make(root, state, [ib], adapter=adapter, intervals={"ib_port": 0.05},
-             policy=dict(DEFAULT_POLICY, quarantine_after_s=0.5))
+             policy=dict(DEFAULT_POLICY, quarantine_after_s=0.5), **acting())
     d.config.checks["ib_port"]["down_fail_s"] = 0.2
     running(d)
     wait_for(lambda: "xid" in d.results() and d.results().get("ib_port"), what="the first looks")
     append(root, XID79)
-    wait_for(lambda: adapter.calls == ["cordon"], what="the cordon handed to the adapter, which hangs")
-    # Detection goes on while the adapter hangs: the node moves on, a new XID and an IB port going down are
+    wait_for(lambda: adapter.calls == [("node", HOST)], what="the cordon's first scheduler call, which hangs")
+    # Detection goes on while the scheduler hangs: the node moves on, a new XID and an IB port going down are
     # judged, /metrics shows them.
     append(root, XID13)
     (root / "sys/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine while the cordon hangs")
-    wait_for(lambda: xid_count(d.results()) == 1, what="the XID 13 while the adapter hangs")
+    wait_for(lambda: xid_count(d.results()) == 1, what="the XID 13 while the scheduler hangs")
     wait_for(lambda: [f.code for f in d.results()["ib_port"].findings] == ["ib-port-down"],
-             what="the IB port down while the adapter hangs")
+             what="the IB port down while the scheduler hangs")
     text = metrics(d)
     assert 'gpuwarden_node_state{state="quarantined"} 1.0' in text and "gpuwarden_actions_pending 2.0" in text
     assert 'code="ib-port-down"' in text and 'gpuwarden_xid_events{pci="0009:01:00.0",xid="13"} 1.0' in text
     assert d.stalled() == []  # waiting on the scheduler is not a stuck agent
     wait_for(lambda: {i["action"] for i in d.store.intents(pending_only=True)} == {"cordon", "drain"},
              what="both intents journalled, pending")
-    adapter.release.set()
+    adapter.block.set()
     wait_for(lambda: d.store.intents() and not d.store.intents(pending_only=True), what="the intents marked done")
-    assert adapter.calls == ["cordon", "drain"]  # each applied once, in order
-    assert [a["action"] for a in adapter.actions()] == ["cordon", "drain"]
-    assert all(i["done"] is not None for i in d.store.intents())
+    assert adapter.changes == [("cordon", HOST), ("quarantine", HOST)]  # each once, in order
+    assert [(i["action"], i["outcome"]) for i in d.store.intents()] == [("cordon", "done"), ("drain", "done")]
+    assert adapter.state(HOST)["reason"].startswith("gpuwarden: xid/79")  # our reason: the agent's and the finding
     assert "gpuwarden_actions_pending 0.0" in metrics(d)
 
 
-def test_intents_left_pending_by_a_crash_are_applied_at_the_next_start(scenario_copy, tmp_path, running):
+def test_intents_left_pending_by_a_crash_are_reconciled_at_the_next_start(scenario_copy, tmp_path, running):
+    """The scheduler cordoned the node and the agent died before it heard back: the next start reads the node's
+    state, marks the cordon done without a second call, and carries out the drain that was never asked."""
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
-    adapter = BlockingAdapter(tmp_path / "actions.jsonl")
-    d = running(make(root, state, adapter=adapter))
+    adapter = AnswerLost({HOST: {}, "tray04": {}})
+    d = running(make(root, state, adapter=adapter, **acting()))
     wait_for(lambda: "xid" in d.results())
     append(root, XID79)
-    wait_for(lambda: len(d.store.intents(pending_only=True)) == 2, what="the intents journalled, not done")
+    wait_for(lambda: len(d.store.intents(pending_only=True)) == 2 and adapter.changes == [("cordon", HOST)],
+             what="the intents journalled, the cordon carried out and its answer lost")
     d._write_wanted.clear()
-    d.stop_event.set()  # the adapter never answered: what a kill leaves behind
+    d.stop_event.set()  # the scheduler never answered: what a kill leaves behind
     d.store.close()
     adapter.release.set()
-    again = running(make(root, state))
-    wait_for(lambda: not again.store.intents(pending_only=True), what="the replayed intents done")
-    replayed = again.adapter.actions()
-    assert [a["action"] for a in replayed if a.get("replayed")] == ["cordon", "drain"]
+    again = running(make(root, state, adapter=adapter, **acting()))
+    wait_for(lambda: not again.store.intents(pending_only=True), what="the pending intents done")
+    assert adapter.changes == [("cordon", HOST), ("quarantine", HOST)]  # the cordon not asked twice
+    outcomes = {i["action"]: i["outcome"] for i in again.store.intents()}
+    assert outcomes["cordon"].startswith("already so at the scheduler (cordoned, ours")
+    assert outcomes["drain"] == "done"
 
 
 # -- the state store: full, locked, unreadable, deleted ----------------------------------------------------------------
@@ -400,7 +424,7 @@ def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp
     root = scenario_copy("gb200-nvl72-healthy")
     store = Store(state / "state.db")
     d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), config.defaults(all_specs()), store,
-               LocalAdapter(state / "actions.jsonl"), DaemonCollector(), DaemonOptions(kmsg_tick_s=0.01))
+               None, DaemonCollector(), DaemonOptions(kmsg_tick_s=0.01))
     try:
         assert "xid_watch" not in d.results() and store.check("xid_watch") is None
         d.start()

@@ -77,3 +77,71 @@ def test_quarantine_retest_pass_returns_to_service_and_failures_retire():
 def test_record_round_trips():
     rec = NodeRecord(NodeState.QUARANTINED, 12.5, "why", 1, 3.0, None)
     assert NodeRecord.from_dict(rec.to_dict()) == rec
+
+
+# -- the recovery ladder of a quarantined node -------------------------------------------------------------------------
+FAIL_REBOOT = Finding("xid", "79", GPU, Status.FAIL, "fallen off the bus", Action.REBOOT)
+FAIL_SERVICE = Finding("ecc", "row-remap-failure", GPU, Status.FAIL, "no spare rows", Action.SERVICE)
+
+
+def ladder(rec, steps):
+    """steps: (now, findings, held) -> the recovery actions each observation emitted."""
+    out = []
+    for now, findings, held in steps:
+        rec, t = next_state(rec, findings, [], now, P, None, held)
+        out.append(t.actions if t else ())
+    return rec, out
+
+
+def test_ladder_reset_then_reboot_then_ticket_each_after_its_settle_time():
+    rec, out = ladder(NodeRecord(), [(0, [FAIL_RESET], None)])
+    assert rec.state is NodeState.QUARANTINED and out == [("cordon", "drain")]  # the drain goes first
+    first = P["step_after_s"]
+    reboot_at = first + P["reset_settle_s"]
+    ticket_at = reboot_at + P["reboot_settle_s"]
+    rec, out = ladder(rec, [
+        (first - 1, [FAIL_RESET], False),  # too soon after the quarantine
+        (first, [FAIL_RESET], False),  # no process holds the GPU: reset
+        (reboot_at - 1, [FAIL_RESET], False),  # the reset still settling
+        (reboot_at, [FAIL_RESET], None),  # the fault outlived the reset: reboot
+        (ticket_at - 1, [FAIL_RESET], None),
+        (ticket_at, [FAIL_RESET], None),  # and the reboot: a service ticket
+        (ticket_at + 10**6, [FAIL_RESET], None),  # then it waits for the repair, for as long as it takes
+    ])
+    assert out == [(), ("reset_gpu",), (), ("reboot",), (), ("ticket",), ()]
+    assert (rec.state, rec.step, rec.step_since) == (NodeState.QUARANTINED, "ticket", ticket_at)
+    assert NodeRecord.from_dict(rec.to_dict()) == rec
+
+
+def test_ladder_skips_the_reset_while_a_process_holds_the_gpu():
+    rec, _ = ladder(NodeRecord(), [(0, [FAIL_RESET], None)])
+    rec, out = ladder(rec, [(P["step_after_s"], [FAIL_RESET], True),
+                            (P["holders_wait_s"] - 1, [FAIL_RESET], True),
+                            (P["holders_wait_s"], [FAIL_RESET], True)])
+    assert out == [(), (), ("reboot",)]  # never a reset of a GPU in use
+
+
+def test_ladder_reboot_class_starts_at_the_reboot_and_service_class_at_the_ticket():
+    rec, _ = ladder(NodeRecord(), [(0, [FAIL_REBOOT], False)])
+    _, out = ladder(rec, [(P["step_after_s"], [FAIL_REBOOT], False),
+                          (P["step_after_s"] + P["reboot_settle_s"], [FAIL_REBOOT], False)])
+    assert out == [("reboot",), ("ticket",)]
+    rec, _ = ladder(NodeRecord(), [(0, [FAIL_SERVICE], False)])
+    _, out = ladder(rec, [(P["step_after_s"], [FAIL_SERVICE], False)])
+    assert out == [("ticket",)]
+
+
+def test_ladder_stops_when_the_fault_clears_and_the_retest_returns_the_node():
+    rec, _ = ladder(NodeRecord(), [(0, [FAIL_RESET], None)])
+    rec, out = ladder(rec, [(P["step_after_s"], [FAIL_RESET], False), (P["step_after_s"] + 5, [], False),
+                            (P["step_after_s"] + P["reset_settle_s"] + 5, [], False)])
+    assert out == [("reset_gpu",), (), ()]  # cleared after the reset: no reboot
+    rec, t = next_state(rec, [], [], 10**4, P, retest=True)
+    assert (rec.state, rec.step, t.actions) == (NodeState.HEALTHY, "", ("resume",))
+
+
+def test_ladder_is_off_where_the_operator_turned_steps_off():
+    policy = dict(P, reset_gpu=False, reboot=False)
+    rec, _ = next_state(NodeRecord(), [FAIL_RESET], [], 0, policy)
+    _, t = next_state(rec, [FAIL_RESET], [], P["step_after_s"], policy, held=False)
+    assert t.actions == ("ticket",)

@@ -1,0 +1,496 @@
+"""The remediation engine: carries the node's intents (cordon, drain, quarantine, resume, the recovery steps, a
+spare's swap, the NVLink domain's publication) out against the scheduler adapter, one at a time, in the order the
+journal holds them, and records each one's outcome.
+
+- **Idempotent and durable.** Every intent is journalled (agent/store.py) with its key before it is carried out,
+  and marked done with its outcome after. Before each scheduler call the node's actual state is read
+  (`adapter.node`): an intent whose effect is already there (a drain a crash left unmarked, a call that timed out
+  after it took effect) is marked done without calling again, so a restart reconciles instead of replaying.
+- **Outages delay, never lose.** `Transient` keeps the intent at the head of the queue and retries it after a
+  backoff that doubles up to retry_max_s; the intents behind it wait, in order. `Refused` ends the intent with
+  outcome "refused: ..." (logged and counted): retrying would not help.
+- **Dry run** (the default, `[remediation] mode = "dry-run"`): each intent is logged and written to
+  actions.jsonl, and nothing reaches the scheduler or the node (no reads either).
+- **Circuit breaker.** Before a cordon, drain or quarantine of a node that is in service, the fleet is read from
+  the scheduler and agent/breaker.py judges it. A refusal latches: the intent and those behind it wait (neither
+  lost nor done) until `gpuwarden breaker reset` records a reset time in the state store, which the engine reads
+  at its next turn; drains before that time no longer count.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import structlog
+
+from .adapters.base import REASON_PREFIX, Refused, SchedulerAdapter, Service, Transient
+from .passive import MetricSample
+
+log = structlog.get_logger("gpuwarden.remediation")
+
+ACTIONS = ("cordon", "drain", "quarantine", "uncordon", "resume", "retire", "reset_gpu", "reboot", "ticket",
+           "take_spare", "return_to_pool", "publish_domain")
+GATED = ("cordon", "drain", "quarantine")  # take capacity out of the fleet: the breaker is asked first
+MODES = ("dry-run", "act")
+RESET_AT_KEY = "breaker_reset_at"  # meta key `gpuwarden breaker reset` writes, the engine reads
+STATUS_KEY = "remediation"  # meta key the engine keeps for `gpuwarden status`
+OUTCOME_KINDS = ("done", "already", "refused", "failed", "dry_run")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The [remediation] table, resolved."""
+    mode: str = "dry-run"
+    adapter: str = "local"
+    node_name: str = ""
+    retry_min_s: float = 1.0
+    retry_max_s: float = 300.0
+    publish_every_s: float = 600.0  # the NVLink domain is re-asserted this often (slurmctld forgets it)
+    latch_poll_s: float = 5.0  # a latched breaker looks for a reset this often
+    breaker: Mapping[str, Any] = field(default_factory=dict)  # agent/breaker.py BreakerPolicy keywords
+    spares: Mapping[str, Any] = field(default_factory=dict)  # "swap" (bool) + agent/spares.py SparePolicy keywords
+    reboot_command: tuple[str, ...] = ("systemctl", "reboot")
+    ticket_command: tuple[str, ...] = ()
+    step_timeout_s: float = 600.0  # a recovery step (reset, reboot command, ticket hook) is ended after this
+    actions_path: Path | None = None  # actions.jsonl: every intent as the dry run (and the act mode) saw it
+
+    @property
+    def acting(self) -> bool:
+        return self.mode == "act"
+
+    @property
+    def swap(self) -> bool:
+        return bool(self.spares.get("swap", True))
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], node_name: str, actions_path: Path | None) -> "Settings":
+        ladder = table.get("ladder", {})
+        return cls(mode=table.get("mode", "dry-run"), adapter=table.get("adapter", "local"),
+                   node_name=table.get("node_name") or node_name, retry_min_s=float(table.get("retry_min_s", 1.0)),
+                   retry_max_s=float(table.get("retry_max_s", 300.0)),
+                   publish_every_s=float(table.get("publish_every_s", 600.0)),
+                   breaker=dict(table.get("breaker", {})), spares=dict(table.get("spares", {})),
+                   reboot_command=tuple(ladder.get("reboot_command", ("systemctl", "reboot"))),
+                   ticket_command=tuple(ladder.get("ticket_command", ())),
+                   step_timeout_s=float(ladder.get("step_timeout_s", 600.0)), actions_path=actions_path)
+
+
+class _Latched(Exception):
+    """The breaker is open: the intent waits for a reset."""
+
+
+@dataclass
+class _Item:
+    key: str
+    action: str
+    detail: dict[str, Any]
+    attempts: int = 0
+    not_before: float = 0.0
+
+
+@dataclass
+class Hooks:
+    """What the engine asks of the daemon that runs it (each takes the daemon's lock itself)."""
+    done: Callable[[str, float, str], None]  # the intent is carried out: journal (key, at, outcome)
+    set_meta: Callable[[str, Any], None]  # a meta value for `status`
+    fault_clear: Callable[[], bool] = lambda: False  # the node's faults have cleared (a reset is moot)
+    read_meta: Callable[[str], Any] = lambda key: None  # a meta value as the store holds it now (breaker reset)
+
+
+class Engine:
+    def __init__(self, adapter: SchedulerAdapter | None, settings: Settings, hooks: Hooks, node: Any = None,
+                 domain: str | None = None, clock: Callable[[], float] = time.time,
+                 lock: threading.RLock | None = None, judge: Callable[..., Any] | None = None,
+                 recovery: Any = None, spares: Any = None):
+        self.adapter, self.settings, self.hooks, self.node, self.domain = adapter, settings, hooks, node, domain
+        self.clock = clock
+        self.lock = lock or threading.RLock()
+        self.wanted = threading.Condition(self.lock)  # enqueue() wakes the worker
+        self._judge, self._recovery, self._spares = judge, recovery, spares
+        self._queue: deque[_Item] = deque()
+        self._queued: set[str] = set()
+        self._counts = dict.fromkeys(OUTCOME_KINDS, 0)
+        self._latch: dict[str, Any] | None = None  # the breaker's refusal while it holds
+        self._reset_at: float | None = None
+        self._swap: dict[str, Any] | None = None  # the last spare swap: taken, or the slice must move
+        self._error: str | None = None  # the scheduler's last error while it lasts
+        self._error_since: float | None = None
+        self._next_publish = 0.0
+        self._status: dict[str, Any] = {}
+        saved = hooks.read_meta(STATUS_KEY)
+        if isinstance(saved, dict):  # a latch survives a restart: the breaker stays open until reset
+            self._latch = saved.get("breaker") if isinstance(saved.get("breaker"), dict) else None
+            self._swap = saved.get("swap") if isinstance(saved.get("swap"), dict) else None
+        reset = hooks.read_meta(RESET_AT_KEY)
+        self._reset_at = float(reset) if isinstance(reset, (int, float)) else None
+
+    # -- the queue (enqueue with the daemon's lock held) -----------------------------------------------------------
+    def enqueue(self, intents: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        with self.lock:
+            for key, action, detail in intents:
+                if key not in self._queued:
+                    self._queued.add(key)
+                    self._queue.append(_Item(key, action, dict(detail)))
+            self.wanted.notify_all()
+
+    def pending(self) -> list[tuple[str, str, dict[str, Any]]]:
+        with self.lock:
+            return [(i.key, i.action, i.detail) for i in self._queue]
+
+    # -- one turn of the worker ------------------------------------------------------------------------------------
+    def step(self) -> float:
+        """Carries out (or tries) the intent at the head of the queue. Returns how long to wait before the next
+        turn is worth taking (0: at once; the worker also wakes when an intent is queued)."""
+        now = self.clock()
+        waits = [self._publish_turn(now)]
+        with self.lock:
+            item = self._queue[0] if self._queue else None
+        if item is None:
+            return min(waits)
+        if item.not_before > now:
+            return min([*waits, item.not_before - now])
+        try:
+            outcome = self._carry_out(item, now)
+        except _Latched:
+            return min([*waits, self.settings.latch_poll_s])
+        except Transient as exc:
+            return min([*waits, self._retry(item, now, f"{exc}")])
+        except Refused as exc:
+            outcome = f"refused: {exc}"
+            log.error("the scheduler refused an intent", action=item.action, key=item.key, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug or an unexpected library error: kept, retried, logged
+            return min([*waits, self._retry(item, now, f"{type(exc).__name__}: {exc}")])
+        self._scheduler_ok(now)
+        self._finish(item, outcome)
+        return 0.0
+
+    def _retry(self, item: _Item, now: float, error: str) -> float:
+        delay = min(self.settings.retry_min_s * 2 ** item.attempts, self.settings.retry_max_s)
+        item.attempts += 1
+        item.not_before = now + delay
+        if self._error is None:
+            self._error_since = now
+        if self._error != error:
+            log.error("intent not carried out yet; retrying", action=item.action, key=item.key, error=error,
+                      retry_in_s=delay, attempt=item.attempts)
+        self._error = error
+        self._save_status()
+        return delay
+
+    def _scheduler_ok(self, now: float) -> None:
+        if self._error is not None:
+            log.warning("carrying out intents again", error_was=self._error, since=self._error_since)
+            self._error = self._error_since = None
+            self._save_status()
+
+    def _finish(self, item: _Item, outcome: str) -> None:
+        kind = outcome.split(":", 1)[0].split(" ", 1)[0]
+        kind = {"dry-run": "dry_run", "done": "done", "refused": "refused", "failed": "failed",
+                "already": "already"}.get(kind, "done")
+        with self.lock:
+            if self._queue and self._queue[0] is item:
+                self._queue.popleft()
+            self._queued.discard(item.key)
+            self._counts[kind] += 1
+        log.info("intent carried out" if self.settings.acting else "would act", action=item.action, key=item.key,
+                 outcome=outcome, reason=item.detail.get("reason", ""))
+        self.hooks.done(item.key, self.clock(), outcome)
+
+    # -- carrying one intent out -------------------------------------------------------------------------------
+    def _carry_out(self, item: _Item, now: float) -> str:
+        action, detail = item.action, item.detail
+        if not self.settings.acting:
+            self._write_action(item, now)
+            return "dry-run: logged, not carried out"
+        if action in ("reset_gpu", "reboot", "ticket"):
+            return self._recovery_step(action, detail, item.key)
+        adapter = self._adapter()
+        me = self.settings.node_name
+        if action == "publish_domain":
+            domain = str(detail.get("domain") or "")
+            if adapter.node(me).domain == domain:
+                return "already published"
+            adapter.publish_domain(me, domain)
+            return "done"
+        if action == "take_spare":
+            return self._take_spare(adapter, detail)
+        if action == "drain" and detail.get("to") == "quarantined":
+            # The drain that quarantines: drained and marked as held for recovery, in one call (never taken as
+            # a spare, never resumed by another agent).
+            action = "quarantine"
+        view = adapter.node(me)
+        if _present(action, view):
+            return f"already so at the scheduler ({view.service.value}{', ours' if view.ours else ''}" \
+                   f"{', quarantined' if view.quarantined else ''}{', spare' if view.spare else ''})"
+        reason = _reason(detail)
+        if action in GATED and view.service is Service.IN_SERVICE:
+            self._gate(adapter, now)
+        if action == "cordon":
+            adapter.cordon(me, reason)
+        elif action == "drain":
+            adapter.drain(me, reason)
+        elif action in ("quarantine", "retire"):
+            adapter.quarantine(me, reason if action == "quarantine" else f"{REASON_PREFIX} retired: "
+                               f"{detail.get('reason', '')}")
+        elif action == "uncordon":
+            adapter.resume(me)
+        elif action == "resume":
+            return self._back_in_service(adapter)
+        elif action == "return_to_pool":
+            adapter.return_to_pool(me, str(detail.get("domain") or self.domain))
+        else:
+            return f"failed: unknown action {action!r}"
+        return "done"
+
+    def _adapter(self) -> SchedulerAdapter:
+        if self.adapter is None:
+            raise Transient("no scheduler adapter configured")
+        return self.adapter
+
+    def _write_action(self, item: _Item, now: float) -> None:
+        path = self.settings.actions_path
+        if path is None:
+            return
+        line = json.dumps({"action": item.action, "at": now, "key": item.key, **item.detail}, sort_keys=True)
+        try:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError as exc:  # the state folder is gone or full: kept, retried (the writer recreates it)
+            raise Transient(f"{path}: cannot write: {exc.strerror or exc}") from None
+
+    # -- the circuit breaker -----------------------------------------------------------------------------------
+    def _gate(self, adapter: SchedulerAdapter, now: float) -> None:
+        reset = self.hooks.read_meta(RESET_AT_KEY)
+        if isinstance(reset, (int, float)) and (self._reset_at is None or reset > self._reset_at):
+            self._reset_at = float(reset)
+        if self._latch is not None and self._reset_at is not None \
+                and self._reset_at >= float(self._latch.get("since") or 0.0):
+            # Reset after the latch (while running, or while the agent was down): judged again from here on.
+            log.warning("circuit breaker reset by the operator; judging the fleet again", was=self._latch.get("reason"))
+            self._latch = None
+            self._save_status()
+        if self._latch is not None:
+            raise _Latched()
+        judge, policy = self._breaker()
+        verdict = judge(list(adapter.nodes()), self.settings.node_name, self.domain, now, policy, self._reset_at)
+        if verdict.allow:
+            return
+        self._latch = {"open": True, "since": now, "reason": verdict.reason, "cluster": list(verdict.cluster),
+                       "domain": list(verdict.domain) if verdict.domain is not None else None}
+        log.error("circuit breaker open: cordons held until `gpuwarden breaker reset`", reason=verdict.reason,
+                  cluster=verdict.cluster, domain=verdict.domain)
+        self._save_status()
+        raise _Latched()
+
+    def _breaker(self) -> tuple[Callable[..., Any], Any]:
+        if self._judge is not None:
+            return self._judge, dict(self.settings.breaker)
+        try:
+            from .breaker import BreakerPolicy, judge
+        except ImportError as exc:  # never act without the brake
+            raise Transient(f"the circuit breaker is not available ({exc}); cordons wait") from None
+        return judge, BreakerPolicy(**self.settings.breaker)
+
+    @property
+    def breaker_open(self) -> bool:
+        return self._latch is not None
+
+    # -- spares ----------------------------------------------------------------------------------------------------
+    def _spare_module(self) -> Any:
+        if self._spares is not None:
+            return self._spares
+        from . import spares  # noqa: PLC0415 - optional until the policy module is installed
+
+        return spares
+
+    def _spare_policy(self, mod: Any) -> Any:
+        kwargs = {k: v for k, v in self.settings.spares.items() if k != "swap"}
+        return mod.SparePolicy(**kwargs) if hasattr(mod, "SparePolicy") else kwargs
+
+    def _take_spare(self, adapter: SchedulerAdapter, detail: Mapping[str, Any]) -> str:
+        """The scheduler is the arbiter (take_spare is atomic there); the plan (agent/spares.py) says beforehand
+        whether the domain has a spare at all, and which domains could host the slice if not."""
+        me, domain = self.settings.node_name, str(detail.get("domain") or "")
+        plan = None
+        try:
+            mod = self._spare_module()
+            plan = mod.plan_swap(list(adapter.nodes()), me, self._spare_policy(mod))
+        except ImportError as exc:
+            log.warning("spare planning not available; asking the scheduler for a spare directly", error=str(exc))
+        spare = None if plan is not None and plan.slice_must_move else adapter.take_spare(domain, me)
+        reason = plan.reason if plan is not None else ""
+        if spare is None:
+            hosts = list(plan.hosts) if plan is not None else []
+            self._swap = {"domain": domain, "spare": None, "slice_must_move": True, "hosts": hosts,
+                          "reason": reason, "at": self.clock()}
+            log.error("no spare left in the NVLink domain: the slice must move", domain=domain, hosts=hosts,
+                      reason=reason)
+            self._save_status()
+            return f"done: no spare in {domain}; the slice must move (domains that could host it: " \
+                   f"{', '.join(hosts) or 'none known'})"
+        self._swap = {"domain": domain, "spare": spare, "slice_must_move": False, "hosts": [], "reason": reason,
+                      "at": self.clock()}
+        log.info("spare taken into service", domain=domain, spare=spare, for_node=me)
+        self._save_status()
+        return f"done: spare {spare} of {domain} taken into service"
+
+    def _back_in_service(self, adapter: SchedulerAdapter) -> str:
+        me = self.settings.node_name
+        if self.domain and self.settings.swap:
+            try:
+                mod = self._spare_module()
+                to_pool = mod.wants_back_in_pool(list(adapter.nodes()), me, self._spare_policy(mod))
+            except ImportError:
+                to_pool = False
+            if to_pool:
+                adapter.return_to_pool(me, self.domain)
+                return f"done: returned to the spare pool of {self.domain}"
+        adapter.resume(me)
+        return "done"
+
+    @property
+    def slice_must_move(self) -> bool:
+        return bool(self._swap and self._swap.get("slice_must_move"))
+
+    # -- the recovery steps on this node -----------------------------------------------------------------------
+    def _recovery_module(self) -> Any:
+        if self._recovery is not None:
+            return self._recovery
+        from . import recovery  # noqa: PLC0415 - the ladder's actions
+
+        return recovery
+
+    def _recovery_step(self, action: str, detail: Mapping[str, Any], key: str) -> str:
+        timeout = self.settings.step_timeout_s
+        if action == "reset_gpu":
+            if self.hooks.fault_clear():
+                return "already clear: the fault cleared before the reset"
+            gpus = [int(g) for g in detail.get("gpus", [])]
+            return self._run_step("reset_gpus", self.node, gpus, timeout)
+        if action == "reboot":
+            before, now_boot = detail.get("boot_id"), getattr(getattr(self.node, "info", None), "boot_id", None)
+            if before and now_boot and before != now_boot:
+                return f"done: rebooted (boot {before} -> {now_boot})"
+            if self.adapter is not None:
+                jobs = self.adapter.node(self.settings.node_name).jobs
+                if jobs:  # the drain lets work finish: a reboot now would kill it
+                    raise Transient(f"{jobs} job(s) still running on the node; the reboot waits for the drain")
+            log.warning("rebooting the node", command=list(self.settings.reboot_command), reason=detail.get("reason"))
+            return self._run_step("reboot", list(self.settings.reboot_command), timeout)
+        if not self.settings.ticket_command:
+            return "done: no ticket command configured ([remediation.ladder] ticket_command); waiting for repair"
+        finding = {"finding": detail.get("finding"), "node": self.settings.node_name, "domain": self.domain,
+                   "reason": detail.get("reason", ""), "idempotency_key": key}
+        return self._run_step("open_ticket", list(self.settings.ticket_command), finding, timeout)
+
+    def _run_step(self, name: str, *args: Any) -> str:
+        try:
+            module = self._recovery_module()
+        except ImportError as exc:
+            return f"failed: recovery steps not available ({exc})"
+        return _step_outcome(getattr(module, name)(*args))
+
+    # -- the NVLink domain, re-asserted --------------------------------------------------------------------------
+    def _publish_turn(self, now: float) -> float:
+        """Re-asserts the node's domain at the scheduler every publish_every_s (Slurm forgets features set by
+        scontrol when slurmctld restarts). Idempotent and not journalled: a failure is retried next period."""
+        if not (self.settings.acting and self.domain and self.adapter is not None and self.settings.publish_every_s):
+            return float("inf")
+        if now < self._next_publish:
+            return self._next_publish - now
+        try:
+            self.adapter.publish_domain(self.settings.node_name, self.domain)
+            self._next_publish = now + self.settings.publish_every_s
+        except Exception as exc:  # noqa: BLE001 - logged, tried again
+            log.warning("could not re-assert the NVLink domain", domain=self.domain, error=str(exc))
+            self._next_publish = now + min(self.settings.retry_max_s, self.settings.publish_every_s)
+        return self._next_publish - now
+
+    # -- what status and /metrics show ------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {"mode": self.settings.mode, "adapter": self.settings.adapter, "node_name": self.settings.node_name,
+                "domain": self.domain, "breaker": self._latch, "breaker_reset_at": self._reset_at,
+                "swap": self._swap, "scheduler_error": self._error, "scheduler_error_since": self._error_since}
+
+    def _save_status(self) -> None:
+        status = self.status()
+        if status != self._status:
+            self._status = status
+            self.hooks.set_meta(STATUS_KEY, status)
+
+    def start(self, now: float) -> list[tuple[str, str, dict[str, Any]]]:
+        """Writes the engine's status once (what `status` shows before the first intent), and returns the intents
+        a start makes: the node's NVLink domain published (when known), journalled like every other intent."""
+        self._save_status()
+        if not self.domain:
+            return []
+        self._next_publish = now + self.settings.publish_every_s  # the periodic re-assertion starts after it
+        return [(f"{now:.6f}:publish_domain", "publish_domain", {"at": now, "domain": self.domain,
+                                                                 "reason": f"NVLink domain {self.domain}"})]
+
+    def ready(self, now: float) -> bool:
+        """An intent can be tried now (call with the lock held): the worker must not sleep."""
+        return bool(self._queue) and self._queue[0].not_before <= now and self._latch is None
+
+    def samples(self) -> tuple[MetricSample, ...]:
+        with self.lock:
+            counts = dict(self._counts)
+        out = [
+            MetricSample("gpuwarden_remediation_acting", "1 if intents are carried out ([remediation] mode = "
+                         "\"act\"), 0 in dry-run (logged only).", {}, 1.0 if self.settings.acting else 0.0),
+            MetricSample("gpuwarden_breaker_open", "1 while the circuit breaker holds this node's cordons (until "
+                         "`gpuwarden breaker reset`), 0 otherwise.", {}, 1.0 if self._latch else 0.0),
+            MetricSample("gpuwarden_scheduler_reachable", "0 while the last scheduler call failed for now (retried "
+                         "with a backoff; detection goes on), 1 otherwise.", {}, 0.0 if self._error else 1.0),
+            MetricSample("gpuwarden_slice_must_move", "1 when this node's NVLink domain had no spare left to take "
+                         "its place (the slice must move to another domain).", {},
+                         1.0 if self.slice_must_move else 0.0),
+        ]
+        out += [MetricSample("gpuwarden_intents_carried_out", "Intents ended since start, by outcome (done, already "
+                             "so at the scheduler, refused, failed, dry_run).", {"outcome": k}, float(v), "counter")
+                for k, v in counts.items()]
+        return tuple(out)
+
+
+def _present(action: str, view: Any) -> bool:
+    """Whether the scheduler already shows the effect of `action` (what a restart reconciles against)."""
+    if action == "cordon":
+        return view.service in (Service.CORDONED, Service.DRAINED)
+    if action == "drain":
+        return view.service is Service.DRAINED or view.quarantined
+    if action in ("quarantine", "retire"):
+        return view.quarantined
+    if action == "uncordon":
+        return view.service is Service.IN_SERVICE
+    if action == "resume":
+        return view.service is Service.IN_SERVICE or view.spare
+    if action == "return_to_pool":
+        return view.spare
+    return False
+
+
+def _reason(detail: Mapping[str, Any]) -> str:
+    text = str(detail.get("reason", "")).replace("\n", " ")[:200]
+    return f"{REASON_PREFIX} {text}".rstrip()
+
+
+def _step_outcome(outcome: Any) -> str:
+    ok = getattr(outcome, "ok", None)
+    text = str(getattr(outcome, "detail", ""))[:500]
+    if ok is True:
+        return f"done: {text}" if text else "done"
+    if ok is False:
+        return f"failed: {text}"
+    return f"failed: could not run: {text}"  # never taken as done: the ladder's next step follows
+
+
+def read_actions(path: Path) -> list[dict[str, Any]]:
+    """actions.jsonl as written in dry-run: one object per intent."""
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
