@@ -7,8 +7,22 @@ import sys
 import structlog
 
 
+class _StandardError:
+    """sys.stderr as it is when a line is written, not as it was at setup: a caller that swaps it (a test harness
+    capturing output, a daemon re-opening its log) must not leave the logger writing to a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def setup(fmt: str = "auto", level: str = "info", stream=None) -> None:
-    stream = stream or sys.stderr
+    stream = stream or _StandardError()
     use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
