@@ -75,8 +75,9 @@ def test_xid_moves_the_node_and_the_metrics(daemon):
     text = metrics_text(collector)
     assert 'gpuwarden_node_state{state="quarantined"} 1.0' in text
     assert 'gpuwarden_xid_events{pci="0008:01:00.0",xid="79"} 1.0' in text
-    actions = [a["action"] for a in d.adapter.actions()]
-    assert actions == ["cordon", "drain"]
+    # The intents are carried out by the engine's worker after the transition: wait for it, then the exact list.
+    wait_for(lambda: len(d.adapter.actions()) >= 2, what="both intents carried out")
+    assert [a["action"] for a in d.adapter.actions()] == ["cordon", "drain"]
 
 
 def test_burst_is_one_incident(daemon):
