@@ -102,7 +102,7 @@ MpiDefault=none
 CommunicationParameters=NoInAddrAny
 SlurmdParameters=config_overrides
 ReturnToService=2
-SlurmdTimeout=10
+SlurmdTimeout=6
 SlurmctldTimeout=10
 MessageTimeout=5
 InactiveLimit=0
@@ -167,13 +167,48 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
         return proc
 
     def stop(self) -> None:
-        """End everything started here: the slurmds together, then slurmctld, munged last."""
+        """End everything started here: the jobs (cancelled while slurmctld runs), the slurmds together, then
+        slurmctld, munged last; then whatever of a job is still left (slurmstepd detaches from its slurmd): known by
+        this cluster's SLURM_CONF in its environment."""
+        if "slurmctld" in self.procs:
+            try:
+                os.kill(self.procs["slurmctld"].pid, signal.SIGCONT)
+                subprocess.run(["scancel", "--user=root"], env=self.env, capture_output=True, timeout=15)
+                self._wait(lambda: not self.jobs(), "the jobs to end", deadline_s=20.0)
+            except (OSError, subprocess.TimeoutExpired, RuntimeError):
+                pass  # ended below
         slurmds = [self.procs.pop(n) for n in list(self.procs) if n.startswith("slurmd-")]
         _end(*slurmds)
         for name in ("slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 _end(proc)
+        for pid in self._leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _leftovers(self) -> list[int]:
+        """Processes of this cluster's jobs (slurmstepd, the job script and what it started)."""
+        mark, me = f"SLURM_CONF={self.conf}".encode(), os.getpid()
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if (entry.name.isdigit() and int(entry.name) != me
+                        and mark in (entry / "environ").read_bytes().split(b"\0")):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def jobs(self) -> str:
+        """The ids of the jobs in the queue, one a line ("?" when squeue did not answer)."""
+        try:
+            return subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except subprocess.TimeoutExpired:
+            return "?"
 
     def logs(self) -> str:
         """The tail of every log, for a failure message."""
@@ -194,8 +229,9 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
         self.procs[name] = proc
         return proc
 
-    def _wait(self, predicate, what: str, proc: subprocess.Popen | None = None) -> None:
-        deadline = time.monotonic() + START_DEADLINE_S
+    def _wait(self, predicate, what: str, proc: subprocess.Popen | None = None,
+              deadline_s: float = START_DEADLINE_S) -> None:
+        deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             if predicate():
                 return
@@ -224,6 +260,10 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
     def _all_idle(self) -> bool:
         states = self._states()
         return all(states.get(n) == "idle" for n in self.live)
+
+    def idle(self) -> bool:
+        """Every live node idle (answering, not drained, no job), and no job in the queue."""
+        return not self.jobs() and self._all_idle()
 
     def _all_responding(self) -> bool:
         states = self._states()
