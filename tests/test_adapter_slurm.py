@@ -68,8 +68,9 @@ def test_slurm_cordon_drain_quarantine_set_our_reason_and_state(slurm):
     slurm.cordon("n1", XID79)
     slurm.quarantine("n3", XID79)
     assert slurm.node("n1") == n1 and slurm.node("n3") == n3
-    # Quarantine after a cordon replaces our own reason.
+    # Quarantine after a cordon replaces our own reason; a late cordon does not undo the quarantine.
     slurm.quarantine("n1", XID79)
+    slurm.cordon("n1", XID79)
     assert slurm.node("n1").quarantined
 
 
@@ -225,6 +226,17 @@ def test_slurm_a_spare_claimed_by_another_agent_is_passed_over(slurm, slurm_clus
     assert slurm.take_spare("rackA", "n1") == "n4"
     assert slurm.take_spare("rackB", "n2") is None  # a domain with no spare
     assert slurm.spares("rackA") == ["n3"]
+    # An agent that died after recording n3 for n2 and before resuming it: the retry waits for the claim to end,
+    # then finishes that take; n3 is not offered to anyone else meanwhile.
+    slurm.drain("n2", XID79)
+    slurm_cluster.scontrol("update", "NodeName=n3", "Comment=gpuwarden: spare for n2; rack 12 slot 3")
+    assert slurm.spares("rackA") == []
+    with pytest.raises(Transient, match="claimed"):
+        slurm.take_spare("rackA", "n2")
+    slurm_cluster.scontrol("delete", f"ReservationName={CLAIM_PREFIX}n3")
+    assert slurm.take_spare("rackA", "n2") == "n3"
+    slurm.resume("n2")  # n2 back: the record goes, the operator's comment stays
+    assert slurm_cluster.scontrol("show", "node", "n3", "-o").stdout.rstrip().endswith(" Comment=rack 12 slot 3")
 
 
 def test_slurm_hung_slurmctld_is_transient_then_works(slurm, slurm_cluster):  # noqa: F811

@@ -265,7 +265,8 @@ class SlurmAdapter:
 
     def spares(self, domain: str) -> list[str]:
         _check_domain(domain)
-        return [n.view.name for n in self._fleet() if self._is_spare(n, domain)]
+        # A spare recorded for a failed node is promised to that node's retried take, so it is not offered.
+        return [n.view.name for n in self._fleet() if self._is_spare(n, domain) and _record_of(n.comment)[0] is None]
 
     # -- acting ------------------------------------------------------------------------------------------------
     def cordon(self, node: str, reason: str) -> None:
@@ -384,8 +385,8 @@ class SlurmAdapter:
 
     def _drain(self, node: str, text: str, action: str) -> None:
         n = self._get(node)
-        if n.drain and n.view.reason == text:
-            return
+        if n.drain and (n.view.reason == text or (n.view.quarantined and action != "quarantine")):
+            return  # done, or held for recovery already: a late cordon does not undo a quarantine
         if n.view.reason and not n.view.ours and n.view.reason != SLURM_NOT_RESPONDING:
             if action == "quarantine":
                 raise Refused(f"{node}: {self._held(n)}; not taken over for recovery")
