@@ -281,7 +281,7 @@ class SlurmAdapter:
 
     def resume(self, node: str) -> None:
         fleet = self._fleet()
-        n = self._find(fleet, node)
+        n = self._find(fleet, _check_node(node))
         if not n.held:  # in service (Slurm marks a node NOT_RESPONDING after a RESUME until it answers a ping)
             self._forget_swaps(fleet, node)
             return
