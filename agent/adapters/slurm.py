@@ -1,0 +1,480 @@
+"""The Slurm adapter: carries the engine's decisions to slurmctld with `scontrol`, reads the fleet back with
+`sinfo --json` (and `squeue` for one node's jobs), Slurm 22.05 and newer.
+
+What it writes, and so what it owns:
+- a node's Reason (drain): `gpuwarden: <finding>`, `gpuwarden: quarantine: <finding>`, or SPARE_REASON for a
+  spare held out of service. Only a node drained with a reason that starts with REASON_PREFIX is ever resumed;
+  an administrator's or NHC's drain is never undone (`Refused`), and never overwritten.
+- a node feature `gpuwarden_domain_<domain>` (the NVLink domain), re-asserted on every publish: features set by
+  scontrol are forgotten when slurmctld restarts.
+- while taking a spare: a reservation `gpuwarden_spare_<node>` as the claim (slurmctld refuses a second one of
+  that name, so two agents never take the same spare), and the spare's Comment `gpuwarden: spare for <node>` so
+  a retried take returns the spare already taken.
+docs/slurm.md explains each choice and the 22.05 behaviours handled here."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import structlog
+
+from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
+
+log = structlog.get_logger("gpuwarden.adapter.slurm")
+
+QUARANTINE_PREFIX = f"{REASON_PREFIX} quarantine:"  # a drain the agent holds for recovery
+DOMAIN_FEATURE_PREFIX = "gpuwarden_domain_"  # node feature naming the node's NVLink domain
+CLAIM_PREFIX = "gpuwarden_spare_"  # reservation name: the exclusive claim on one spare while it is taken
+RECORD_PREFIX = f"{REASON_PREFIX} spare for "  # the taken spare's Comment: which failed node it replaces
+MAX_REASON = 200  # characters of a reason the adapter writes (the finding is cut to fit)
+MAX_NAME = 64  # a node name longer than this is not one (hostnames: 63)
+MAX_DOMAIN = 100
+MAX_OUTPUT = 64 << 20  # sinfo --json of a 10,000-node cluster is ~20 MiB
+MAX_STDERR = 64 << 10
+MAX_NODES = 1_000_000
+# slurmctld's own reason when it marks a node DOWN for not answering; it clears it itself when the node is back, so a
+# drain of ours may replace it (and must: the node has to stay out when it answers again).
+SLURM_NOT_RESPONDING = "Not responding"
+
+# scontrol/sinfo messages that mean "slurmctld could not be asked" (retry later) ...
+_TRANSIENT = ("unable to contact slurm controller", "connection refused", "connect failure", "socket timed out",
+              "timed out", "not responding", "zero bytes were transmitted", "temporarily unavailable",
+              "try again", "standby mode", "communication", "configuration source", "slurmctld is down",
+              "unspecified error")
+# ... and those that mean slurmctld answered no.
+_REFUSED = ("invalid", "permission denied", "access denied", "duplicate reservation name", "overlaps",
+            "not found", "busy", "not subset", "does not exist", "unknown", "not allowed", "requested nodes")
+_CLAIM_TAKEN = ("duplicate reservation name", "overlaps", "busy")
+
+
+class _ClaimTaken(Refused):
+    """Another agent holds the claim on this spare."""
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A node as sinfo --json gives it, with what the NodeView leaves out."""
+    view: NodeView
+    drain: bool  # the DRAIN flag
+    held: bool  # out of service by someone's hand: DRAIN, or DOWN (a NOT_RESPONDING node alone is not)
+    responding: bool  # not DOWN, not NOT_RESPONDING, not UNKNOWN
+    available: tuple[str, ...]  # AvailableFeatures
+    active: tuple[str, ...]  # ActiveFeatures
+    comment: str
+
+
+def _valid_name(name: Any, limit: int) -> bool:
+    """A single Slurm name: letters, digits, `.`, `_`, `-` (no hostlist: `n[1-9]` or `a,b` would name many)."""
+    return (isinstance(name, str) and 0 < len(name) <= limit and name[0] != "-"
+            and all(c.isascii() and (c.isalnum() or c in "._-") for c in name))
+
+
+def _check_node(node: str) -> str:
+    if not _valid_name(node, MAX_NAME):
+        raise Refused(f"{node!r}: not a single Slurm node name (letters, digits, '.', '_', '-')")
+    return node
+
+
+def _check_domain(domain: str) -> str:
+    if not _valid_name(domain, MAX_DOMAIN):
+        raise Refused(f"{domain!r}: not usable as a node feature (letters, digits, '.', '_', '-'; at most "
+                      f"{MAX_DOMAIN})")
+    return domain
+
+
+def _clean(text: str) -> str:
+    """Printable ASCII with single spaces: no quotes, backslashes or control characters, which scontrol's own
+    parser, `scontrol show node` readers and sinfo format strings would take apart."""
+    out = [c if ("!" <= c <= "~" and c not in "\"'\\`") else " " for c in text[: 4 * MAX_REASON]]
+    return " ".join("".join(out).split())
+
+
+def reason_text(reason: str, quarantine: bool = False) -> str:
+    """The Reason the adapter writes for `reason`: REASON_PREFIX, `quarantine:` when held for recovery, the
+    finding cleaned and cut to MAX_REASON characters."""
+    body = _clean(reason)
+    if body.startswith(REASON_PREFIX):
+        body = body[len(REASON_PREFIX):].lstrip()
+    if body.startswith("quarantine:"):
+        body = body[len("quarantine:"):].lstrip()
+    head = QUARANTINE_PREFIX if quarantine else REASON_PREFIX
+    body = body or ("held for recovery" if quarantine else "drained")
+    return f"{head} {body}"[:MAX_REASON].rstrip()
+
+
+def ours(reason: str | None) -> bool:
+    return bool(reason) and reason.startswith(REASON_PREFIX)
+
+
+def _number(value: Any) -> float | None:
+    """A number of sinfo --json: a plain int (22.05) or {"set": bool, "infinite": bool, "number": n} (23.x)."""
+    if isinstance(value, dict):
+        if not value.get("set", True) or value.get("infinite"):
+            return None
+        value = value.get("number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and 0 < value < 1e11 else None
+
+
+def _text(value: Any, limit: int = 4096) -> str:
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def _features(value: Any) -> tuple[str, ...]:
+    """A feature list: "a,b" (22.05) or ["a", "b"] (newer)."""
+    if isinstance(value, str):
+        items = value[:65536].split(",")
+    elif isinstance(value, list):
+        items = [v for v in value[:4096] if isinstance(v, str)]
+    else:
+        return ()
+    return tuple(f for f in (i.strip()[:256] for i in items) if f and f != "(null)")
+
+
+def _state_words(entry: dict) -> set[str]:
+    """The base state and its flags in upper case: 22.05 gives "state": "idle" plus "state_flags": ["DRAIN"],
+    23.02 and newer "state": ["IDLE", "DRAIN"]."""
+    words: set[str] = set()
+    for key in ("state", "state_flags"):
+        value = entry.get(key)
+        for item in ([value] if isinstance(value, str) else value if isinstance(value, list) else [])[:64]:
+            if isinstance(item, str):
+                words.update(w for w in item[:256].upper().replace("+", " ").split() if w)
+    return words
+
+
+def _service(words: set[str], drain: bool) -> tuple[Service, bool]:
+    """(Service, responding) from the state words."""
+    busy = bool(words & {"ALLOCATED", "MIXED", "COMPLETING"})
+    if "NOT_RESPONDING" in words or "DOWN" in words:
+        return Service.DOWN, False
+    if drain:
+        return (Service.CORDONED if busy else Service.DRAINED), True
+    if words & {"IDLE", "ALLOCATED", "MIXED", "COMPLETING"}:
+        return Service.IN_SERVICE, True
+    return Service.UNKNOWN, False  # UNKNOWN (slurmctld just started, node not registered yet), FUTURE, ERROR
+
+
+def _record_of(comment: str) -> tuple[str | None, str]:
+    """(the failed node a taken spare stands in for, the rest of the Comment) from a Comment."""
+    if not comment.startswith(RECORD_PREFIX):
+        return None, comment
+    head, sep, rest = comment[len(RECORD_PREFIX):].partition(";")
+    name = head.strip()
+    return (name if _valid_name(name, MAX_NAME) else None), rest.strip() if sep else ""
+
+
+def parse_sinfo_json(text: str) -> list[_Node]:
+    """Every node of `sinfo --json`. Raises Transient when sinfo says it could not ask slurmctld (22.05 prints an
+    empty node list with an "errors" entry and exits 0), Refused on a document that is not sinfo's."""
+    if len(text) > MAX_OUTPUT:
+        raise Transient(f"sinfo --json: more than {MAX_OUTPUT >> 20} MiB; not read")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise Transient(f"sinfo --json: not JSON ({str(exc)[:100]})") from None
+    if not isinstance(doc, dict):
+        raise Transient("sinfo --json: not a JSON object")
+    errors = doc.get("errors")
+    if isinstance(errors, list) and errors:
+        first = errors[0] if isinstance(errors[0], dict) else {}
+        what = _text(first.get("error") or first.get("description"), 200) or "error"
+        raise Transient(f"sinfo --json: slurmctld not reached ({what}, {len(errors)} error(s))")
+    entries = doc.get("nodes")
+    if not isinstance(entries, list) or len(entries) > MAX_NODES:
+        raise Transient("sinfo --json: no node list")
+    nodes: dict[str, _Node] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or not _valid_name(entry.get("name"), MAX_NAME):
+            continue
+        name = entry["name"]
+        words = _state_words(entry)
+        drain = "DRAIN" in words
+        service, responding = _service(words, drain)
+        reason = _text(entry.get("reason"), 1024) or None
+        available, active = _features(entry.get("features")), _features(entry.get("active_features"))
+        domains = sorted(f[len(DOMAIN_FEATURE_PREFIX):] for f in available if f.startswith(DOMAIN_FEATURE_PREFIX))
+        idle = "IDLE" in words and not words & {"ALLOCATED", "MIXED", "COMPLETING"}
+        view = NodeView(
+            name=name, service=service, reason=reason,
+            reason_since=_number(entry.get("reason_changed_at")) if reason else None,
+            ours=ours(reason), quarantined=bool(reason) and reason.startswith(QUARANTINE_PREFIX),
+            domain=domains[0] if domains else None, spare=reason == SPARE_REASON,
+            jobs=0 if idle else None)
+        held = drain or "DOWN" in words
+        nodes[name] = _Node(view, drain, held, responding, available, active, _text(entry.get("comment"), 4096))
+    return list(nodes.values())
+
+
+def _classify(what: str, message: str) -> Exception:
+    low = message.lower()
+    if any(m in low for m in _TRANSIENT):
+        return Transient(f"{what}: {message}")
+    if any(m in low for m in _REFUSED):
+        return Refused(f"{what}: {message}")
+    return Transient(f"{what}: {message or 'failed with no message'}")  # an unknown failure is retried, not dropped
+
+
+class SlurmAdapter:
+    """Slurm through its command-line tools. `slurm_conf` (or SLURM_CONF in the environment) names the cluster;
+    each tool call is bounded by `timeout_s` and ended with its process group when it runs out."""
+    name = "slurm"
+
+    def __init__(self, *, timeout_s: float = 10.0, scontrol: str = "scontrol", sinfo: str = "sinfo",
+                 squeue: str = "squeue", slurm_conf: str | None = None, claim_ttl_s: float | None = None):
+        if not (math.isfinite(timeout_s) and 0 < timeout_s <= 3600):
+            raise ValueError(f"timeout_s: {timeout_s!r} is not in (0, 3600]")
+        self.timeout_s = float(timeout_s)
+        self.tools = {"scontrol": scontrol, "sinfo": sinfo, "squeue": squeue}
+        self.env = dict(os.environ)
+        if slurm_conf:
+            self.env["SLURM_CONF"] = str(slurm_conf)
+        # A claim outlives every step of a take (five tool calls) with room to spare; an agent that died holding
+        # one blocks that spare only this long. Reservations are kept to the minute.
+        ttl = claim_ttl_s if claim_ttl_s is not None else max(120.0, 8 * self.timeout_s)
+        self.claim_ttl_s = float(math.ceil(ttl / 60.0) * 60)
+        try:
+            self.user = pwd.getpwuid(os.getuid()).pw_name  # the claim reservation's only user
+        except KeyError:
+            self.user = str(os.getuid())
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def nodes(self) -> Sequence[NodeView]:
+        return [n.view for n in self._fleet()]
+
+    def node(self, node: str) -> NodeView:
+        n = self._get(node)
+        if n.view.jobs is None and n.responding:
+            out = self._run("squeue", ["--noheader", f"--nodelist={node}", "--format=%i",
+                                       "--states=RUNNING,COMPLETING,SUSPENDED,CONFIGURING,STOPPED"])
+            jobs = sum(1 for line in out.splitlines()[:1_000_000] if line.strip())
+            return dataclasses.replace(n.view, jobs=jobs)
+        return n.view
+
+    def spares(self, domain: str) -> list[str]:
+        _check_domain(domain)
+        # A spare recorded for a failed node is promised to that node's retried take, so it is not offered.
+        return [n.view.name for n in self._fleet() if self._is_spare(n, domain) and _record_of(n.comment)[0] is None]
+
+    # -- acting ------------------------------------------------------------------------------------------------
+    def cordon(self, node: str, reason: str) -> None:
+        self._drain(node, reason_text(reason), "cordon")
+
+    def drain(self, node: str, reason: str) -> None:
+        # Slurm's DRAIN already lets running jobs finish and starts no new ones: cordon and drain are one update.
+        self._drain(node, reason_text(reason), "drain")
+
+    def quarantine(self, node: str, reason: str) -> None:
+        self._drain(node, reason_text(reason, quarantine=True), "quarantine")
+
+    def resume(self, node: str) -> None:
+        fleet = self._fleet()
+        n = self._find(fleet, _check_node(node))
+        if not n.held:  # in service (Slurm marks a node NOT_RESPONDING after a RESUME until it answers a ping)
+            self._forget_swaps(fleet, node)
+            return
+        if not n.view.ours:
+            raise Refused(f"{node}: {self._held(n)}; only a drain of gpuwarden's is resumed")
+        self._resume(n)
+        self._forget_swaps(fleet, node)
+
+    def publish_domain(self, node: str, domain: str) -> None:
+        feature = DOMAIN_FEATURE_PREFIX + _check_domain(domain)
+        n = self._get(node)
+        available = tuple(f for f in n.available if not f.startswith(DOMAIN_FEATURE_PREFIX)) + (feature,)
+        active = tuple(f for f in n.active if not f.startswith(DOMAIN_FEATURE_PREFIX)) + (feature,)
+        if sorted(available) == sorted(n.available) and sorted(active) == sorted(n.active):
+            return
+        # Both lists in one update: 22.05 refuses an AvailableFeatures that no longer holds an active feature.
+        self._scontrol("publish domain", ["update", f"NodeName={node}", f"AvailableFeatures={','.join(available)}",
+                                          f"ActiveFeatures={','.join(active)}"])
+        log.info("published NVLink domain", node=node, domain=domain)
+
+    def return_to_pool(self, node: str, domain: str) -> None:
+        _check_domain(domain)
+        n = self._get(node)
+        if n.view.reason and not n.view.ours and n.view.reason != SLURM_NOT_RESPONDING:
+            raise Refused(f"{node}: {self._held(n)}; not taken into the spare pool over it")
+        self.publish_domain(node, domain)
+        fleet = self._fleet()
+        self._forget_swaps(fleet, node)
+        n = self._find(fleet, node)
+        record, rest = _record_of(n.comment)
+        if record is not None:  # its own record of standing in for another node: obsolete once back in the pool
+            self._set_comment(node, rest)
+        if not (n.drain and n.view.reason == SPARE_REASON):
+            self._scontrol("return to pool", ["update", f"NodeName={node}", "State=DRAIN", f"Reason={SPARE_REASON}"])
+            log.info("node returned to the spare pool", node=node, domain=domain)
+
+    def take_spare(self, domain: str, for_node: str) -> str | None:
+        _check_domain(domain)
+        _check_node(for_node)
+        fleet = self._fleet()
+        if self._find(fleet, for_node).held:  # a record for a node back in service is from an earlier swap
+            for n in fleet:
+                if _record_of(n.comment)[0] != for_node:
+                    continue
+                if not self._is_spare(n, None):  # taken already: a retried call
+                    self._release(n.view.name)
+                    return n.view.name
+                taken = self._take(n, for_node, retried=True)
+                if taken is not None:
+                    return taken
+        for n in fleet:
+            if self._is_spare(n, domain) and _record_of(n.comment)[0] is None:
+                try:
+                    taken = self._take(n, for_node, retried=False)
+                except _ClaimTaken:
+                    log.info("spare claimed by another agent", spare=n.view.name, domain=domain)
+                    continue
+                if taken is not None:
+                    return taken
+        return None
+
+    # -- the parts ---------------------------------------------------------------------------------------------
+    def _take(self, n: _Node, for_node: str, retried: bool) -> str | None:
+        """Claim `n` (a reservation of a name only one agent can create), check it is still a spare, record whom it
+        stands in for, resume it, release the claim. None when it stopped being a spare before the claim."""
+        spare = n.view.name
+        claim = CLAIM_PREFIX + spare
+        start = time.monotonic()
+        try:
+            self._scontrol("claim spare", ["create", "reservation", f"ReservationName={claim}", f"Nodes={spare}",
+                                           f"Users={self.user}", "StartTime=now",
+                                           f"Duration={int(self.claim_ttl_s // 60)}", "Flags=IGNORE_JOBS"])
+        except Refused as exc:
+            if not any(m in str(exc).lower() for m in _CLAIM_TAKEN):
+                raise
+            if retried:  # our own claim of a call that died, or another agent's: wait until it is released
+                raise Transient(f"{spare}: claimed ({claim}); retry when the claim ends") from None
+            raise _ClaimTaken(str(exc)) from None
+        try:
+            now = self._get(spare)  # read after the claim: what was seen before it may be stale
+            record = _record_of(now.comment)[0]
+            if not self._is_spare(now, None) or record not in (None, for_node):
+                log.info("spare gone before it was claimed", spare=spare, reason=now.view.reason)
+                return None
+            if record is None:
+                self._set_comment(spare, f"{RECORD_PREFIX}{for_node}", keep=now.comment)
+            if time.monotonic() - start + self.timeout_s >= self.claim_ttl_s:
+                raise Transient(f"{spare}: the claim ran out before the spare could be resumed")
+            self._resume(now)
+            log.info("spare taken into service", spare=spare, for_node=for_node)
+            return spare
+        finally:
+            self._release(spare)
+
+    def _release(self, spare: str) -> None:
+        try:
+            self._scontrol("release claim", ["delete", f"ReservationName={CLAIM_PREFIX}{spare}"])
+        except Refused as exc:  # not there (released before, or its time ran out)
+            if "not found" not in str(exc).lower() and "invalid" not in str(exc).lower():
+                raise
+
+    def _drain(self, node: str, text: str, action: str) -> None:
+        n = self._get(node)
+        if n.drain and (n.view.reason == text or (n.view.quarantined and action != "quarantine")):
+            return  # done, or held for recovery already: a late cordon does not undo a quarantine
+        if n.view.reason and not n.view.ours and n.view.reason != SLURM_NOT_RESPONDING:
+            if action == "quarantine":
+                raise Refused(f"{node}: {self._held(n)}; not taken over for recovery")
+            log.info("node already held out by someone else; left as it is", node=node, reason=n.view.reason)
+            return
+        self._scontrol(action, ["update", f"NodeName={node}", "State=DRAIN", f"Reason={text}"])
+        log.info("node drained", node=node, action=action, reason=text)
+
+    def _resume(self, n: _Node) -> None:
+        try:
+            self._scontrol("resume", ["update", f"NodeName={n.view.name}", "State=RESUME"])
+        except Refused as exc:
+            # 22.05 refuses RESUME of a node that is not drained or down: fine when it is in service by now.
+            if "invalid node state" not in str(exc).lower() or self._get(n.view.name).held:
+                raise
+
+    def _forget_swaps(self, fleet: list[_Node], node: str) -> None:
+        """`node` is back (in service or in the pool): the records of spares taken for it are done with."""
+        for n in fleet:
+            record, rest = _record_of(n.comment)
+            if record == node:
+                self._set_comment(n.view.name, rest)
+
+    def _set_comment(self, node: str, text: str, keep: str = "") -> None:
+        """Sets the Comment; an operator's comment (`keep`, not ours) stays after ours."""
+        _, rest = _record_of(keep)
+        value = f"{text}; {rest}" if text and rest else text
+        self._scontrol("comment", ["update", f"NodeName={node}", f"Comment={value}"])
+
+    @staticmethod
+    def _is_spare(n: _Node, domain: str | None) -> bool:
+        return (n.view.spare and n.drain and n.responding and n.view.service is Service.DRAINED
+                and (domain is None or n.view.domain == domain))
+
+    @staticmethod
+    def _held(n: _Node) -> str:
+        return f"held out by someone else (Reason={n.view.reason!r})"
+
+    def _fleet(self) -> list[_Node]:
+        return parse_sinfo_json(self._run("sinfo", ["--json"]))
+
+    def _find(self, fleet: list[_Node], node: str) -> _Node:
+        for n in fleet:
+            if n.view.name == node:
+                return n
+        raise Refused(f"{node}: slurmctld does not know this node")
+
+    def _get(self, node: str) -> _Node:
+        return self._find(self._fleet(), _check_node(node))
+
+    def _scontrol(self, what: str, args: list[str]) -> str:
+        return self._run("scontrol", args, what)
+
+    def _run(self, tool: str, args: list[str], what: str | None = None) -> str:
+        """Runs one Slurm tool with no shell, in a process group of its own, for at most timeout_s; returns its
+        stdout. A tool that runs out is killed with its group and is Transient; a failure is classified by its
+        message."""
+        what = f"{tool} {what or args[0]}"
+        exe = shutil.which(self.tools[tool], path=self.env.get("PATH"))
+        if exe is None:
+            raise Transient(f"{self.tools[tool]}: not installed (not on PATH); install slurm-client")
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.Popen([exe, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self.env,
+                                        start_new_session=True)
+            except OSError as exc:
+                raise Transient(f"{what}: cannot run: {exc.strerror or exc}") from None
+            try:
+                proc.wait(timeout=self.timeout_s)
+            except BaseException as exc:
+                # Killed as a group before it is reaped, so the group id cannot name another process yet.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+                if isinstance(exc, subprocess.TimeoutExpired):
+                    raise Transient(f"{what}: no answer within {self.timeout_s:g}s (killed); slurmctld busy or "
+                                    "hung") from None
+                raise
+            out.seek(0)
+            stdout = out.read(MAX_OUTPUT + 1)
+            err.seek(0)
+            stderr = err.read(MAX_STDERR).decode(errors="replace")
+        if len(stdout) > MAX_OUTPUT:
+            raise Transient(f"{what}: printed more than {MAX_OUTPUT >> 20} MiB; not read")
+        text = stdout.decode(errors="replace")
+        if proc.returncode != 0:
+            message = " ".join((stderr.strip() or text.strip()).split())[:500]
+            raise _classify(what, message)
+        return text
