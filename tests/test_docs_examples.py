@@ -4,7 +4,7 @@ Runs, in a temporary copy of the repository whose `.venv/bin/gpuwarden` and `.ve
 run's own:
 - every ```sh block of README.md, and every ```sh block of docs/*.md marked `<!-- doc-test: run -->`, with bash,
   expecting exit 0 or the status a `<!-- doc-test: exit=N -->` marker names. Setup steps that create a venv or
-  pip-install (`python3 -m venv …`, `.venv/bin/pip install …`) are left out; what follows their `&&` runs. The
+  install packages (`apt-get …`, `python3 -m venv …`, `.venv/bin/pip install …`) are left out; what follows their `&&` runs. The
   suite's own command (`.venv/bin/python -m pytest`) runs with `--collect-only`, not the whole suite inside itself.
   The only other liberty: a `127.0.0.1:PORT` gets a free port and `/tmp/...` a folder of the test's own, so two
   runs at once do not meet. A block that starts a daemon in the background has it ended with the block's process
@@ -37,7 +37,7 @@ from conftest import ROOT
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK_TIMEOUT_S = 180  # generous: a loaded machine; a block that hangs still ends the test
 MARKER = re.compile(r"^<!-- doc-test: (.*) -->$")
-SETUP = ("python3 -m venv ", ".venv/bin/pip install ")
+SETUP = ("python3 -m venv ", ".venv/bin/pip install ", "apt-get ")
 VOLATILE = {"duration_s"}  # run to run: compared by type only
 ELISION = re.compile(r"…|\.\.\.")
 
@@ -279,6 +279,14 @@ def json_differences(shown, real, path: str = "$") -> list[str]:
 def test_the_docs_have_examples_to_check():
     assert len([b for b in RUNNABLE if b.path.name == "README.md"]) >= 4
     assert {b.path.name for b in OUTPUTS} >= {"README.md", "output.md"}
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    """The README's command that runs the suite is a line of .ci/run as typed: what a new user runs is what CI runs."""
+    (command,) = [line for b in RUNNABLE if b.path.name == "README.md" for line in b.text.splitlines()
+                  if "-m pytest" in line]
+    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text().splitlines()
+    assert command in ci
 
 
 def test_shown_output_is_marked_for_checking():
