@@ -3,8 +3,9 @@
 Runs, in a temporary copy of the repository whose `.venv/bin/gpuwarden` and `.venv/bin/python` are this test
 run's own:
 - every ```sh block of README.md, and every ```sh block of docs/*.md marked `<!-- doc-test: run -->`, with bash,
-  expecting exit 0 or the status a `<!-- doc-test: exit=N -->` marker names. Setup steps that create a venv or
-  install packages (`apt-get …`, `python3 -m venv …`, `.venv/bin/pip install …`) are left out; what follows their `&&` runs. The
+  expecting exit 0 or the status a `<!-- doc-test: exit=N -->` marker names. Setup steps that install packages
+  or create a venv (`apt-get …`, `python3 -m venv …`, `.venv/bin/pip install …`) are left out; what follows their
+  `&&` runs. The
   suite's own command (`.venv/bin/python -m pytest`) runs with `--collect-only`, not the whole suite inside itself.
   The only other liberty: a `127.0.0.1:PORT` gets a free port and `/tmp/...` a folder of the test's own, so two
   runs at once do not meet. A block that starts a daemon in the background has it ended with the block's process
