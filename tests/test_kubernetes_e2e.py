@@ -391,11 +391,11 @@ def test_kubernetes_api_server_hanging_delays_actions_not_detection(api, agents)
         agent.inject(XID13)  # detection and /metrics go on while the scheduler hangs
         wait_for(lambda: agent.metric('gpuwarden_xid_events{pci="0009:01:00.0",xid="13"}') == 1.0,
                  timeout_s=WAIT_S, what="the XID 13 on /metrics while the API server hangs")
-        wait_for(lambda: agent.metric("gpuwarden_scheduler_reachable") == 0.0, timeout_s=WAIT_S,
-                 what="the scheduler seen unreachable")
+        wait_for(lambda: "no answer from the API server" in str(agent.status()["remediation"]["scheduler_error"]),
+                 timeout_s=WAIT_S, what="the hang seen as the scheduler's error")
+        assert agent.metric("gpuwarden_scheduler_reachable") == 0.0
         assert agent.metric('gpuwarden_node_state{state="quarantined"}') == 1.0
         assert agent.metric("gpuwarden_actions_pending") >= 1.0
-        assert "no answer" in str(agent.status()["remediation"]["scheduler_error"])
         api.finish_terminations()  # the kubelet finished the pods meanwhile
     finally:
         api.unhang()
@@ -417,8 +417,9 @@ def test_kubernetes_api_server_restarted_mid_remediation_does_each_intent_once(a
 
     api.stop()  # down: connections refused; its objects are kept (etcd)
     try:
-        wait_for(lambda: agent.metric("gpuwarden_scheduler_reachable") == 0.0, timeout_s=WAIT_S,
-                 what="the scheduler seen unreachable")
+        wait_for(lambda: "could not reach the API server" in str(agent.status()["remediation"]["scheduler_error"]),
+                 timeout_s=WAIT_S, what="the outage seen as the scheduler's error")
+        assert agent.metric("gpuwarden_scheduler_reachable") == 0.0
         agent.inject(XID13)
         wait_for(lambda: agent.metric('gpuwarden_xid_events{pci="0009:01:00.0",xid="13"}') == 1.0,
                  timeout_s=WAIT_S, what="detection going on while the API server is down")
