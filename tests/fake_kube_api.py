@@ -21,7 +21,8 @@ Knobs for failures: `fail(status, count)` answers the next requests with a 5xx (
 every request without an answer until `unhang()` or `stop()`, `trickle_s` sends answers a byte at a time,
 `interfere(node, fn)` lets another writer change a node just before the next write to it (a real 409 for the
 writer that read first), `gate_writes(n)` holds node writes until `n` of them have arrived (two writers racing on
-one object).
+one object), `stop()` then `start(port)` is a restart on the same address with the same objects (connections
+open before the stop are closed, not served).
 
 Not modelled: watch, server-side apply, admission, field managers, graceful deletion timers, namespaces as objects.
 """

@@ -346,7 +346,7 @@ def test_kubernetes_breaker_holds_when_half_the_nodes_report(api, agents, tmp_pa
     """8 nodes of one rack; cordons limited to a quarter of the cluster (2). Agents on half of them report an XID 79:
     the first two are drained, the other two are held (the breaker latches, their nodes stay in service) until
     `gpuwarden breaker reset`. The two waves are injected one after the other: agents that read the fleet in the
-    same instant each count without the other (docs/remediation.md, the breaker)."""
+    same instant each count only themselves and all pass (docs/kubernetes.md, Testing)."""
     names = [f"gb200-rack07-tray{i:02d}" for i in range(1, 9)]
     nodes(api, names)
     extra = {"remediation": {"breaker": {"cluster_share": 0.25, "domain_share": 1.0}}}
