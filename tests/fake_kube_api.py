@@ -21,7 +21,8 @@ Knobs for failures: `fail(status, count)` answers the next requests with a 5xx (
 every request without an answer until `unhang()` or `stop()`, `trickle_s` sends answers a byte at a time,
 `interfere(node, fn)` lets another writer change a node just before the next write to it (a real 409 for the
 writer that read first), `gate_writes(n)` holds node writes until `n` of them have arrived (two writers racing on
-one object).
+one object), `stop()` then `start(port)` is a restart on the same address with the same objects (connections
+open before the stop are closed, not served).
 
 Not modelled: watch, server-side apply, admission, field managers, graceful deletion timers, namespaces as objects.
 """
@@ -300,15 +301,22 @@ class FakeKubeApi:
         self._gate_left = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._generation = 0  # each start; a connection kept alive from before a stop is closed, not served
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> str:
+    def start(self, port: int = 0) -> str:
+        """Serves on 127.0.0.1:`port` (0: a free one). After `stop`, starting again on the same port serves the same
+        objects: an API server restarted on its saved state (etcd)."""
         api = self
+
+        self._generation += 1
 
         class Handler(_Handler):
             server_api = api
+            generation = api._generation
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._stopping.clear()
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-kube-api", daemon=True)
         self._thread.start()
@@ -328,6 +336,7 @@ class FakeKubeApi:
             self._server.shutdown()
             self._server.server_close()
             self._thread.join(timeout=30)
+            self._server = None
 
     def write_kubeconfig(self, path: Path, token: str = TOKEN) -> Path:
         """A kubeconfig with one context that points at this server."""
@@ -731,6 +740,7 @@ class FakeKubeApi:
 
 class _Handler(BaseHTTPRequestHandler):
     server_api: FakeKubeApi
+    generation: int
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go as separate writes: no 40 ms wait on each answer
 
@@ -739,6 +749,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         api = self.server_api
+        if api._stopping.is_set() or self.generation != api._generation:
+            self.close_connection = True  # the server went away: its open connections with it
+            return
         url = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         length = int(self.headers.get("Content-Length") or 0)
