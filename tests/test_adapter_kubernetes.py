@@ -349,9 +349,12 @@ def test_kubernetes_domain_from_the_clique_label_and_publish_domain(api, make):
     api.add_node("gpu-bare")
     adapter = make()
     assert {v.name: v.domain for v in adapter.nodes()} == {"gpu-gfd": DOMAIN, "gpu-bare": None}
-    adapter.publish_domain("gpu-bare", "rack-7.0")
-    assert api.node_obj("gpu-bare")["metadata"]["labels"][CLIQUE] == "rack-7.0"
+    adapter.publish_domain("gpu-bare", "rack-7.0")  # a domain from config: gpuwarden's labels only
+    assert CLIQUE not in api.node_obj("gpu-bare")["metadata"]["labels"]
     assert api.node_obj("gpu-bare")["metadata"]["labels"][k8s.DOMAIN_LABEL] == "rack-7.0"
+    api.add_node("gpu-nogfd")
+    adapter.publish_domain("gpu-nogfd", DOMAIN)  # read from NVML, no GPU feature discovery: its label too
+    assert api.node_obj("gpu-nogfd")["metadata"]["labels"][CLIQUE] == DOMAIN
     adapter.publish_domain("gpu-gfd", "rack-8.0")  # GPU feature discovery's label stays its own
     assert api.node_obj("gpu-gfd")["metadata"]["labels"][CLIQUE] == DOMAIN
     assert api.node_obj("gpu-gfd")["metadata"]["labels"][k8s.DOMAIN_LABEL] == "rack-8.0"

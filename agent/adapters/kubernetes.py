@@ -12,7 +12,8 @@ What the agent writes on a Node, and only there (everything it owns carries the 
 - an Event on the node for every change it makes;
 - drain: a policy/v1 Eviction for each pod of the node (not DaemonSet pods, not mirror pods, not finished ones),
   so PodDisruptionBudgets hold: a 429 is `Transient`, and a pod is never deleted around a budget;
-- the NVLink domain: read from `nvidia.com/gpu.clique` (GPU feature discovery's label), else `gpuwarden.io/domain`;
+- the NVLink domain: read from `nvidia.com/gpu.clique` (GPU feature discovery's label), else
+  `gpuwarden.io/nvlink-domain`;
 - spares: the label `gpuwarden.io/spare=<domain>`, the taint `gpuwarden.io/spare` and our cordon. Taking one is a
   merge patch that carries the resourceVersion it read, so of two agents racing for one spare the API server lets
   one through and answers the other 409 Conflict; the loser reads again and tries the next spare.
@@ -37,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import structlog
 
+from ..topology import CLIQUE_LABEL, DOMAIN_LABEL, kubernetes_labels  # one set of labels with `gpuwarden topology`
 from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
 
 log = structlog.get_logger("gpuwarden.adapter.kubernetes")
@@ -44,8 +46,6 @@ log = structlog.get_logger("gpuwarden.adapter.kubernetes")
 TAINT = "gpuwarden.io/unhealthy"
 SPARE_TAINT = "gpuwarden.io/spare"
 SPARE_LABEL = "gpuwarden.io/spare"
-DOMAIN_LABEL = "gpuwarden.io/domain"
-CLIQUE_LABEL = "nvidia.com/gpu.clique"
 OURS_UNSCHEDULABLE = "gpuwarden.io/unschedulable"  # annotation: "true" when the agent set spec.unschedulable
 TAKEN_FOR = "gpuwarden.io/taken-for"  # annotation on a spare taken into service: the node it replaced
 CONDITION = "GpuwardenHealthy"
@@ -526,12 +526,15 @@ class KubernetesAdapter:
             raise Refused(f"domain {domain!r} is not a Kubernetes label value (at most 63 characters [A-Za-z0-9_.-], "
                           "starting and ending alphanumeric)")
 
+        try:
+            wanted = kubernetes_labels(domain)  # the same labels `gpuwarden topology --json` names
+        except ValueError as exc:
+            raise Refused(str(exc)) from None
+
         def change(n: dict) -> dict | None:
-            labels, want = _labels(n), {}
-            if labels.get(DOMAIN_LABEL) != domain:
-                want[DOMAIN_LABEL] = domain
-            if CLIQUE_LABEL not in labels:  # GPU feature discovery's label, when it is not running here
-                want[CLIQUE_LABEL] = domain
+            labels = _labels(n)
+            # GPU feature discovery owns the clique label where it runs: set it only where nothing has.
+            want = {k: v for k, v in wanted.items() if labels.get(k) != v and not (k == CLIQUE_LABEL and k in labels)}
             return {"metadata": {"labels": want}} if want else None
 
         obj, changed = self._write(node, change)
