@@ -475,8 +475,30 @@ def _present(action: str, view: Any) -> bool:
 
 
 def _reason(detail: Mapping[str, Any]) -> str:
-    text = str(detail.get("reason", "")).replace("\n", " ")[:200]
-    return f"{REASON_PREFIX} {text}".rstrip()
+    """The scheduler's reason: the finding that drove the transition in the compact form operators grep for
+    (`gpuwarden: xid 79 GPU3 0000:1b:00.0`), else the transition's own reason (an intent journalled without it)."""
+    text = finding_text(detail.get("finding")) or str(detail.get("reason", ""))
+    return f"{REASON_PREFIX} {' '.join(text.split())[:200]}".rstrip()
+
+
+def finding_text(finding: Any) -> str:
+    """`check code entity` of a finding as the journal keeps it (Finding.to_dict): `xid 79 GPU3 0000:1b:00.0`,
+    `nvlink_lanes nvlink-down GPU0 link 5`, `ib_port ib-port-down ib_port mlx5_1/1`; "" when it is not one."""
+    if not isinstance(finding, Mapping) or not finding.get("check") or not finding.get("code"):
+        return ""
+    entity = finding.get("entity") if isinstance(finding.get("entity"), Mapping) else {}
+    kind, index = str(entity.get("kind", "")), entity.get("index")
+    if kind in ("gpu", "nvlink") and isinstance(index, int) and not isinstance(index, bool):
+        where = [f"GPU{index}"]
+        if kind == "nvlink" and entity.get("link") is not None:
+            where.append(f"link {entity['link']}")
+        elif entity.get("pci"):
+            where.append(str(entity["pci"]))
+    elif kind and kind != "node":
+        where = [kind, str(entity.get("id", ""))]
+    else:
+        where = []
+    return " ".join(str(p)[:100] for p in (finding["check"], finding["code"], *where) if p)
 
 
 def _step_outcome(outcome: Any) -> str:

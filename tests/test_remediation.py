@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from fake_scheduler import DictScheduler
-from gpuwarden.agent.remediation import RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, read_actions
+from gpuwarden.agent.remediation import (RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, _reason, finding_text,
+                                         read_actions)
 
 ME = "tray03"
 
@@ -107,6 +108,27 @@ def test_an_outage_delays_and_loses_nothing_in_order(tmp_path):
     assert journal.outcomes() == ["done", "done", "done"]
     assert sample(e, "gpuwarden_scheduler_reachable") == 1.0
     assert sched.state(ME)["reason"].startswith("gpuwarden: xid/79")  # our prefix and the finding
+
+
+def test_the_scheduler_reason_names_check_code_gpu_and_pci_compactly(tmp_path):
+    """The reason an operator reads in `sinfo -R`: `gpuwarden: xid 79 GPU3 0000:1b:00.0`, from the finding the
+    intent carries; an intent journalled without one keeps the transition's reason."""
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+    e = engine(sched, journal, clock, tmp_path)
+    finding = {"check": "xid", "code": "79", "status": "fail", "message": "GPU has fallen off the bus",
+               "action": "REBOOT", "evidence": {"count": 1},
+               "entity": {"kind": "gpu", "id": "GPU-5c1e", "index": 3, "pci": "0000:1b:00.0"}}
+    e.enqueue([("1000.000000:k:cordon", "cordon", {"at": 1000.0, "reason": "xid/79 on GPU 3 GPU-5c1e 0000:1b:00.0",
+                                                   "finding": finding})])
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.state(ME)["reason"] == "gpuwarden: xid 79 GPU3 0000:1b:00.0"
+    assert finding_text({**finding, "entity": {"kind": "nvlink", "id": "GPU-5c1e/5", "index": 0, "link": 5},
+                         "check": "nvlink_lanes", "code": "nvlink-down"}) == "nvlink_lanes nvlink-down GPU0 link 5"
+    assert finding_text({**finding, "entity": {"kind": "ib_port", "id": "mlx5_1/1"}, "check": "ib_port",
+                         "code": "ib-port-down"}) == "ib_port ib-port-down ib_port mlx5_1/1"
+    assert finding_text(None) == "" and finding_text({"check": "xid"}) == ""
+    assert _reason({"reason": "could not\nlook: xid"}) == "gpuwarden: could not look: xid"
 
 
 def test_a_refusal_is_recorded_and_counted_and_the_queue_goes_on(tmp_path):
