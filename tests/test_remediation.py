@@ -220,7 +220,9 @@ def test_the_breaker_latches_until_reset_and_nothing_is_lost(tmp_path):
     assert len(asked) == 1 and again.breaker_open
     reset_at = journal.meta[RESET_AT_KEY] = clock.t  # `gpuwarden breaker reset`
     run(again, clock, until=lambda: not again.pending())
-    assert asked == [None, reset_at]  # judged again, with the drains before the reset no longer counting
+    # Judged again, with the drains before the reset no longer counting: before the cordon, and after it (the fleet
+    # read again with the drains of agents that acted at the same moment).
+    assert asked == [None, reset_at, reset_at]
     assert sched.changes == [("cordon", ME), ("drain", ME)]
     assert sample(again, "gpuwarden_breaker_open") == 0.0 and journal.meta[STATUS_KEY]["breaker"] is None
 
@@ -341,6 +343,32 @@ def test_the_real_breaker_holds_when_half_the_domain_is_drained(tmp_path):
     e.enqueue(intents("cordon"))
     run(e, clock, turns=3)
     assert sched.changes == [] and e.breaker_open
+
+
+def test_a_cordon_that_raced_another_agent_past_the_limit_is_undone_and_the_breaker_latches(tmp_path):
+    """Two agents judged the fleet at the same moment, each without the other's drain, and both cordoned: the fleet
+    read again after the cordon shows both, past the limit of one, so this node's drain is undone (it is ours) and
+    the breaker latches; the intents wait for a reset, neither lost nor done."""
+    pytest.importorskip("gpuwarden.agent.breaker")
+    clock, journal = Clock(), Journal()
+
+    class Racing(DictScheduler):
+        def cordon(self, node, reason):
+            super().cordon(node, reason)
+            if node == ME:  # the other agent's cordon lands between this one's judgement and its own cordon
+                self._change("cordon", "tray00", service="drained", reason="gpuwarden: xid 79 GPU1", ours=True,
+                             reason_since=clock.t)
+
+    sched = Racing(fleet(4), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=None,
+               settings={"breaker": {"cluster_share": 0.2, "domain_share": 1.0, "window_s": 600.0}})
+    e.enqueue(intents("cordon", "drain"))
+    run(e, clock, turns=4)
+    assert sched.changes == [("cordon", ME), ("cordon", "tray00"), ("resume", ME)]  # undone once
+    assert sched.state(ME)["service"] == "in_service" and sched.state("tray00")["service"] == "drained"
+    assert e.breaker_open and journal.done == [] and len(e.pending()) == 2
+    assert "cluster 2 of 4 (limit 1)" in journal.meta[STATUS_KEY]["breaker"]["reason"]
+    assert sample(e, "gpuwarden_breaker_open") == 1.0
 
 
 def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
