@@ -116,6 +116,7 @@ class Engine:
         self._queued: set[str] = set()
         self._counts = dict.fromkeys(OUTCOME_KINDS, 0)
         self._latch: dict[str, Any] | None = None  # the breaker's refusal while it holds
+        self._confirming: str | None = None  # the intent whose drain landed and is not judged again yet
         self._reset_at: float | None = None
         self._swap: dict[str, Any] | None = None  # the last spare swap: taken, or the slice must move
         self._error: str | None = None  # the scheduler's last error while it lasts
@@ -227,15 +228,20 @@ class Engine:
         if action in GATED and self._latch is not None:
             self._held(adapter, view)  # every drain of this node waits while the breaker holds
         if _present(action, view):
+            if self._confirming == item.key:  # it landed, and the read that judges it again failed: judged now
+                self._confirm(adapter, now)
+            self._confirming = None
             return f"already so at the scheduler ({view.service.value}{', ours' if view.ours else ''}" \
                    f"{', quarantined' if view.quarantined else ''}{', spare' if view.spare else ''})"
         reason = _reason(detail)
         gated = action in GATED and view.service is Service.IN_SERVICE
         if gated:
             self._gate(adapter, now)
+            self._confirming = item.key
         outcome = self._act(adapter, action, detail, reason)
         if gated:
             self._confirm(adapter, now)
+        self._confirming = None
         return outcome
 
     def _act(self, adapter: SchedulerAdapter, action: str, detail: Mapping[str, Any], reason: str) -> str:

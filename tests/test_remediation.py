@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from fake_scheduler import DictScheduler
+from gpuwarden.agent.adapters.base import Transient
 from gpuwarden.agent.remediation import (RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, _reason, finding_text,
                                          read_actions)
 
@@ -369,6 +370,37 @@ def test_a_cordon_that_raced_another_agent_past_the_limit_is_undone_and_the_brea
     assert e.breaker_open and journal.done == [] and len(e.pending()) == 2
     assert "cluster 2 of 4 (limit 1)" in journal.meta[STATUS_KEY]["breaker"]["reason"]
     assert sample(e, "gpuwarden_breaker_open") == 1.0
+
+
+def test_a_cordon_whose_second_judgement_could_not_read_the_fleet_is_judged_at_the_retry(tmp_path):
+    """The read after the cordon failed (slurmctld went away): the retry finds the cordon there and judges it then,
+    instead of taking "already so" for allowed."""
+    pytest.importorskip("gpuwarden.agent.breaker")
+    clock, journal = Clock(), Journal()
+
+    class Flaky(DictScheduler):
+        lost = False
+
+        def cordon(self, node, reason):
+            super().cordon(node, reason)
+            if node == ME:
+                self._change("cordon", "tray00", service="drained", reason="gpuwarden: xid 79 GPU1", ours=True,
+                             reason_since=clock.t)
+                self.lost = True
+
+        def nodes(self):
+            if self.lost:
+                self.lost = False
+                raise Transient("slurmctld: connection refused")
+            return super().nodes()
+
+    sched = Flaky(fleet(4), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=None,
+               settings={"breaker": {"cluster_share": 0.2, "domain_share": 1.0, "window_s": 600.0}})
+    e.enqueue(intents("cordon", "drain"))
+    run(e, clock, turns=4)
+    assert sched.changes == [("cordon", ME), ("cordon", "tray00"), ("resume", ME)]
+    assert e.breaker_open and journal.done == [] and len(e.pending()) == 2
 
 
 def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
