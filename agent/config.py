@@ -61,6 +61,7 @@ REMEDIATION_DEFAULTS: dict[str, Any] = {
         "holders_wait_s": 300.0,  # the reset waits this long for the GPU's processes to go, else is skipped
         "reset_settle_s": 300.0,  # the fault has this long to clear after a reset before the next step
         "reboot_settle_s": 1800.0,  # ... and after a reboot
+        "retest_after_s": 60.0,  # a quarantined node whose faults cleared is retested once all looked fine this long
         "reboot_command": ["systemctl", "reboot"],
         "ticket_command": [],  # the service-ticket hook: the finding as JSON on its stdin ([] = none)
         "step_timeout_s": 600.0,  # a reset, the reboot command or the ticket hook is ended after this

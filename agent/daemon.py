@@ -294,7 +294,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                 detail["gpus"] = _fault_gpus(self._active())
             elif a == "reboot":
                 detail["boot_id"] = self.node.info.boot_id
-            elif a == "ticket":
+            elif a in ("ticket", "cordon", "drain"):  # the ticket's input; the scheduler's reason names it
                 detail["finding"] = worst.to_dict() if worst else None
             elif a in ("take_spare", "return_to_pool"):
                 detail["domain"] = self.opt.domain

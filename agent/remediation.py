@@ -116,6 +116,7 @@ class Engine:
         self._queued: set[str] = set()
         self._counts = dict.fromkeys(OUTCOME_KINDS, 0)
         self._latch: dict[str, Any] | None = None  # the breaker's refusal while it holds
+        self._confirming: str | None = None  # the intent whose drain landed and is not judged again yet
         self._reset_at: float | None = None
         self._swap: dict[str, Any] | None = None  # the last spare swap: taken, or the slice must move
         self._error: str | None = None  # the scheduler's last error while it lasts
@@ -224,12 +225,27 @@ class Engine:
             # a spare, never resumed by another agent).
             action = "quarantine"
         view = adapter.node(me)
+        if action in GATED and self._latch is not None:
+            self._held(adapter, view)  # every drain of this node waits while the breaker holds
         if _present(action, view):
+            if self._confirming == item.key:  # it landed, and the read that judges it again failed: judged now
+                self._confirm(adapter, now)
+            self._confirming = None
             return f"already so at the scheduler ({view.service.value}{', ours' if view.ours else ''}" \
                    f"{', quarantined' if view.quarantined else ''}{', spare' if view.spare else ''})"
         reason = _reason(detail)
-        if action in GATED and view.service is Service.IN_SERVICE:
+        gated = action in GATED and view.service is Service.IN_SERVICE
+        if gated:
             self._gate(adapter, now)
+            self._confirming = item.key
+        outcome = self._act(adapter, action, detail, reason)
+        if gated:
+            self._confirm(adapter, now)
+        self._confirming = None
+        return outcome
+
+    def _act(self, adapter: SchedulerAdapter, action: str, detail: Mapping[str, Any], reason: str) -> str:
+        me = self.settings.node_name
         if action == "cordon":
             adapter.cordon(me, reason)
         elif action == "drain":
@@ -265,6 +281,16 @@ class Engine:
 
     # -- the circuit breaker -----------------------------------------------------------------------------------
     def _gate(self, adapter: SchedulerAdapter, now: float) -> None:
+        self._still_latched()
+        judge, policy = self._breaker()
+        verdict = judge(list(adapter.nodes()), self.settings.node_name, self.domain, now, policy, self._reset_at)
+        if verdict.allow:
+            return
+        self._trip(verdict, now)
+        raise _Latched()
+
+    def _still_latched(self) -> None:
+        """Raises _Latched while the breaker holds; closes it when the operator reset it since it opened."""
         reset = self.hooks.read_meta(RESET_AT_KEY)
         if isinstance(reset, (int, float)) and (self._reset_at is None or reset > self._reset_at):
             self._reset_at = float(reset)
@@ -276,16 +302,43 @@ class Engine:
             self._save_status()
         if self._latch is not None:
             raise _Latched()
+
+    def _confirm(self, adapter: SchedulerAdapter, now: float) -> None:
+        """After taking a node out of service: agents on nodes that failed at the same moment each judged a fleet
+        without the others' drains. So the fleet is read again, now with theirs, and this node judged as if it
+        were still in service; past the limit, its drain (ours) is undone and the breaker latches. An agent that
+        keeps its drain has seen every drain kept before its own, so no more than the limit are ever kept (when
+        several raced, all of them may let go: the brake errs on the side of the fleet)."""
+        me = self.settings.node_name
         judge, policy = self._breaker()
-        verdict = judge(list(adapter.nodes()), self.settings.node_name, self.domain, now, policy, self._reset_at)
+        verdict = judge([v for v in adapter.nodes() if v.name != me], me, self.domain, now, policy, self._reset_at)
         if verdict.allow:
             return
+        self._trip(verdict, now, undo=True)
+        self._undo(adapter)
+        raise _Latched()
+
+    def _held(self, adapter: SchedulerAdapter, view: Any) -> None:
+        """The breaker holds (unless reset): a drain it refused after the fact is undone if that did not happen
+        yet, and the intent waits."""
+        if self._latch is not None and self._latch.get("undo") and view.ours and not view.quarantined \
+                and not view.spare and view.service is not Service.IN_SERVICE:
+            self._undo(adapter)
+        self._still_latched()
+
+    def _undo(self, adapter: SchedulerAdapter) -> None:
+        adapter.resume(self.settings.node_name)  # our own drain: back in service
+        log.warning("drain undone: the circuit breaker holds", node=self.settings.node_name)
+        if self._latch is not None:
+            self._latch = {**self._latch, "undo": False}
+            self._save_status()
+
+    def _trip(self, verdict: Any, now: float, undo: bool = False) -> None:
         self._latch = {"open": True, "since": now, "reason": verdict.reason, "cluster": list(verdict.cluster),
-                       "domain": list(verdict.domain) if verdict.domain is not None else None}
+                       "domain": list(verdict.domain) if verdict.domain is not None else None, "undo": undo}
         log.error("circuit breaker open: cordons held until `gpuwarden breaker reset`", reason=verdict.reason,
                   cluster=verdict.cluster, domain=verdict.domain)
         self._save_status()
-        raise _Latched()
 
     def _breaker(self) -> tuple[Callable[..., Any], Any]:
         if self._judge is not None:
@@ -475,8 +528,30 @@ def _present(action: str, view: Any) -> bool:
 
 
 def _reason(detail: Mapping[str, Any]) -> str:
-    text = str(detail.get("reason", "")).replace("\n", " ")[:200]
-    return f"{REASON_PREFIX} {text}".rstrip()
+    """The scheduler's reason: the finding that drove the transition in the compact form operators grep for
+    (`gpuwarden: xid 79 GPU3 0000:1b:00.0`), else the transition's own reason (an intent journalled without it)."""
+    text = finding_text(detail.get("finding")) or str(detail.get("reason", ""))
+    return f"{REASON_PREFIX} {' '.join(text.split())[:200]}".rstrip()
+
+
+def finding_text(finding: Any) -> str:
+    """`check code entity` of a finding as the journal keeps it (Finding.to_dict): `xid 79 GPU3 0000:1b:00.0`,
+    `nvlink_lanes nvlink-down GPU0 link 5`, `ib_port ib-port-down ib_port mlx5_1/1`; "" when it is not one."""
+    if not isinstance(finding, Mapping) or not finding.get("check") or not finding.get("code"):
+        return ""
+    entity = finding.get("entity") if isinstance(finding.get("entity"), Mapping) else {}
+    kind, index = str(entity.get("kind", "")), entity.get("index")
+    if kind in ("gpu", "nvlink") and isinstance(index, int) and not isinstance(index, bool):
+        where = [f"GPU{index}"]
+        if kind == "nvlink" and entity.get("link") is not None:
+            where.append(f"link {entity['link']}")
+        elif entity.get("pci"):
+            where.append(str(entity["pci"]))
+    elif kind and kind != "node":
+        where = [kind, str(entity.get("id", ""))]
+    else:
+        where = []
+    return " ".join(str(p)[:100] for p in (finding["check"], finding["code"], *where) if p)
 
 
 def _step_outcome(outcome: Any) -> str:

@@ -244,3 +244,14 @@ def test_the_real_command_on_a_bad_config_prints_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "agent.budget_s" in proc.stderr
+
+
+def test_the_ladder_table_sets_the_state_machines_timings(tmp_path):
+    """[remediation.ladder] keys that are the state machine's (settle times, the retest's wait) reach its policy."""
+    from gpuwarden.agent.run import policy_of
+
+    path = tmp_path / "gpuwarden.toml"
+    path.write_text("[remediation.ladder]\nretest_after_s = 5.0\nstep_after_s = 2.0\n")
+    policy = policy_of(config.load(all_specs(), path, explicit=True))
+    assert policy["retest_after_s"] == 5.0 and policy["step_after_s"] == 2.0
+    assert policy_of(config.defaults(all_specs()))["retest_after_s"] == 60.0

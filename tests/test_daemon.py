@@ -454,7 +454,7 @@ def test_act_mode_drains_with_our_reason_swaps_a_spare_and_climbs_the_ladder(sce
         assert [a for a, _ in journal] == ["publish_domain", "cordon", "drain", "take_spare", "reboot", "ticket"]
         assert sched.changes == [("cordon", HOST), ("quarantine", HOST), ("take_spare", "spare-a")]
         me = sched.state(HOST)
-        assert me["quarantined"] and me["reason"].startswith("gpuwarden: xid/79 on GPU 0")
+        assert me["quarantined"] and me["reason"] == "gpuwarden: xid 79 GPU0 0008:01:00.0"
         assert sched.state("spare-a")["service"] == "in_service"
         assert dict(journal)["take_spare"] == "done: spare spare-a of rack07 taken into service"
         assert d.record.step == "ticket"

@@ -185,7 +185,7 @@ def test_a_hung_scheduler_delays_actions_never_detection(scenario_copy, tmp_path
     wait_for(lambda: d.store.intents() and not d.store.intents(pending_only=True), what="the intents marked done")
     assert adapter.changes == [("cordon", HOST), ("quarantine", HOST)]  # each once, in order
     assert [(i["action"], i["outcome"]) for i in d.store.intents()] == [("cordon", "done"), ("drain", "done")]
-    assert adapter.state(HOST)["reason"].startswith("gpuwarden: xid/79")  # our reason: the agent's and the finding
+    assert adapter.state(HOST)["reason"] == "gpuwarden: xid 79 GPU0 0008:01:00.0"  # our prefix and the finding
     assert "gpuwarden_actions_pending 0.0" in metrics(d)
 
 

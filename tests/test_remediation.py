@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from fake_scheduler import DictScheduler
-from gpuwarden.agent.remediation import RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, read_actions
+from gpuwarden.agent.adapters.base import Transient
+from gpuwarden.agent.remediation import (RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, _reason, finding_text,
+                                         read_actions)
 
 ME = "tray03"
 
@@ -109,6 +111,27 @@ def test_an_outage_delays_and_loses_nothing_in_order(tmp_path):
     assert sched.state(ME)["reason"].startswith("gpuwarden: xid/79")  # our prefix and the finding
 
 
+def test_the_scheduler_reason_names_check_code_gpu_and_pci_compactly(tmp_path):
+    """The reason an operator reads in `sinfo -R`: `gpuwarden: xid 79 GPU3 0000:1b:00.0`, from the finding the
+    intent carries; an intent journalled without one keeps the transition's reason."""
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(), clock=clock)
+    e = engine(sched, journal, clock, tmp_path)
+    finding = {"check": "xid", "code": "79", "status": "fail", "message": "GPU has fallen off the bus",
+               "action": "REBOOT", "evidence": {"count": 1},
+               "entity": {"kind": "gpu", "id": "GPU-5c1e", "index": 3, "pci": "0000:1b:00.0"}}
+    e.enqueue([("1000.000000:k:cordon", "cordon", {"at": 1000.0, "reason": "xid/79 on GPU 3 GPU-5c1e 0000:1b:00.0",
+                                                   "finding": finding})])
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.state(ME)["reason"] == "gpuwarden: xid 79 GPU3 0000:1b:00.0"
+    assert finding_text({**finding, "entity": {"kind": "nvlink", "id": "GPU-5c1e/5", "index": 0, "link": 5},
+                         "check": "nvlink_lanes", "code": "nvlink-down"}) == "nvlink_lanes nvlink-down GPU0 link 5"
+    assert finding_text({**finding, "entity": {"kind": "ib_port", "id": "mlx5_1/1"}, "check": "ib_port",
+                         "code": "ib-port-down"}) == "ib_port ib-port-down ib_port mlx5_1/1"
+    assert finding_text(None) == "" and finding_text({"check": "xid"}) == ""
+    assert _reason({"reason": "could not\nlook: xid"}) == "gpuwarden: could not look: xid"
+
+
 def test_a_refusal_is_recorded_and_counted_and_the_queue_goes_on(tmp_path):
     clock, journal = Clock(), Journal()
     sched = DictScheduler(fleet(service="drained", reason="admin: bad PSU", ours=False), clock=clock)
@@ -198,7 +221,9 @@ def test_the_breaker_latches_until_reset_and_nothing_is_lost(tmp_path):
     assert len(asked) == 1 and again.breaker_open
     reset_at = journal.meta[RESET_AT_KEY] = clock.t  # `gpuwarden breaker reset`
     run(again, clock, until=lambda: not again.pending())
-    assert asked == [None, reset_at]  # judged again, with the drains before the reset no longer counting
+    # Judged again, with the drains before the reset no longer counting: before the cordon, and after it (the fleet
+    # read again with the drains of agents that acted at the same moment).
+    assert asked == [None, reset_at, reset_at]
     assert sched.changes == [("cordon", ME), ("drain", ME)]
     assert sample(again, "gpuwarden_breaker_open") == 0.0 and journal.meta[STATUS_KEY]["breaker"] is None
 
@@ -319,6 +344,63 @@ def test_the_real_breaker_holds_when_half_the_domain_is_drained(tmp_path):
     e.enqueue(intents("cordon"))
     run(e, clock, turns=3)
     assert sched.changes == [] and e.breaker_open
+
+
+def test_a_cordon_that_raced_another_agent_past_the_limit_is_undone_and_the_breaker_latches(tmp_path):
+    """Two agents judged the fleet at the same moment, each without the other's drain, and both cordoned: the fleet
+    read again after the cordon shows both, past the limit of one, so this node's drain is undone (it is ours) and
+    the breaker latches; the intents wait for a reset, neither lost nor done."""
+    pytest.importorskip("gpuwarden.agent.breaker")
+    clock, journal = Clock(), Journal()
+
+    class Racing(DictScheduler):
+        def cordon(self, node, reason):
+            super().cordon(node, reason)
+            if node == ME:  # the other agent's cordon lands between this one's judgement and its own cordon
+                self._change("cordon", "tray00", service="drained", reason="gpuwarden: xid 79 GPU1", ours=True,
+                             reason_since=clock.t)
+
+    sched = Racing(fleet(4), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=None,
+               settings={"breaker": {"cluster_share": 0.2, "domain_share": 1.0, "window_s": 600.0}})
+    e.enqueue(intents("cordon", "drain"))
+    run(e, clock, turns=4)
+    assert sched.changes == [("cordon", ME), ("cordon", "tray00"), ("resume", ME)]  # undone once
+    assert sched.state(ME)["service"] == "in_service" and sched.state("tray00")["service"] == "drained"
+    assert e.breaker_open and journal.done == [] and len(e.pending()) == 2
+    assert "cluster 2 of 4 (limit 1)" in journal.meta[STATUS_KEY]["breaker"]["reason"]
+    assert sample(e, "gpuwarden_breaker_open") == 1.0
+
+
+def test_a_cordon_whose_second_judgement_could_not_read_the_fleet_is_judged_at_the_retry(tmp_path):
+    """The read after the cordon failed (slurmctld went away): the retry finds the cordon there and judges it then,
+    instead of taking "already so" for allowed."""
+    pytest.importorskip("gpuwarden.agent.breaker")
+    clock, journal = Clock(), Journal()
+
+    class Flaky(DictScheduler):
+        lost = False
+
+        def cordon(self, node, reason):
+            super().cordon(node, reason)
+            if node == ME:
+                self._change("cordon", "tray00", service="drained", reason="gpuwarden: xid 79 GPU1", ours=True,
+                             reason_since=clock.t)
+                self.lost = True
+
+        def nodes(self):
+            if self.lost:
+                self.lost = False
+                raise Transient("slurmctld: connection refused")
+            return super().nodes()
+
+    sched = Flaky(fleet(4), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=None,
+               settings={"breaker": {"cluster_share": 0.2, "domain_share": 1.0, "window_s": 600.0}})
+    e.enqueue(intents("cordon", "drain"))
+    run(e, clock, turns=4)
+    assert sched.changes == [("cordon", ME), ("cordon", "tray00"), ("resume", ME)]
+    assert e.breaker_open and journal.done == [] and len(e.pending()) == 2
 
 
 def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
