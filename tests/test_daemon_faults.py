@@ -283,7 +283,9 @@ def test_a_locked_database_is_reported_and_caught_up_once_released(scenario_copy
         other.close()
     wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 3,
              what="the pending state written once released")
-    assert d.store_error is None and "gpuwarden_store_ok 1.0" in metrics(d)
+    # The writer marks the store recovered just after its commit lands: wait for that too, then the page.
+    wait_for(lambda: d.store_error is None, what="the store reported writable again")
+    assert "gpuwarden_store_ok 1.0" in metrics(d)
 
 
 def status(state: Path) -> subprocess.CompletedProcess:
