@@ -523,7 +523,6 @@ class SlurmLike(DictScheduler):
             n = self._data["nodes"][node]
             if n["reason"] == reason and n.get("reason_since") is not None:
                 n["reason_since"] = self.clock()
-                self._save()
 
 
 def test_the_breaker_judges_this_node_as_one_more_never_by_its_place_among_the_drained(tmp_path):
