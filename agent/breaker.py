@@ -26,9 +26,15 @@ as one more unless it is already among them. A group's size n is every node the 
 nodes out of service included (the cluster: all of them; a domain: the nodes that published it, so a node with no
 published domain counts in the cluster's share only). The limit of a group of n nodes is max(min_nodes,
 floor(share * n)). A new node is allowed when the count, itself included, is within the limit of its cluster and
-of its domain; a node already drained by us is allowed its next step (drain after cordon, quarantine) when it is
-among the first `limit` of them by the time their drain began (then by name), so when agents on many nodes acted
-at the same instant on a view without each other, the ones past the limit stop at the cordon.
+of its domain; a node already drained by us is allowed when it is among the first `limit` of them by the time
+their drain began (then by name).
+
+That rank is only as stable as the scheduler's reason time, and Slurm moves it whenever the reason changes (our
+cordon's reason becomes the quarantine's), so a node's place can change under it. The remediation engine therefore
+never asks for it: it judges its node out of the fleet, as one more on top of the others' drains, before its cordon
+and again after the cordon lands, and does not judge the later steps of a node already out of service
+(docs/remediation.md, "Why the order of drains does not matter"). A moving start only keeps a node counted longer,
+the side that refuses more.
 """
 from __future__ import annotations
 

@@ -7,14 +7,21 @@ journal holds them, and records each one's outcome.
   (`adapter.node`): an intent whose effect is already there (a drain a crash left unmarked, a call that timed out
   after it took effect) is marked done without calling again, so a restart reconciles instead of replaying.
 - **Outages delay, never lose.** `Transient` keeps the intent at the head of the queue and retries it after a
-  backoff that doubles up to retry_max_s; the intents behind it wait, in order. `Refused` ends the intent with
-  outcome "refused: ..." (logged and counted): retrying would not help.
+  backoff that doubles up to retry_max_s; the intents behind it wait, in order. `Busy` (a scheduler that answered
+  "later": a PodDisruptionBudget, pods still terminating, work still running before a reboot) is retried the same
+  way, but the scheduler counts as reachable and `status` says what the intent waits for. `Refused` ends the
+  intent with outcome "refused: ..." (logged and counted): retrying would not help.
 - **Dry run** (the default, `[remediation] mode = "dry-run"`): each intent is logged and written to
   actions.jsonl, and nothing reaches the scheduler or the node (no reads either).
 - **Circuit breaker.** Before a cordon, drain or quarantine of a node that is in service, the fleet is read from
   the scheduler and agent/breaker.py judges it. A refusal latches: the intent and those behind it wait (neither
   lost nor done) until `gpuwarden breaker reset` records a reset time in the state store, which the engine reads
-  at its next turn; drains before that time no longer count.
+  at its next turn; drains before that time no longer count. The node is always judged as one more on top of the
+  fleet's other drains (never by its own place among them: that order is the scheduler's reason time, which Slurm
+  moves when our reason changes).
+- **A spare only for a node the agent took out.** take_spare runs only while the scheduler shows this node
+  quarantined by the agent; after a refused quarantine (an administrator's drain) it ends "refused: no spare
+  taken ...".
 """
 from __future__ import annotations
 
@@ -28,7 +35,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import structlog
 
-from .adapters.base import REASON_PREFIX, Refused, SchedulerAdapter, Service, Transient
+from . import recovery as recovery_steps
+from . import spares as spare_policy
+from .adapters.base import REASON_PREFIX, Busy, Refused, SchedulerAdapter, Service, Transient
+from .breaker import BreakerPolicy
+from .breaker import judge as breaker_judge
 from .passive import MetricSample
 
 log = structlog.get_logger("gpuwarden.remediation")
@@ -111,7 +122,9 @@ class Engine:
         self.clock = clock
         self.lock = lock or threading.RLock()
         self.wanted = threading.Condition(self.lock)  # enqueue() wakes the worker
-        self._judge, self._recovery, self._spares = judge, recovery, spares
+        self._judge = judge  # agent/breaker.py's unless given (tests)
+        self._recovery = recovery if recovery is not None else recovery_steps
+        self._spares = spares if spares is not None else spare_policy
         self._queue: deque[_Item] = deque()
         self._queued: set[str] = set()
         self._counts = dict.fromkeys(OUTCOME_KINDS, 0)
@@ -121,6 +134,8 @@ class Engine:
         self._swap: dict[str, Any] | None = None  # the last spare swap: taken, or the slice must move
         self._error: str | None = None  # the scheduler's last error while it lasts
         self._error_since: float | None = None
+        self._waiting: str | None = None  # what the scheduler, reached, asked to wait for (Busy), while it lasts
+        self._waiting_since: float | None = None
         self._next_publish = 0.0
         self._status: dict[str, Any] = {}
         saved = hooks.read_meta(STATUS_KEY)
@@ -159,6 +174,8 @@ class Engine:
             outcome = self._carry_out(item, now)
         except _Latched:
             return min([*waits, self.settings.latch_poll_s])
+        except Busy as exc:  # reached, and asked to come back later: the same backoff, the scheduler is fine
+            return min([*waits, self._retry(item, now, f"{exc}", busy=True)])
         except Transient as exc:
             return min([*waits, self._retry(item, now, f"{exc}")])
         except Refused as exc:
@@ -170,10 +187,19 @@ class Engine:
         self._finish(item, outcome)
         return 0.0
 
-    def _retry(self, item: _Item, now: float, error: str) -> float:
+    def _retry(self, item: _Item, now: float, error: str, busy: bool = False) -> float:
         delay = min(self.settings.retry_min_s * 2 ** item.attempts, self.settings.retry_max_s)
         item.attempts += 1
         item.not_before = now + delay
+        if busy:
+            if self._waiting is None:
+                self._waiting_since = now
+            if self._waiting != error:
+                log.warning("intent waits: the scheduler asks to come back later", action=item.action,
+                            key=item.key, waiting_for=error, retry_in_s=delay, attempt=item.attempts)
+            self._waiting, self._error, self._error_since = error, None, None
+            self._save_status()
+            return delay
         if self._error is None:
             self._error_since = now
         if self._error != error:
@@ -186,7 +212,11 @@ class Engine:
     def _scheduler_ok(self, now: float) -> None:
         if self._error is not None:
             log.warning("carrying out intents again", error_was=self._error, since=self._error_since)
-            self._error = self._error_since = None
+        elif self._waiting is not None:
+            log.info("the wait is over; carrying out intents again", waited_for=self._waiting,
+                     since=self._waiting_since)
+        if self._error is not None or self._waiting is not None:
+            self._error = self._error_since = self._waiting = self._waiting_since = None
             self._save_status()
 
     def _finish(self, item: _Item, outcome: str) -> None:
@@ -283,7 +313,10 @@ class Engine:
     def _gate(self, adapter: SchedulerAdapter, now: float) -> None:
         self._still_latched()
         judge, policy = self._breaker()
-        verdict = judge(list(adapter.nodes()), self.settings.node_name, self.domain, now, policy, self._reset_at)
+        me = self.settings.node_name
+        # Judged as one more on top of the others' drains, never ranked by its own start among them (a stale mark
+        # of ours on a node back in service must not make it "already drained"): as the judgement after the cordon.
+        verdict = judge([v for v in adapter.nodes() if v.name != me], me, self.domain, now, policy, self._reset_at)
         if verdict.allow:
             return
         self._trip(verdict, now)
@@ -343,42 +376,37 @@ class Engine:
     def _breaker(self) -> tuple[Callable[..., Any], Any]:
         if self._judge is not None:
             return self._judge, dict(self.settings.breaker)
-        try:
-            from .breaker import BreakerPolicy, judge
-        except ImportError as exc:  # never act without the brake
-            raise Transient(f"the circuit breaker is not available ({exc}); cordons wait") from None
-        return judge, BreakerPolicy(**self.settings.breaker)
+        return breaker_judge, BreakerPolicy(**self.settings.breaker)
 
     @property
     def breaker_open(self) -> bool:
         return self._latch is not None
 
     # -- spares ----------------------------------------------------------------------------------------------------
-    def _spare_module(self) -> Any:
-        if self._spares is not None:
-            return self._spares
-        from . import spares  # noqa: PLC0415 - optional until the policy module is installed
-
-        return spares
-
-    def _spare_policy(self, mod: Any) -> Any:
-        kwargs = {k: v for k, v in self.settings.spares.items() if k != "swap"}
-        return mod.SparePolicy(**kwargs) if hasattr(mod, "SparePolicy") else kwargs
+    def _spare_policy(self) -> Any:
+        return self._spares.SparePolicy(**{k: v for k, v in self.settings.spares.items() if k != "swap"})
 
     def _take_spare(self, adapter: SchedulerAdapter, detail: Mapping[str, Any]) -> str:
         """The scheduler is the arbiter (take_spare is atomic there); the plan (agent/spares.py) says beforehand
-        whether the domain has a spare at all, and which domains could host the slice if not."""
+        whether the domain has a spare at all, and which domains could host the slice if not.
+
+        A spare replaces only a node the agent itself took out of service: when this node's quarantine was refused
+        (an administrator's drain, another health checker's) or undone since, the scheduler does not show it
+        quarantined, and no spare is taken. The scheduler's view decides, not the journal's, so a restart between
+        the quarantine and the swap reaches the same answer."""
         me, domain = self.settings.node_name, str(detail.get("domain") or "")
-        plan = None
-        try:
-            mod = self._spare_module()
-            plan = mod.plan_swap(list(adapter.nodes()), me, self._spare_policy(mod))
-        except ImportError as exc:
-            log.warning("spare planning not available; asking the scheduler for a spare directly", error=str(exc))
-        spare = None if plan is not None and plan.slice_must_move else adapter.take_spare(domain, me)
-        reason = plan.reason if plan is not None else ""
+        fleet = list(adapter.nodes())
+        mine = next((v for v in reversed(fleet) if v.name == me), None) or adapter.node(me)
+        if not mine.quarantined:
+            held = f"held by someone else: {mine.reason}" if mine.reason and not mine.ours else mine.service.value
+            log.warning("no spare taken: this node is not quarantined by the agent", node=me, state=held)
+            return f"refused: no spare taken: {me} is not quarantined by gpuwarden ({held}); the agent did not " \
+                   "take it out of service, so it takes no spare in its place"
+        plan = self._spares.plan_swap(fleet, me, self._spare_policy())
+        spare = None if plan.slice_must_move else adapter.take_spare(domain, me)
+        reason = plan.reason
         if spare is None:
-            hosts = list(plan.hosts) if plan is not None else []
+            hosts = list(plan.hosts)
             self._swap = {"domain": domain, "spare": None, "slice_must_move": True, "hosts": hosts,
                           "reason": reason, "at": self.clock()}
             log.error("no spare left in the NVLink domain: the slice must move", domain=domain, hosts=hosts,
@@ -395,12 +423,7 @@ class Engine:
     def _back_in_service(self, adapter: SchedulerAdapter) -> str:
         me = self.settings.node_name
         if self.domain and self.settings.swap:
-            try:
-                mod = self._spare_module()
-                to_pool = mod.wants_back_in_pool(list(adapter.nodes()), me, self._spare_policy(mod))
-            except ImportError:
-                to_pool = False
-            if to_pool:
+            if self._spares.wants_back_in_pool(list(adapter.nodes()), me, self._spare_policy()):
                 adapter.return_to_pool(me, self.domain)
                 return f"done: returned to the spare pool of {self.domain}"
         adapter.resume(me)
@@ -411,13 +434,6 @@ class Engine:
         return bool(self._swap and self._swap.get("slice_must_move"))
 
     # -- the recovery steps on this node -----------------------------------------------------------------------
-    def _recovery_module(self) -> Any:
-        if self._recovery is not None:
-            return self._recovery
-        from . import recovery  # noqa: PLC0415 - the ladder's actions
-
-        return recovery
-
     def _recovery_step(self, action: str, detail: Mapping[str, Any], key: str) -> str:
         timeout = self.settings.step_timeout_s
         if action == "reset_gpu":
@@ -432,7 +448,7 @@ class Engine:
             if self.adapter is not None:
                 jobs = self.adapter.node(self.settings.node_name).jobs
                 if jobs:  # the drain lets work finish: a reboot now would kill it
-                    raise Transient(f"{jobs} job(s) still running on the node; the reboot waits for the drain")
+                    raise Busy(f"{jobs} job(s) still running on the node; the reboot waits for the drain")
             log.warning("rebooting the node", command=list(self.settings.reboot_command), reason=detail.get("reason"))
             return self._run_step("reboot", list(self.settings.reboot_command), timeout)
         if not self.settings.ticket_command:
@@ -442,11 +458,7 @@ class Engine:
         return self._run_step("open_ticket", list(self.settings.ticket_command), finding, timeout)
 
     def _run_step(self, name: str, *args: Any) -> str:
-        try:
-            module = self._recovery_module()
-        except ImportError as exc:
-            return f"failed: recovery steps not available ({exc})"
-        return _step_outcome(getattr(module, name)(*args))
+        return _step_outcome(getattr(self._recovery, name)(*args))
 
     # -- the NVLink domain, re-asserted --------------------------------------------------------------------------
     def _publish_turn(self, now: float) -> float:
@@ -468,7 +480,8 @@ class Engine:
     def status(self) -> dict[str, Any]:
         return {"mode": self.settings.mode, "adapter": self.settings.adapter, "node_name": self.settings.node_name,
                 "domain": self.domain, "breaker": self._latch, "breaker_reset_at": self._reset_at,
-                "swap": self._swap, "scheduler_error": self._error, "scheduler_error_since": self._error_since}
+                "swap": self._swap, "scheduler_error": self._error, "scheduler_error_since": self._error_since,
+                "scheduler_waiting": self._waiting, "scheduler_waiting_since": self._waiting_since}
 
     def _save_status(self) -> None:
         status = self.status()
@@ -499,7 +512,9 @@ class Engine:
             MetricSample("gpuwarden_breaker_open", "1 while the circuit breaker holds this node's cordons (until "
                          "`gpuwarden breaker reset`), 0 otherwise.", {}, 1.0 if self._latch else 0.0),
             MetricSample("gpuwarden_scheduler_reachable", "0 while the last scheduler call failed for now (retried "
-                         "with a backoff; detection goes on), 1 otherwise.", {}, 0.0 if self._error else 1.0),
+                         "with a backoff; detection goes on), 1 otherwise, also while the scheduler answers "
+                         "\"later\" (a PodDisruptionBudget, pods still terminating, work still running).", {},
+                         0.0 if self._error else 1.0),
             MetricSample("gpuwarden_slice_must_move", "1 when this node's NVLink domain had no spare left to take "
                          "its place (the slice must move to another domain).", {},
                          1.0 if self.slice_must_move else 0.0),

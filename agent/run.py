@@ -230,6 +230,8 @@ def _remediation_view(record: Any, saved: Any, reset_at: Any, recent: list[dict[
             "breaker": saved.get("breaker"), "breaker_reset_at": reset_at, "swap": saved.get("swap"),
             "scheduler_error": saved.get("scheduler_error"),
             "scheduler_error_since": saved.get("scheduler_error_since"),
+            "scheduler_waiting": saved.get("scheduler_waiting"),
+            "scheduler_waiting_since": saved.get("scheduler_waiting_since"),
             "ladder": {"step": step or None, "since": getattr(record, "step_since", None) if record else None,
                        "outcome": outcome}}
 
@@ -243,6 +245,9 @@ def _remediation_text(view: dict[str, Any], now: float) -> str:
     if view.get("scheduler_error"):
         lines.append(f"  scheduler unreachable since {when(view.get('scheduler_error_since'), now)}: "
                      f"{view['scheduler_error']} (retried; detection goes on)")
+    if view.get("scheduler_waiting"):
+        lines.append(f"  waiting since {when(view.get('scheduler_waiting_since'), now)}: "
+                     f"{view['scheduler_waiting']} (the scheduler asks to come back later; retried)")
     breaker = view.get("breaker")
     if isinstance(breaker, dict):
         lines.append(f"  circuit breaker OPEN since {when(breaker.get('since'), now)}: {breaker.get('reason')} "

@@ -1,17 +1,14 @@
 """A scheduler for the remediation engine's tests: the SchedulerAdapter protocol (agent/adapters/base.py) over a
-dict, optionally kept in a JSON file so it outlives the agent's process (it stands for the scheduler, which is
-outside the agent). It keeps its own record of every call that changed something (`changes`), which is what the
+dict in memory, whose faults a test sets at will (the embedded local adapter stands for a scheduler that outlives
+the agent's process). It keeps its own record of every call that changed something (`changes`), which is what the
 tests count: an intent done twice shows as two changes.
 
 Faults are set from the test: `outage` (every call raises Transient), `refuse` (action -> message: Refused),
 `block` (an Event each call waits on)."""
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from gpuwarden.agent.adapters.base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
@@ -20,35 +17,20 @@ from gpuwarden.agent.adapters.base import REASON_PREFIX, SPARE_REASON, NodeView,
 class DictScheduler:
     name = "dict"
 
-    def __init__(self, nodes: dict[str, dict[str, Any]] | None = None, path: Path | None = None,
-                 timeout_s: float = 5.0, clock=time.time):
-        self.path, self.timeout_s, self.clock = Path(path) if path else None, timeout_s, clock
+    def __init__(self, nodes: dict[str, dict[str, Any]] | None = None, timeout_s: float = 5.0, clock=time.time):
+        self.timeout_s, self.clock = timeout_s, clock
         self._lock = threading.RLock()
         self.outage: str | None = None
         self.refuse: dict[str, str] = {}
         self.block: threading.Event | None = None
         self.calls: list[tuple[str, str]] = []  # every call, reads included (this process only)
-        if self.path and self.path.exists():
-            self._data = json.loads(self.path.read_text())
-        else:
-            self._data = {"nodes": {}, "changes": [], "taken": {}}
-            for name, fields in (nodes or {}).items():
-                self._data["nodes"][name] = {"service": "in_service", "reason": None, "reason_since": None,
-                                             "ours": False, "quarantined": False, "domain": None, "spare": False,
-                                             "jobs": 0, **fields}
-            self._save()
+        self._data: dict[str, Any] = {"nodes": {}, "changes": [], "taken": {}}
+        for name, fields in (nodes or {}).items():
+            self._data["nodes"][name] = {"service": "in_service", "reason": None, "reason_since": None,
+                                         "ours": False, "quarantined": False, "domain": None, "spare": False,
+                                         "jobs": 0, **fields}
 
     # -- the store ---------------------------------------------------------------------------------------------
-    def _load(self) -> None:
-        if self.path and self.path.exists():
-            self._data = json.loads(self.path.read_text())
-
-    def _save(self) -> None:
-        if self.path:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._data))
-            os.replace(tmp, self.path)  # whole or not at all: a scheduler's own write is atomic
-
     def _call(self, what: str, node: str) -> dict[str, Any]:
         self.calls.append((what, node))
         if self.block is not None:
@@ -57,25 +39,21 @@ class DictScheduler:
             raise Transient(self.outage)
         if what in self.refuse:
             raise Refused(self.refuse[what])
-        self._load()
         if node and node not in self._data["nodes"]:
             raise Refused(f"unknown node {node}")
         return self._data["nodes"].get(node, {})
 
     def _change(self, what: str, node: str, **fields: Any) -> None:
         self._data["nodes"][node].update(fields)
-        self._data["changes"].append([what, node])
-        self._save()
+        self._data["changes"].append((what, node))
 
     # Read without the lock: a test looks while a call hangs inside it.
     @property
     def changes(self) -> list[tuple[str, str]]:
-        data = json.loads(self.path.read_text()) if self.path and self.path.exists() else self._data
-        return [tuple(c) for c in list(data["changes"])]
+        return list(self._data["changes"])
 
     def state(self, node: str) -> dict[str, Any]:
-        data = json.loads(self.path.read_text()) if self.path and self.path.exists() else self._data
-        return dict(data["nodes"][node])
+        return dict(self._data["nodes"][node])
 
     # -- the protocol --------------------------------------------------------------------------------------------
     def nodes(self):

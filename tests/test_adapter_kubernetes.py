@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 from fake_kube_api import FakeKubeApi
 from gpuwarden.agent.adapters import kubernetes as k8s  # the client comes with the [test] extra: never skipped
-from gpuwarden.agent.adapters.base import SPARE_REASON, Refused, Service, Transient
+from gpuwarden.agent.adapters.base import SPARE_REASON, Busy, Refused, Service, Transient
 
 REASON = "gpuwarden: xid 79 GPU3 0000:1b:00.0"
 DOMAIN = "c9d0e4f2-1a2b-4c3d-8e9f-001122334455.7"
@@ -123,7 +123,7 @@ def test_kubernetes_drain_waits_for_terminating_pods(api, make):
     job_pods(api, "gpu-1", 1)
     api.linger_evictions = True
     adapter = make()
-    with pytest.raises(Transient, match="still terminating"):
+    with pytest.raises(Busy, match="still terminating"):
         adapter.drain("gpu-1", REASON)
     assert our_taint(api, "gpu-1")["value"] == "draining"
     assert adapter.node("gpu-1").service is Service.CORDONED
@@ -205,7 +205,7 @@ def test_kubernetes_pdb_refusal_is_transient_and_no_pod_is_deleted_until_the_bud
     adapter = make()
 
     for _ in range(2):  # the engine's retries: each is refused while the budget has no room
-        with pytest.raises(Transient, match="PodDisruptionBudget"):
+        with pytest.raises(Busy, match="PodDisruptionBudget"):
             adapter.drain("gpu-1", REASON)
     assert "db/db-0" in api.pods_on("gpu-1")
     assert api.pdb_status("db", "db-pdb")["disruptionsAllowed"] == 0
@@ -229,7 +229,7 @@ def test_kubernetes_pdb_max_unavailable_and_two_budgets(api, make):
     api.add_pod("web", "w-1", "gpu-1", labels={"app": "web"}, owner="ReplicaSet")
     api.add_pdb("web", "web-pdb", {"app": "web"}, max_unavailable="50%", expected_pods=2)
     adapter = make()
-    with pytest.raises(Transient, match="PodDisruptionBudget"):  # one of the two may go, not both
+    with pytest.raises(Busy, match="PodDisruptionBudget"):  # one of the two may go, not both
         adapter.drain("gpu-1", REASON)
     assert len(api.pods_on("gpu-1")) == 1
 
@@ -455,8 +455,9 @@ def test_kubernetes_server_errors_are_transient(api, make, code):
     api.add_node("gpu-1")
     adapter = make()
     api.fail(code)
-    with pytest.raises(Transient, match=str(code)):
+    with pytest.raises(Transient, match=str(code)) as err:
         adapter.cordon("gpu-1", REASON)
+    assert not isinstance(err.value, Busy)  # an API server in trouble is not one that asks to come back later
     adapter.cordon("gpu-1", REASON)
     assert our_taint(api, "gpu-1") is not None
 

@@ -15,12 +15,10 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, wait_for
-from fake_scheduler import DictScheduler
 from gpuwarden.agent.adapters.local import LocalAdapter
 
 HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
-REAL_LOCAL = hasattr(LocalAdapter, "take_spare")  # the embedded scheduler with the whole adapter contract
 CONFIG = """
 [remediation]
 mode = "act"
@@ -43,8 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(root: Path, state: Path, cfg: Path, sched: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "kill9_agent.py"), str(sched), "0.15", "--", "run",
+def start(root: Path, state: Path, cfg: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "kill9_agent.py"), "0.15", "--", "run",
                              "--root", str(root), "--state-dir", str(state), "--listen", f"127.0.0.1:{free_port()}",
                              "--config", str(cfg), "--log-format", "json"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -58,25 +56,19 @@ def journal(db: Path) -> list[tuple[str, float | None, str | None]]:
         return []
 
 
-def changes(state: Path, sched: Path) -> list[tuple[str, str]]:
+def changes(state: Path) -> list[tuple[str, str]]:
     """The scheduler's own record of what changed, in order."""
-    if REAL_LOCAL:
-        return [(a["action"], a.get("node", "")) for a in LocalAdapter(state / "actions.jsonl").actions()
-                if a.get("changed")]
-    return DictScheduler(path=sched).changes
+    return [(a["action"], a.get("node", "")) for a in LocalAdapter(state / "actions.jsonl").actions()
+            if a.get("changed")]
 
 
 def test_kill_9_during_remediation_loses_and_repeats_nothing(scenario_copy, tmp_path):
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
-    cfg, sched = tmp_path / "gpuwarden.toml", tmp_path / "scheduler.json"
+    cfg = tmp_path / "gpuwarden.toml"
     cfg.write_text(CONFIG)
     state.mkdir()
-    if REAL_LOCAL:
-        LocalAdapter(state / "actions.jsonl").return_to_pool("spare-a", "rack07")  # the domain's spare
-    else:
-        DictScheduler({HOST: {}, "spare-a": {"domain": "rack07", "spare": True, "service": "drained",
-                                             "ours": True, "reason": "gpuwarden: spare"}}, path=sched)
-    before = changes(state, sched)
+    LocalAdapter(state / "actions.jsonl").return_to_pool("spare-a", "rack07")  # the domain's spare
+    before = changes(state)
     db = state / "state.db"
     rng = random.Random(79)
     kills = 0
@@ -84,7 +76,7 @@ def test_kill_9_during_remediation_loses_and_repeats_nothing(scenario_copy, tmp_
     def starts() -> int:  # each start journals the node's domain once
         return sum(1 for a, _, _ in journal(db) if a == "publish_domain")
 
-    proc = start(root, state, cfg, sched)
+    proc = start(root, state, cfg)
     try:
         wait_for(lambda: starts() == 1, timeout_s=60, what="the first agent up")
         seq = max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit())
@@ -97,7 +89,7 @@ def test_kill_9_during_remediation_loses_and_repeats_nothing(scenario_copy, tmp_
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             kills += 1
-            proc = start(root, state, cfg, sched)
+            proc = start(root, state, cfg)
             wait_for(lambda n=kills + 1: starts() == n, timeout_s=60, what=f"agent {kills + 1} up")
         wait_for(lambda: (j := journal(db)) and "take_spare" in {a for a, _, _ in j}
                  and all(done is not None for _, done, _ in j), timeout_s=120, what="every intent done")
@@ -105,7 +97,7 @@ def test_kill_9_during_remediation_loses_and_repeats_nothing(scenario_copy, tmp_
         proc.terminate()
         proc.wait(20)
     assert kills >= 3  # killed during remediation, not only before or after it
-    made = changes(state, sched)[len(before):]
+    made = changes(state)[len(before):]
     ours = [(a, n) for a, n in made if a != "take_spare"]
     assert ours == [("publish_domain", HOST), ("cordon", HOST), ("quarantine", HOST)], made  # each exactly once
     assert [a for a, _ in made].count("take_spare") == 1, made  # one spare taken, whatever the kills

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from fake_scheduler import DictScheduler
-from gpuwarden.agent.adapters.base import Transient
+from gpuwarden.agent import breaker
+from gpuwarden.agent.adapters.base import Busy, Transient
+from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.remediation import (RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, _reason, finding_text,
                                          read_actions)
 
@@ -109,6 +111,66 @@ def test_an_outage_delays_and_loses_nothing_in_order(tmp_path):
     assert journal.outcomes() == ["done", "done", "done"]
     assert sample(e, "gpuwarden_scheduler_reachable") == 1.0
     assert sched.state(ME)["reason"].startswith("gpuwarden: xid/79")  # our prefix and the finding
+
+
+def test_a_scheduler_that_answers_later_is_reachable_and_status_says_what_the_intent_waits_for(tmp_path):
+    """A PodDisruptionBudget holds the drain (the API server answered 429 for an eviction): the intent waits with the
+    same backoff as in an outage, nothing behind it jumps the queue, but the scheduler is reachable, and status names
+    what it waits for, not an error. An outage that came before is over once the scheduler answers again."""
+    clock, journal = Clock(), Journal()
+    pdb = "drain tray03: a PodDisruptionBudget forbids evicting team-a/train-0 now (429); retry later"
+
+    class Budget(DictScheduler):
+        held = True
+
+        def drain(self, node, reason):
+            if self.held:
+                self._call("drain", node)
+                raise Busy(pdb)
+            super().drain(node, reason)
+
+    sched = Budget(fleet(), clock=clock)
+    e = engine(sched, journal, clock, tmp_path)
+    e.enqueue(intents("cordon", "drain", "quarantine"))
+    sched.outage = "slurmctld not responding"
+    run(e, clock, turns=2)
+    assert sample(e, "gpuwarden_scheduler_reachable") == 0.0  # not reached: unreachable
+    sched.outage = None
+    waits = run(e, clock, turns=6)
+    # The cordon at its third try; then the drain, held: the same backoff as an outage's, up to retry_max_s.
+    assert waits == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert sched.changes == [("cordon", ME)] and journal.outcomes() == ["done"]
+    assert len(e.pending()) == 2  # the drain waits at the head, the quarantine behind it: nothing lost
+    assert sample(e, "gpuwarden_scheduler_reachable") == 1.0
+    status = journal.meta[STATUS_KEY]
+    assert status["scheduler_waiting"] == pdb and status["scheduler_error"] is None
+    since = status["scheduler_waiting_since"]
+    assert isinstance(since, float) and since < clock.t  # since the first answer "later", not the last
+    sched.held = False
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("cordon", ME), ("drain", ME), ("quarantine", ME)]
+    assert journal.outcomes() == ["done", "done", "done"]
+    assert journal.meta[STATUS_KEY]["scheduler_waiting"] is None
+    assert sample(e, "gpuwarden_intents_carried_out", outcome="done") == 3.0
+
+
+def test_status_says_what_an_intent_waits_for(tmp_path, capsys):
+    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.store import Store
+
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(service="cordoned", ours=True, jobs=3), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, node=SimpleNamespace(info=SimpleNamespace(boot_id="boot-1")),
+               recovery=SimpleNamespace(reboot=lambda *a: pytest.fail("rebooted over running work")))
+    e.enqueue([("k:reboot", "reboot", {"at": 1.0, "reason": "recovery: reboot", "boot_id": "boot-1"})])
+    run(e, clock, turns=2)
+    store = Store(tmp_path / "state" / "state.db")
+    store.commit(meta={STATUS_KEY: journal.meta[STATUS_KEY]})  # what the daemon's set_meta hook writes
+    store.close()
+    assert main(["status", "--state-dir", str(tmp_path / "state")]) == 0
+    text = capsys.readouterr().out
+    assert "waiting since" in text and "3 job(s) still running on the node; the reboot waits" in text
+    assert "unreachable" not in text
 
 
 def test_the_scheduler_reason_names_check_code_gpu_and_pci_compactly(tmp_path):
@@ -238,26 +300,6 @@ def test_the_breaker_is_not_asked_for_a_node_already_out_of_service(tmp_path):
     assert sched.changes == [("drain", ME)]
 
 
-def test_without_the_breaker_module_cordons_wait(tmp_path, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_breaker(name, *args, **kwargs):
-        if name.endswith("breaker"):  # `from .breaker import ...`
-            raise ImportError("no module named breaker")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_breaker)
-    clock, journal = Clock(), Journal()
-    sched = DictScheduler(fleet(), clock=clock)
-    e = engine(sched, journal, clock, tmp_path, judge=None)
-    e.enqueue(intents("cordon"))
-    run(e, clock, turns=3)
-    assert sched.changes == [] and len(e.pending()) == 1
-    assert "circuit breaker is not available" in journal.meta[STATUS_KEY]["scheduler_error"]
-
-
 # -- recovery steps --------------------------------------------------------------------------------------------------
 def test_a_reboot_the_journal_saw_start_is_done_once_the_boot_changed(tmp_path):
     clock, journal = Clock(), Journal()
@@ -281,9 +323,14 @@ def test_a_reboot_waits_for_the_work_to_leave(tmp_path):
     e.enqueue([("k:reboot", "reboot", {"at": 1.0, "reason": "recovery: reboot", "boot_id": "boot-1"})])
     run(e, clock, turns=3)
     assert rebooted == [] and len(e.pending()) == 1
+    # The scheduler answered (work still runs): reachable, and status says what the reboot waits for.
+    assert sample(e, "gpuwarden_scheduler_reachable") == 1.0
+    status = journal.meta[STATUS_KEY]
+    assert "2 job(s) still running" in status["scheduler_waiting"] and status["scheduler_error"] is None
     sched._data["nodes"][ME]["jobs"] = 0
     run(e, clock, until=lambda: not e.pending())
     assert rebooted == [["systemctl", "reboot"]] and journal.outcomes() == ["done: systemctl reboot: exit 0"]
+    assert journal.meta[STATUS_KEY]["scheduler_waiting"] is None
 
 
 def test_a_step_that_could_not_run_is_recorded_as_failed_never_as_done(tmp_path):
@@ -332,7 +379,6 @@ def test_the_domain_is_published_at_start_and_reasserted(tmp_path):
 
 # -- with the policy modules (agent/breaker.py, agent/spares.py) -------------------------------------------------------
 def test_the_real_breaker_holds_when_half_the_domain_is_drained(tmp_path):
-    breaker = pytest.importorskip("gpuwarden.agent.breaker")
     clock, journal = Clock(), Journal()
     nodes = fleet(8)
     for name in ("tray00", "tray01", "tray02", "tray04"):
@@ -350,7 +396,6 @@ def test_a_cordon_that_raced_another_agent_past_the_limit_is_undone_and_the_brea
     """Two agents judged the fleet at the same moment, each without the other's drain, and both cordoned: the fleet
     read again after the cordon shows both, past the limit of one, so this node's drain is undone (it is ours) and
     the breaker latches; the intents wait for a reset, neither lost nor done."""
-    pytest.importorskip("gpuwarden.agent.breaker")
     clock, journal = Clock(), Journal()
 
     class Racing(DictScheduler):
@@ -375,7 +420,6 @@ def test_a_cordon_that_raced_another_agent_past_the_limit_is_undone_and_the_brea
 def test_a_cordon_whose_second_judgement_could_not_read_the_fleet_is_judged_at_the_retry(tmp_path):
     """The read after the cordon failed (slurmctld went away): the retry finds the cordon there and judges it then,
     instead of taking "already so" for allowed."""
-    pytest.importorskip("gpuwarden.agent.breaker")
     clock, journal = Clock(), Journal()
 
     class Flaky(DictScheduler):
@@ -404,7 +448,6 @@ def test_a_cordon_whose_second_judgement_could_not_read_the_fleet_is_judged_at_t
 
 
 def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
-    pytest.importorskip("gpuwarden.agent.spares")
     clock, journal = Clock(), Journal()
     nodes = fleet(4, service="drained", ours=True, quarantined=True)
     nodes["spare-a"] = {"domain": "rack07", "spare": True, "service": "drained", "ours": True,
@@ -417,6 +460,121 @@ def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
     run(e, clock, until=lambda: not e.pending())
     assert sched.changes == [("take_spare", "spare-a")]
     assert journal.outcomes() == ["done: spare spare-a of rack07 taken into service"]
+
+
+def quarantine_intents(at: float = 1000.0) -> list:
+    """The intents of HEALTHY -> QUARANTINED in a known domain, as the daemon journals them (agent/daemon.py)."""
+    base = {"at": at, "from": "healthy", "to": "quarantined", "reason": "xid/79 on GPU0"}
+    return [(f"{at:.6f}:healthy->quarantined:{a}", a, {**base, **extra})
+            for a, extra in (("cordon", {}), ("drain", {}), ("take_spare", {"domain": "rack07"}))]
+
+
+def test_no_spare_is_taken_for_a_node_whose_quarantine_was_refused(tmp_path):
+    """An administrator drained the node before its fault: the agent's quarantine is refused (not ours to take
+    over), so the agent did not take the node out of service and takes no spare in its place; the spare stays in
+    the pool. A restart between the refusal and the swap reaches the same answer from the scheduler's view."""
+    clock, journal = Clock(), Journal()
+    sched = LocalAdapter(tmp_path / "scheduler.jsonl", clock=clock)  # the embedded scheduler, whole contract
+    sched.publish_domain(ME, "rack07")
+    sched.return_to_pool("spare-a", "rack07")
+    sched.admin_drain(ME, "admin: bad fan")
+    e = engine(sched, journal, clock, tmp_path, domain="rack07")
+    e.enqueue(quarantine_intents())
+    run(e, clock, until=lambda: not e.pending())
+    cordon, drain, swap = journal.outcomes()
+    assert cordon.startswith("already so at the scheduler (drained")
+    assert drain.startswith("refused: ") and "admin: bad fan" in drain
+    assert swap.startswith("refused: no spare taken: tray03 is not quarantined by gpuwarden (held by someone else: "
+                           "admin: bad fan)")
+    assert sched.spares("rack07") == ["spare-a"] and sched.node("spare-a").spare
+    assert not [a for a in sched.actions() if a["action"] == "take_spare"]  # never asked
+    assert sched.node(ME).reason == "admin: bad fan" and not sched.node(ME).ours
+    assert e.status()["swap"] is None and sample(e, "gpuwarden_slice_must_move") == 0.0
+
+    (key, action, detail) = quarantine_intents()[-1]
+    restarted = Journal()
+    again = engine(sched, restarted, clock, tmp_path, domain="rack07")
+    again.enqueue([(key, action, detail)])  # the swap left pending by a crash after the refusal was journalled
+    run(again, clock, until=lambda: not again.pending())
+    assert restarted.outcomes() == [swap] and sched.spares("rack07") == ["spare-a"]
+
+
+def test_a_spare_is_taken_for_a_node_the_agent_quarantined(tmp_path):
+    """The counterpart, on the same embedded scheduler: the quarantine is the agent's, and the domain's spare goes
+    into service in the node's place."""
+    clock, journal = Clock(), Journal()
+    sched = LocalAdapter(tmp_path / "scheduler.jsonl", clock=clock)
+    sched.publish_domain(ME, "rack07")
+    sched.return_to_pool("spare-a", "rack07")
+    e = engine(sched, journal, clock, tmp_path, domain="rack07")
+    e.enqueue(quarantine_intents())
+    run(e, clock, until=lambda: not e.pending())
+    assert journal.outcomes() == ["done", "done", "done: spare spare-a of rack07 taken into service"]
+    assert sched.node(ME).quarantined and sched.spares("rack07") == []
+    assert sched.node("spare-a").service.value == "in_service"
+
+
+class SlurmLike(DictScheduler):
+    """As slurmctld does it: a node's reason time moves whenever the reason changes (cordon -> quarantine)."""
+
+    def quarantine(self, node, reason):
+        super().quarantine(node, reason)
+        with self._lock:
+            n = self._data["nodes"][node]
+            if n["reason"] == reason and n.get("reason_since") is not None:
+                n["reason_since"] = self.clock()
+
+
+def test_the_breaker_judges_this_node_as_one_more_never_by_its_place_among_the_drained(tmp_path):
+    """The breaker's order among drained nodes is the scheduler's reason time, which Slurm moves when our reason
+    changes: so the engine never asks for it. Before a cordon and after it, this node is judged as one more on top
+    of the fleet's other drains; once out of service, its next steps are not judged again, so a start that moved
+    later (the quarantine) cannot take back a drain that was kept."""
+    clock, journal = Clock(), Journal()
+    seen = []
+
+    def judge(fleet, node, domain, now, policy, reset_at=None):
+        seen.append(sorted(v.name for v in fleet if v.ours))
+        assert node not in {v.name for v in fleet}, "judged by its own place among the drained"
+        return breaker.judge(fleet, node, domain, now, breaker.BreakerPolicy(**policy), reset_at)
+
+    nodes = fleet(6)
+    nodes["tray00"].update(service="drained", ours=True, reason="gpuwarden: xid 79 GPU1", reason_since=clock.t - 50)
+    sched = SlurmLike(nodes, clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=judge,
+               settings={"breaker": {"cluster_share": 0.34, "domain_share": 1.0, "window_s": 600.0}})  # limit 2
+    e.enqueue(quarantine_intents()[:2])
+    run(e, clock, turns=1)
+    assert sched.changes == [("cordon", ME)] and seen == [["tray00"], ["tray00"]]  # before and after the cordon
+    # Another agent's drain lands (tray01, later than this node's cordon), then the quarantine moves this node's
+    # start past it: ranked by start, this node would now be third of three, past the limit of two.
+    clock.t += 5
+    sched._change("cordon", "tray01", service="drained", reason="gpuwarden: xid 79 GPU2", ours=True,
+                  reason_since=clock.t)
+    clock.t += 5
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.changes == [("cordon", ME), ("cordon", "tray01"), ("quarantine", ME)]  # kept, never undone
+    assert sched.state(ME)["reason_since"] == clock.t  # moved, as Slurm moves it
+    assert len(seen) == 2 and not e.breaker_open and journal.outcomes() == ["done", "done"]
+    ranked = breaker.judge(list(sched.nodes()), ME, "rack07", clock.t, breaker.BreakerPolicy(cluster_share=0.34))
+    assert not ranked.allow and "drained 3rd" in ranked.reason  # what asking for the rank would have answered
+
+
+def test_a_stale_mark_of_ours_on_a_node_in_service_does_not_let_it_past_the_gate(tmp_path):
+    """Our condition left on a node that is back in service (Kubernetes: the taint was taken off by hand) makes the
+    scheduler list it as drained by us, since long ago. Judged by its place, it would come first and pass the gate,
+    be cordoned, and then be undone by the judgement after the cordon; judged as one more, it is held at the gate and
+    nothing is written."""
+    clock, journal = Clock(), Journal()
+    nodes = fleet(5, ours=True, reason="gpuwarden: cordoned", reason_since=clock.t - 100)
+    nodes["tray00"].update(service="drained", ours=True, reason="gpuwarden: xid 79 GPU1", reason_since=clock.t - 10)
+    sched = DictScheduler(nodes, clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", judge=None,
+               settings={"breaker": {"cluster_share": 0.2, "domain_share": 1.0, "window_s": 600.0}})  # limit 1
+    e.enqueue(intents("cordon"))
+    run(e, clock, turns=2)
+    assert sched.changes == [] and e.breaker_open and len(e.pending()) == 1
+    assert "cluster 2 of 5 (limit 1)" in journal.meta[STATUS_KEY]["breaker"]["reason"]
 
 
 # -- `gpuwarden breaker reset` and `gpuwarden status` ---------------------------------------------------------------

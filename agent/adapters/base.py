@@ -8,7 +8,9 @@ scheduler's view back. The contract:
   that runs out raises `Transient`.
 - **Typed errors.** `Transient`: the scheduler could not be reached or asked to come back later (timeout,
   connection refused, slurmctld down, HTTP 429/5xx, a PodDisruptionBudget that forbids an eviction now): the
-  engine retries with a backoff. `Refused`: the scheduler answered and said no (unknown node, a reason that is
+  engine retries with a backoff. `Busy`, a kind of `Transient`, says the scheduler was reached and answered "not
+  yet" (a PodDisruptionBudget holding an eviction, pods still terminating): retried the same way, but the
+  scheduler counts as reachable. `Refused`: the scheduler answered and said no (unknown node, a reason that is
   not ours, a spare taken by another agent): retrying the same call will not help.
 - **Ours only.** The agent marks what it does (Slurm: a reason that starts with `REASON_PREFIX`; Kubernetes: a
   taint and a condition it owns). `resume` undoes only what carries that mark: an administrator's drain, or one
@@ -33,6 +35,11 @@ class AdapterError(Exception):
 
 class Transient(AdapterError):
     """Could not reach the scheduler, or it asked to come back later: retry with a backoff."""
+
+
+class Busy(Transient):
+    """The scheduler was reached and asked to come back later (a PodDisruptionBudget forbids an eviction now, pods
+    are still terminating, work still runs): retry with a backoff; the scheduler itself is fine."""
 
 
 class Refused(AdapterError):

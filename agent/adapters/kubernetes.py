@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 import structlog
 
 from ..topology import CLIQUE_LABEL, DOMAIN_LABEL, kubernetes_labels  # one set of labels with `gpuwarden topology`
-from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
+from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
 
 log = structlog.get_logger("gpuwarden.adapter.kubernetes")
 
@@ -467,13 +467,13 @@ class KubernetesAdapter:
                 self._blocked_reported[node] = frozenset(blocked)
                 self._event(obj, "GpuwardenDrainBlocked", f"{REASON_PREFIX} a PodDisruptionBudget forbids evicting "
                                                           f"{', '.join(sorted(blocked)[:10])} now; will retry")
-            raise Transient(f"drain {node}: a PodDisruptionBudget forbids evicting {', '.join(sorted(blocked)[:10])}"
+            raise Busy(f"drain {node}: a PodDisruptionBudget forbids evicting {', '.join(sorted(blocked)[:10])}"
                             " now (429); retry later")
         self._blocked_reported.pop(node, None)
         remaining = [p for p in self._pods(node) if evictable(p)]
         if remaining:
             names = sorted(f"{(p.get('metadata') or {}).get('namespace')}/{_name(p)}" for p in remaining)
-            raise Transient(f"drain {node}: {len(names)} pod(s) still terminating ({', '.join(names[:10])}); "
+            raise Busy(f"drain {node}: {len(names)} pod(s) still terminating ({', '.join(names[:10])}); "
                             "retry later")
         cond = _condition(obj, CONDITION) or {}
         return self._mark(node, "drained", cond.get("message") or reason)
