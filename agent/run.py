@@ -141,12 +141,9 @@ def remediation_setup(cfg: Any, node: Any, state_dir: Path) -> tuple[Settings, A
 
 
 def node_domain(node: Any, cfg: Any) -> str | None:
-    """agent/topology.py's answer ([topology] domain, else NVML's fabric clusterUuid.cliqueId); where that module
-    is not installed, the configured domain or the one the node's description names."""
-    try:
-        from .topology import node_domain as from_topology
-    except ImportError:
-        return cfg.topology.get("domain") or getattr(node.info, "nvlink_domain", None) or None
+    """agent/topology.py's answer: [topology] domain, else NVML's fabric clusterUuid.cliqueId."""
+    from .topology import node_domain as from_topology
+
     try:
         return from_topology(node, cfg)
     except Exception as exc:  # noqa: BLE001 - could not look: the domain is not known, never guessed
