@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT, wait_for
 from gpuwarden.agent.adapters.base import REASON_PREFIX, SPARE_REASON, Refused, Service, Transient
-from gpuwarden.agent.adapters.slurm import (CLAIM_PREFIX, MAX_REASON, SlurmAdapter, _classify, parse_sinfo_json,
+from gpuwarden.agent.adapters.slurm import (CLAIM_PREFIX, MAX_EXTRA, MAX_REASON, SlurmAdapter, _classify,
+                                            claim_name, extra_domain, extra_with_domain, parse_sinfo_json,
                                             reason_text)
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
@@ -23,7 +24,7 @@ XID79 = "gpuwarden: xid 79 GPU3 0000:1b:00.0"
 @pytest.fixture
 def slurm(slurm_cluster):  # noqa: F811
     """An adapter on the cluster, and the cluster put back as it started after the test: every live node idle, no
-    reason, no comment, its slurm.conf features only, no reservation, no job."""
+    reason, no comment, no Extra, its slurm.conf features only, no reservation, no job."""
     yield SlurmAdapter(timeout_s=15, slurm_conf=str(slurm_cluster.conf))
     c = slurm_cluster
     if "slurmctld" not in c.procs:
@@ -37,7 +38,8 @@ def slurm(slurm_cluster):  # noqa: F811
         if line.startswith("ReservationName="):
             c.scontrol("delete", line.split()[0])
     for node in LIVE:
-        c.scontrol("update", f"NodeName={node}", "Comment=", "AvailableFeatures=gb200", "ActiveFeatures=gb200")
+        c.scontrol("update", f"NodeName={node}", "Comment=", "Extra=", "AvailableFeatures=gb200",
+                   "ActiveFeatures=gb200")
         shown = c.scontrol("show", "node", node, "-o").stdout
         if "DRAIN" in shown or "State=DOWN" in shown:
             c.scontrol("update", f"NodeName={node}", "State=RESUME")
@@ -149,24 +151,48 @@ def test_slurm_node_that_never_answers_is_down_and_unknown_names_are_refused(slu
     assert all(v.reason is None for v in slurm.nodes() if v.name in LIVE)
 
 
-def test_slurm_domains_published_and_reasserted_after_a_slurmctld_restart(slurm, slurm_cluster):  # noqa: F811
+def test_slurm_domains_and_spares_known_at_once_after_a_slurmctld_restart(slurm, slurm_cluster):  # noqa: F811
+    c = slurm_cluster
+    c.scontrol("update", "NodeName=n2", "Extra=rack 12 slot 3")  # an operator's own Extra: kept after ours
+    c.scontrol("update", "NodeName=n5", 'Extra={"rack": 12}')  # Slurm 23.02's extra constraints want JSON there
     for node in LIVE:
         slurm.publish_domain(node, "rackA" if node <= "n3" else "rackB")
     slurm.drain("n1", XID79)
     slurm.return_to_pool("n3", "rackA")
-    before = {v.name: v for v in slurm.nodes()}
-    assert [before[n].domain for n in LIVE] == ["rackA"] * 3 + ["rackB"] * 3
-    slurm_cluster.restart_ctld()
+    slurm.return_to_pool("n6", "rackB")
+    assert show_field(c, "n2", "Extra") == "gpuwarden_domain=rackA; rack 12 slot 3"
+    assert json.loads(show_field(c, "n5", "Extra")) == {"rack": 12, "gpuwarden_domain": "rackB"}
+    c.restart_ctld()
+    # The drains, reasons and Extra are slurmctld's saved state; the features set by scontrol are gone ...
+    assert show_field(c, "n3", "AvailableFeatures") == "gb200"
     after = {v.name: v for v in slurm.nodes()}
-    # The drains and their reasons are slurmctld's saved state; the features set by scontrol are gone ...
-    assert after["n1"].reason == XID79 and after["n1"].ours and after["n3"].spare
-    assert [after[n].domain for n in LIVE] == [None] * 6
-    # ... and the next publish puts them back, next to slurm.conf's own feature.
+    assert after["n1"].reason == XID79 and after["n1"].ours and after["n3"].spare and after["n6"].spare
+    # ... and the domains and the spare pools are known at once, from Extra, before any agent publishes again.
+    assert [after[n].domain for n in LIVE] == ["rackA"] * 3 + ["rackB"] * 3
+    assert slurm.spares("rackA") == ["n3"] and slurm.spares("rackB") == ["n6"]
+    assert slurm.take_spare("rackA", "n1") == "n3"
+    # The next publish puts the features back (users select them with --constraint), next to slurm.conf's own, and
+    # leaves Extra as it is.
     for node in LIVE:
         slurm.publish_domain(node, "rackA" if node <= "n3" else "rackB")
-    assert [v.domain for v in slurm.nodes() if v.name in LIVE] == ["rackA"] * 3 + ["rackB"] * 3
-    assert "gb200" in slurm_cluster.scontrol("show", "node", "n1", "-o").stdout
-    assert slurm.spares("rackA") == ["n3"]
+    for node in LIVE:
+        features = show_field(c, node, "AvailableFeatures").split(",")
+        assert sorted(features) == ["gb200", f"gpuwarden_domain_{'rackA' if node <= 'n3' else 'rackB'}"], node
+    assert show_field(c, "n2", "Extra") == "gpuwarden_domain=rackA; rack 12 slot 3"
+    assert json.loads(show_field(c, "n5", "Extra")) == {"rack": 12, "gpuwarden_domain": "rackB"}
+    # A node moved to another domain: the feature and Extra follow, the operator's text stays.
+    slurm.publish_domain("n2", "rackB")
+    assert slurm.node("n2").domain == "rackB"
+    assert show_field(c, "n2", "Extra") == "gpuwarden_domain=rackB; rack 12 slot 3"
+    assert "gpuwarden_domain_rackA" not in show_field(c, "n2", "AvailableFeatures")
+
+
+def show_field(cluster, node: str, key: str) -> str:
+    """One field of `scontrol show node` (its own line in the long form: Extra and Comment may hold spaces)."""
+    for line in cluster.scontrol("show", "node", node).stdout.splitlines():
+        if line.strip().startswith(f"{key}="):
+            return line.strip()[len(key) + 1:]
+    raise AssertionError(f"{node}: no {key} in scontrol show node")
 
 
 def _race(adapters, domain, failed):
@@ -236,7 +262,52 @@ def test_slurm_a_spare_claimed_by_another_agent_is_passed_over(slurm, slurm_clus
     slurm_cluster.scontrol("delete", f"ReservationName={CLAIM_PREFIX}n3")
     assert slurm.take_spare("rackA", "n2") == "n3"
     slurm.resume("n2")  # n2 back: the record goes, the operator's comment stays
-    assert slurm_cluster.scontrol("show", "node", "n3", "-o").stdout.rstrip().endswith(" Comment=rack 12 slot 3")
+    assert show_field(slurm_cluster, "n3", "Comment") == "rack 12 slot 3"
+
+
+def claim_as_the_adapter_does(cluster, spare: str, for_node: str, end: str = "Duration=2") -> None:
+    """The reservation take_spare creates first (its claim), left behind: the agent died before it went on."""
+    cluster.scontrol("create", "reservation", f"ReservationName={claim_name(spare, for_node)}", f"Nodes={spare}",
+                     "Users=root", "StartTime=now", end, "Flags=IGNORE_JOBS")
+
+
+def reservations(cluster) -> list[str]:
+    out = cluster.scontrol("show", "reservation", "-o").stdout
+    return [line.split()[0].partition("=")[2] for line in out.splitlines() if line.startswith("ReservationName=")]
+
+
+def test_slurm_a_claim_left_by_a_dead_agent_is_carried_on_by_its_retry_and_no_one_else(slurm, slurm_cluster):  # noqa: F811,E501
+    c = slurm_cluster
+    for node in ("n1", "n2", "n3", "n4"):
+        slurm.publish_domain(node, "rackA")
+    slurm.return_to_pool("n3", "rackA")
+    slurm.drain("n1", XID79)
+    slurm.drain("n2", XID79)
+    pool(slurm, "rackA", ["n3"])
+    # n1's agent claimed n3 and died before it recorded the swap: n3 has no Comment, only the claim says whose it is.
+    claim_as_the_adapter_does(c, "n3", "n1")
+    assert slurm.take_spare("rackA", "n2") is None  # another node's take does not get it, and does not wait for it
+    assert reservations(c) == [claim_name("n3", "n1")]
+    assert slurm.take_spare("rackA", "n1") == "n3"  # the retried take carries on with its own claim
+    assert reservations(c) == []  # and releases it
+    assert show_field(c, "n3", "Comment") == "gpuwarden: spare for n1"
+    assert slurm.take_spare("rackA", "n1") == "n3"  # retried once more: the same spare
+    answering(slurm, "n3")
+    slurm.resume("n1")
+    # Two spares, and n1's claim left on the second one: the retry takes the spare it claimed, not the first free
+    # one, so no spare stays blocked by a claim nobody will finish.
+    slurm.return_to_pool("n3", "rackA")
+    slurm.return_to_pool("n4", "rackA")
+    pool(slurm, "rackA", ["n3", "n4"])
+    slurm.drain("n1", XID79)
+    claim_as_the_adapter_does(c, "n4", "n1")
+    c.scontrol("update", "NodeName=n4", f"Comment={REASON_PREFIX} spare for n1")  # died after the record, too
+    assert slurm.take_spare("rackA", "n1") == "n4"
+    assert reservations(c) == [] and slurm.spares("rackA") == ["n3"]
+    # A claim of an agent that died for good is not renewed by anyone: it ends, and the spare is free again.
+    claim_as_the_adapter_does(c, "n3", "n1", end="EndTime=now+2")
+    wait_for(lambda: slurm.take_spare("rackA", "n2") == "n3", timeout_s=90, what="n3 free once n1's claim ended")
+    assert show_field(c, "n3", "Comment") == "gpuwarden: spare for n2"
 
 
 def test_slurm_hung_slurmctld_is_transient_then_works(slurm, slurm_cluster):  # noqa: F811
@@ -293,6 +364,31 @@ def test_recorded_sinfo_json_of_22_05_reads_every_state():
     assert nodes["n5"].quarantined
     assert nodes["n6"].service is Service.IN_SERVICE and nodes["n6"].jobs == 0
     assert nodes["n7"].service is Service.DOWN
+
+
+def test_the_domain_in_extra_keeps_the_operators_text_and_survives_hostile_input():
+    assert extra_with_domain("", "rackA") == "gpuwarden_domain=rackA"
+    assert extra_with_domain("rack 12; slot 3", "rackA") == "gpuwarden_domain=rackA; rack 12; slot 3"
+    assert extra_with_domain("gpuwarden_domain=rackA; rack 12; slot 3", "rackB") == \
+        "gpuwarden_domain=rackB; rack 12; slot 3"
+    assert extra_domain("gpuwarden_domain=rackB; rack 12; slot 3") == ("rackB", "rack 12; slot 3")
+    assert extra_domain("rack 12 gpuwarden_domain=rackB") == (None, "rack 12 gpuwarden_domain=rackB")  # not ours
+    assert json.loads(extra_with_domain('{"rack": 12}', "rackA")) == {"rack": 12, "gpuwarden_domain": "rackA"}
+    assert extra_domain('{"rack": 12, "gpuwarden_domain": "rackA"}') == ("rackA", '{"rack": 12}')
+    for bad in ("gpuwarden_domain=n[1-3]", "gpuwarden_domain=", "gpuwarden_domain=a b", '{"gpuwarden_domain": 5}',
+                "gpuwarden_domain=" + "x" * 1000, "{" * 100_000, '{"a": ' + "[" * 50_000):
+        assert extra_domain(bad)[0] is None, bad[:40]
+    huge = "gpuwarden_domain=rackA; " + "x" * (4 * MAX_EXTRA)
+    node = {"name": "n1", "state": "idle", "extra": huge, "features": "gb200"}
+    (n,) = parse_sinfo_json(json.dumps({"errors": [], "nodes": [node]}))
+    assert n.view.domain is None and n.extra is None  # too long to be ours: not read, and never written over
+    # The feature names the domain; Extra only when the feature is gone (after a slurmctld restart).
+    nodes = [{"name": "a", "state": "idle", "extra": "gpuwarden_domain=rackB", "features": "gb200"},
+             {"name": "b", "state": "idle", "extra": "gpuwarden_domain=rackB",
+              "features": "gb200,gpuwarden_domain_rackA"}]
+    views = {n.view.name: n.view for n in parse_sinfo_json(json.dumps({"errors": [], "nodes": nodes}))}
+    assert views["a"].domain == "rackB" and views["b"].domain == "rackA"
+    assert claim_name("n3", "n1") == f"{CLAIM_PREFIX}n3_for_n1"
 
 
 def test_sinfo_json_with_errors_or_garbage_is_transient():

@@ -92,7 +92,7 @@ def in_service(cluster, *nodes: str) -> bool:
 @pytest.fixture
 def cluster(slurm_cluster):  # noqa: F811
     """The module's cluster, put back as it started before and after each test: slurmctld up and awake, every live
-    node in service with no reason, no comment, its slurm.conf features only, and no reservation."""
+    node in service with no reason, no comment, no Extra, its slurm.conf features only, and no reservation."""
     c = slurm_cluster
 
     def clean() -> None:
@@ -104,7 +104,8 @@ def cluster(slurm_cluster):  # noqa: F811
             if line.startswith("ReservationName="):
                 c.scontrol("delete", line.split()[0])
         for node in LIVE:
-            c.scontrol("update", f"NodeName={node}", "Comment=", "AvailableFeatures=gb200", "ActiveFeatures=gb200")
+            c.scontrol("update", f"NodeName={node}", "Comment=", "Extra=", "AvailableFeatures=gb200",
+                       "ActiveFeatures=gb200")
             shown = c.scontrol("show", "node", node, "-o").stdout
             if "DRAIN" in shown or "State=DOWN" in shown:
                 c.scontrol("update", f"NodeName={node}", "State=RESUME")

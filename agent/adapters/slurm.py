@@ -5,11 +5,14 @@ What it writes, and so what it owns:
 - a node's Reason (drain): `gpuwarden: <finding>`, `gpuwarden: quarantine: <finding>`, or SPARE_REASON for a
   spare held out of service. Only a node drained with a reason that starts with REASON_PREFIX is ever resumed;
   an administrator's or NHC's drain is never undone (`Refused`), and never overwritten.
-- a node feature `gpuwarden_domain_<domain>` (the NVLink domain), re-asserted on every publish: features set by
-  scontrol are forgotten when slurmctld restarts.
-- while taking a spare: a reservation `gpuwarden_spare_<node>` as the claim (slurmctld refuses a second one of
-  that name, so two agents never take the same spare), and the spare's Comment `gpuwarden: spare for <node>` so
-  a retried take returns the spare already taken.
+- a node feature `gpuwarden_domain_<domain>` (the NVLink domain, what users select with --constraint), and the
+  same domain in the node's Extra (`gpuwarden_domain=<domain>`, an operator's own Extra kept after it): features
+  set by scontrol are forgotten when slurmctld restarts, Extra is kept in its saved state, so the domain (and with
+  it the spare pool) is known at once after a restart, and the next publish puts the feature back.
+- while taking a spare: a reservation `gpuwarden_spare_<spare>_for_<failed node>` as the claim (slurmctld refuses
+  a reservation that overlaps another on the same node, so two agents never take the same spare; the name says
+  whose claim it is, so a retried take carries on with its own), and the spare's Comment
+  `gpuwarden: spare for <node>` so a retried take returns the spare already taken.
 docs/slurm.md explains each choice and the 22.05 behaviours handled here."""
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ log = structlog.get_logger("gpuwarden.adapter.slurm")
 
 QUARANTINE_PREFIX = f"{REASON_PREFIX} quarantine:"  # a drain the agent holds for recovery
 DOMAIN_FEATURE_PREFIX = "gpuwarden_domain_"  # node feature naming the node's NVLink domain
-CLAIM_PREFIX = "gpuwarden_spare_"  # reservation name: the exclusive claim on one spare while it is taken
+EXTRA_KEY = "gpuwarden_domain"  # the same domain in the node's Extra, which slurmctld keeps across a restart
+CLAIM_PREFIX = "gpuwarden_spare_"  # reservation name: the exclusive claim on one spare while it is taken ...
+CLAIM_FOR = "_for_"  # ... and the failed node it is taken for: `gpuwarden_spare_<spare>_for_<node>`
 RECORD_PREFIX = f"{REASON_PREFIX} spare for "  # the taken spare's Comment: which failed node it replaces
 MAX_REASON = 200  # characters of a reason the adapter writes (the finding is cut to fit)
 MAX_NAME = 64  # a node name longer than this is not one (hostnames: 63)
@@ -42,6 +47,8 @@ MAX_DOMAIN = 100
 MAX_OUTPUT = 64 << 20  # sinfo --json of a 10,000-node cluster is ~20 MiB
 MAX_STDERR = 64 << 10
 MAX_NODES = 1_000_000
+MAX_EXTRA = 64 << 10  # a node's Extra longer than this is not read, and not written over
+MAX_RESERVATIONS = 100_000
 # slurmctld's own reason when it marks a node DOWN for not answering; it clears it itself when the node is back, so a
 # drain of ours may replace it (and must: the node has to stay out when it answers again).
 SLURM_NOT_RESPONDING = "Not responding"
@@ -71,6 +78,7 @@ class _Node:
     available: tuple[str, ...]  # AvailableFeatures
     active: tuple[str, ...]  # ActiveFeatures
     comment: str
+    extra: str | None  # Extra, as slurmctld has it (None: longer than MAX_EXTRA)
 
 
 def _valid_name(name: Any, limit: int) -> bool:
@@ -167,6 +175,47 @@ def _service(words: set[str], drain: bool) -> tuple[Service, bool]:
     return Service.UNKNOWN, False  # UNKNOWN (slurmctld just started, node not registered yet), FUTURE, ERROR
 
 
+def claim_name(spare: str, for_node: str) -> str:
+    """The claim reservation on `spare` while it is taken for `for_node`: the name says whose claim it is."""
+    return f"{CLAIM_PREFIX}{spare}{CLAIM_FOR}{for_node}"
+
+
+def _json_object(text: str) -> dict | None:
+    """`text` as a JSON object, when it is one (an Extra written for Slurm 23.02's extra constraints)."""
+    if not text.startswith("{") or len(text) > MAX_EXTRA:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def extra_domain(extra: str) -> tuple[str | None, str]:
+    """(the domain stored in a node's Extra, the operator's own Extra). Ours is `gpuwarden_domain=<domain>` at the
+    start, the operator's text after `; `; or, in an Extra that is a JSON object, its key `gpuwarden_domain`."""
+    extra = extra.strip()
+    obj = _json_object(extra)
+    if obj is not None:
+        value = obj.pop(EXTRA_KEY, None)
+        rest = json.dumps(obj) if obj else ""
+        return (value if _valid_name(value, MAX_DOMAIN) else None), rest
+    if not extra.startswith(EXTRA_KEY + "="):
+        return None, extra
+    head, _, rest = extra[len(EXTRA_KEY) + 1:].partition(";")
+    name = head.strip()
+    return (name if _valid_name(name, MAX_DOMAIN) else None), rest.strip()
+
+
+def extra_with_domain(extra: str, domain: str) -> str:
+    """The Extra that stores `domain` and keeps the operator's own text (inside it when that is a JSON object)."""
+    _, rest = extra_domain(extra)
+    obj = _json_object(rest) if rest else None
+    if obj is not None:
+        return json.dumps({**obj, EXTRA_KEY: domain})
+    return f"{EXTRA_KEY}={domain}; {rest}" if rest else f"{EXTRA_KEY}={domain}"
+
+
 def _record_of(comment: str) -> tuple[str | None, str]:
     """(the failed node a taken spare stands in for, the rest of the Comment) from a Comment."""
     if not comment.startswith(RECORD_PREFIX):
@@ -206,6 +255,11 @@ def parse_sinfo_json(text: str) -> list[_Node]:
         reason = _text(entry.get("reason"), 1024) or None
         available, active = _features(entry.get("features")), _features(entry.get("active_features"))
         domains = sorted(f[len(DOMAIN_FEATURE_PREFIX):] for f in available if f.startswith(DOMAIN_FEATURE_PREFIX))
+        extra = _text(entry.get("extra"), MAX_EXTRA + 1)
+        extra = extra if len(extra) <= MAX_EXTRA else None
+        if not domains and extra:  # the feature is gone after a slurmctld restart until the next publish; Extra is kept
+            stored = extra_domain(extra)[0]
+            domains = [stored] if stored else []
         idle = "IDLE" in words and not words & {"ALLOCATED", "MIXED", "COMPLETING"}
         view = NodeView(
             name=name, service=service, reason=reason,
@@ -214,7 +268,8 @@ def parse_sinfo_json(text: str) -> list[_Node]:
             domain=domains[0] if domains else None, spare=reason == SPARE_REASON,
             jobs=0 if idle else None)
         held = drain or "DOWN" in words
-        nodes[name] = _Node(view, drain, held, responding, available, active, _text(entry.get("comment"), 4096))
+        nodes[name] = _Node(view, drain, held, responding, available, active, _text(entry.get("comment"), 4096),
+                            extra)
     return list(nodes.values())
 
 
@@ -295,11 +350,15 @@ class SlurmAdapter:
         n = self._get(node)
         available = tuple(f for f in n.available if not f.startswith(DOMAIN_FEATURE_PREFIX)) + (feature,)
         active = tuple(f for f in n.active if not f.startswith(DOMAIN_FEATURE_PREFIX)) + (feature,)
-        if sorted(available) == sorted(n.available) and sorted(active) == sorted(n.active):
+        # An Extra too long to read is an operator's, and is not written over (the feature alone is published).
+        stored = n.extra is None or extra_domain(n.extra)[0] == domain
+        if sorted(available) == sorted(n.available) and sorted(active) == sorted(n.active) and stored:
             return
-        # Both lists in one update: 22.05 refuses an AvailableFeatures that no longer holds an active feature.
+        # Both lists in one update: 22.05 refuses an AvailableFeatures that no longer holds an active feature. Extra
+        # in the same update: the domain survives a slurmctld restart there.
+        extra = [] if stored else [f"Extra={extra_with_domain(n.extra or '', domain)}"]
         self._scontrol("publish domain", ["update", f"NodeName={node}", f"AvailableFeatures={','.join(available)}",
-                                          f"ActiveFeatures={','.join(active)}"])
+                                          f"ActiveFeatures={','.join(active)}", *extra])
         log.info("published NVLink domain", node=node, domain=domain)
 
     def return_to_pool(self, node: str, domain: str) -> None:
@@ -322,20 +381,29 @@ class SlurmAdapter:
         _check_domain(domain)
         _check_node(for_node)
         fleet = self._fleet()
-        if self._find(fleet, for_node).held:  # a record for a node back in service is from an earlier swap
-            for n in fleet:
-                if _record_of(n.comment)[0] != for_node:
-                    continue
-                if not self._is_spare(n, None):  # taken already: a retried call
-                    self._release(n.view.name)
-                    return n.view.name
-                taken = self._take(n, for_node, retried=True)
-                if taken is not None:
-                    return taken
+        claimed = self._own_claims(for_node)
+        held = self._find(fleet, for_node).held
+        # An earlier take for this node that did not finish is carried on: the spare recorded for it (a record for a
+        # node back in service is from an earlier swap), or the spare its claim still holds.
         for n in fleet:
-            if self._is_spare(n, domain) and _record_of(n.comment)[0] is None:
+            recorded = held and _record_of(n.comment)[0] == for_node
+            if not (recorded or n.view.name in claimed):
+                continue
+            if recorded and not self._is_spare(n, None):  # taken already: a retried call
+                self._release(n.view.name, for_node)
+                return n.view.name
+            try:
+                taken = self._take(n, for_node)
+            except _ClaimTaken:
+                if recorded:  # promised to this node, claimed by another: wait until that claim is released or ends
+                    raise Transient(f"{n.view.name}: claimed by another agent; retry when the claim ends") from None
+                continue
+            if taken is not None:
+                return taken
+        for n in fleet:
+            if n.view.name not in claimed and self._is_spare(n, domain) and _record_of(n.comment)[0] is None:
                 try:
-                    taken = self._take(n, for_node, retried=False)
+                    taken = self._take(n, for_node)
                 except _ClaimTaken:
                     log.info("spare claimed by another agent", spare=n.view.name, domain=domain)
                     continue
@@ -344,22 +412,12 @@ class SlurmAdapter:
         return None
 
     # -- the parts ---------------------------------------------------------------------------------------------
-    def _take(self, n: _Node, for_node: str, retried: bool) -> str | None:
-        """Claim `n` (a reservation of a name only one agent can create), check it is still a spare, record whom it
-        stands in for, resume it, release the claim. None when it stopped being a spare before the claim."""
+    def _take(self, n: _Node, for_node: str) -> str | None:
+        """Claim `n`, check it is still a spare, record whom it stands in for, resume it, release the claim. None
+        when it stopped being a spare before the claim; _ClaimTaken when another node's claim holds it."""
         spare = n.view.name
-        claim = CLAIM_PREFIX + spare
         start = time.monotonic()
-        try:
-            self._scontrol("claim spare", ["create", "reservation", f"ReservationName={claim}", f"Nodes={spare}",
-                                           f"Users={self.user}", "StartTime=now",
-                                           f"Duration={int(self.claim_ttl_s // 60)}", "Flags=IGNORE_JOBS"])
-        except Refused as exc:
-            if not any(m in str(exc).lower() for m in _CLAIM_TAKEN):
-                raise
-            if retried:  # our own claim of a call that died, or another agent's: wait until it is released
-                raise Transient(f"{spare}: claimed ({claim}); retry when the claim ends") from None
-            raise _ClaimTaken(str(exc)) from None
+        self._claim(spare, for_node)
         try:
             now = self._get(spare)  # read after the claim: what was seen before it may be stale
             record = _record_of(now.comment)[0]
@@ -374,11 +432,52 @@ class SlurmAdapter:
             log.info("spare taken into service", spare=spare, for_node=for_node)
             return spare
         finally:
-            self._release(spare)
+            self._release(spare, for_node)
 
-    def _release(self, spare: str) -> None:
+    def _claim(self, spare: str, for_node: str) -> None:
+        """Creates the claim on `spare` for `for_node`, or renews this node's own claim that an earlier call left
+        (the agent died, or slurmctld went away, before the release). _ClaimTaken when another node's claim holds
+        the spare."""
+        claim = claim_name(spare, for_node)
         try:
-            self._scontrol("release claim", ["delete", f"ReservationName={CLAIM_PREFIX}{spare}"])
+            self._scontrol("claim spare", ["create", "reservation", f"ReservationName={claim}", f"Nodes={spare}",
+                                           f"Users={self.user}", "StartTime=now",
+                                           f"Duration={int(self.claim_ttl_s // 60)}", "Flags=IGNORE_JOBS"])
+            return
+        except Refused as exc:
+            if not any(m in str(exc).lower() for m in _CLAIM_TAKEN):
+                raise
+            taken = str(exc)
+        # 22.05 answers a second reservation on the node with "overlaps" before it looks at the name, so whose claim
+        # is in the way is asked by renewing this node's own: slurmctld refuses to renew a name it does not have, or
+        # one that would overlap another node's claim (an update is checked like a creation).
+        try:
+            self._scontrol("renew claim", ["update", f"ReservationName={claim}",
+                                           f"EndTime=now+{int(self.claim_ttl_s)}"])
+        except Refused:
+            raise _ClaimTaken(taken) from None
+        log.info("carrying on with this node's own claim left by an earlier take", spare=spare, for_node=for_node)
+
+    def _own_claims(self, for_node: str) -> list[str]:
+        """The spares whose claim for `for_node` an earlier take left behind (`scontrol show reservation -o`, one
+        reservation a line)."""
+        out = self._run("scontrol", ["show", "reservation", "-o"], "show reservations")
+        found = []
+        for line in out.splitlines()[:MAX_RESERVATIONS]:
+            name = nodes = None
+            for token in line[:8192].split():
+                key, _, value = token.partition("=")
+                if key == "ReservationName":
+                    name = value
+                elif key == "Nodes":
+                    nodes = value
+            if name and nodes and _valid_name(nodes, MAX_NAME) and name == claim_name(nodes, for_node):
+                found.append(nodes)
+        return found
+
+    def _release(self, spare: str, for_node: str) -> None:
+        try:
+            self._scontrol("release claim", ["delete", f"ReservationName={claim_name(spare, for_node)}"])
         except Refused as exc:  # not there (released before, or its time ran out)
             if "not found" not in str(exc).lower() and "invalid" not in str(exc).lower():
                 raise
