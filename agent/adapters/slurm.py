@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import structlog
 
-from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
+from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
 
 log = structlog.get_logger("gpuwarden.adapter.slurm")
 
@@ -396,7 +396,7 @@ class SlurmAdapter:
                 taken = self._take(n, for_node)
             except _ClaimTaken:
                 if recorded:  # promised to this node, claimed by another: wait until that claim is released or ends
-                    raise Transient(f"{n.view.name}: claimed by another agent; retry when the claim ends") from None
+                    raise Busy(f"{n.view.name}: claimed by another agent; retry when the claim ends") from None
                 continue
             if taken is not None:
                 return taken
