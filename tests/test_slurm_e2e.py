@@ -339,6 +339,29 @@ def test_slurm_a_spare_of_the_same_rack_goes_into_service_not_one_of_the_other_r
     assert cluster.scontrol("show", "reservation", check=False).stdout.strip().startswith("No reservations")
 
 
+def test_slurm_two_agents_of_one_rack_racing_for_its_last_spare_never_both_get_it(cluster, agents):
+    """Two nodes of rackA fail at the same moment and rackA has one spare: slurmctld is the arbiter (the claim
+    reservation), so exactly one agent takes n3 into service and the other says the slice must move."""
+    pool(cluster, n3="rackA")
+    racers = agents("n1", "n2")  # the breaker lets both through (shares of 1.0): only the spare is contended
+    for a in racers:
+        a.inject(XID79)
+    poll(lambda: all(a.done("take_spare") for a in racers), "both swaps carried out")
+    outcomes = {a.node: a.outcome("take_spare") for a in racers}
+    winners = [n for n, o in outcomes.items() if o == "done: spare n3 of rackA taken into service"]
+    losers = [n for n, o in outcomes.items() if "the slice must move" in (o or "")]
+    assert len(winners) == 1 and len(losers) == 1, outcomes
+    (winner,), (loser,) = winners, losers
+    poll(lambda: in_service(cluster, "n3"), "n3 answering in service")
+    assert show(cluster, "n3")["Comment"] == f"gpuwarden: spare for {winner}"
+    by_node = {a.node: a for a in racers}
+    assert by_node[loser].metrics()["gpuwarden_slice_must_move"] == 1.0
+    assert by_node[winner].metrics()["gpuwarden_slice_must_move"] == 0.0
+    states = sinfo(cluster)
+    assert states["n1"]["state"] == states["n2"]["state"] == "drained"
+    assert cluster.scontrol("show", "reservation", check=False).stdout.strip().startswith("No reservations")
+
+
 # -- 4. the circuit breaker --------------------------------------------------------------------------------------
 def _burst(cluster, group: list[Agent]) -> tuple[list[Agent], list[Agent]]:
     """XID 79 on every agent of `group` at the same moment; returns (drained, held) once each has settled: drained by
