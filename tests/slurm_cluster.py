@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +131,8 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
         self.start_ctld(clear=True)
         for name in self.live:
             (self.base / "spool" / name).mkdir(exist_ok=True)
-            self._spawn(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+            self._spawn(f"slurmd-{name}", [sys.executable, "-c", REAPER, "slurmd", "-D", "-N", name, "-f",
+                                           str(self.conf)])
         self._wait(self._all_idle, f"nodes {', '.join(self.live)} idle in sinfo")
 
     def start_ctld(self, clear: bool = False) -> None:
@@ -269,6 +271,31 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
         states = self._states()
         return all(states.get(n, "unknown").rstrip("*~#!%$@^-") == states.get(n) and
                    not states.get(n, "unknown").startswith(("unknown", "down")) for n in self.live)
+
+
+# slurmd starts each job step's slurmstepd detached (it forks, and the middle process exits): the orphan goes to the
+# nearest child subreaper among its ancestors, else to init. The test process can be one (the agent's tool runner
+# makes itself the subreaper, agent/sources/tools.py, once any test has run a tool), and it never reaps a slurmstepd:
+# the zombie keeps its job COMPLETING for ever. So each slurmd runs under this small init of its own, which reaps
+# them. It stays in slurmd's process group: a signal to the group reaches slurmd, and this process outlives it only
+# to reap.
+REAPER = r"""
+import ctypes, os, signal, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda *_: None)  # the group's signal is slurmd's (a handler is not inherited; SIG_IGN is)
+child = subprocess.Popen(sys.argv[1:])
+code = 1
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    if pid == child.pid:
+        code = os.waitstatus_to_exitcode(status)
+        break
+sys.exit(code if code >= 0 else 128 - code)
+"""
 
 
 def _end(*procs: subprocess.Popen) -> None:
