@@ -148,3 +148,14 @@ def promtool_lint(text: str) -> None:
     if shutil.which("promtool"):
         lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
         assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
+
+
+@pytest.fixture
+def api():
+    """A fake Kubernetes API server on 127.0.0.1 for one test (tests/fake_kube_api.py), stopped at the end."""
+    from fake_kube_api import FakeKubeApi
+
+    server = FakeKubeApi()
+    server.start()
+    yield server
+    server.stop()

@@ -137,14 +137,7 @@ def _pointer(path: str) -> list[str]:
 
 
 def _parent(doc: Any, parts: list[str]) -> tuple[Any, str]:
-    for p in parts[:-1]:
-        if isinstance(doc, dict) and p in doc:
-            doc = doc[p]
-        elif isinstance(doc, list) and p.isdigit() and int(p) < len(doc):
-            doc = doc[int(p)]
-        else:
-            raise ApiStatus(422, f"JSON patch: no such path element {p!r}")
-    return doc, parts[-1]
+    return _get(doc, parts[:-1]), parts[-1]
 
 
 def _get(doc: Any, parts: list[str]) -> Any:

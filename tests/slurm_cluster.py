@@ -263,6 +263,27 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
         states = self._states()
         return all(states.get(n) == "idle" for n in self.live)
 
+    def reset(self, deadline_s: float) -> None:
+        """Back as it started: slurmctld up and awake, no job, no reservation, every live node in service with no
+        reason, no comment, no Extra and its slurm.conf features only."""
+        if "slurmctld" not in self.procs:
+            self.start_ctld()
+        self.wake_ctld()
+        self.scontrol("ping")
+        subprocess.run(["scancel", "--user=root"], env=self.env, timeout=30, check=True)
+        # A RESUME while a job is completing leaves that job in CG on 22.05: the queue empties first.
+        self._wait(lambda: not self.jobs(), "no job left", deadline_s=deadline_s)
+        for line in self.scontrol("show", "reservation", "-o", check=False).stdout.splitlines():
+            if line.startswith("ReservationName="):
+                self.scontrol("delete", line.split()[0])
+        for node in self.live:
+            self.scontrol("update", f"NodeName={node}", "Comment=", "Extra=", "AvailableFeatures=gb200",
+                          "ActiveFeatures=gb200")
+            shown = self.scontrol("show", "node", node, "-o").stdout
+            if "DRAIN" in shown or "State=DOWN" in shown:
+                self.scontrol("update", f"NodeName={node}", "State=RESUME")
+        self._wait(self.idle, "every live node idle, no job left", deadline_s=deadline_s)
+
     def idle(self) -> bool:
         """Every live node idle (answering, not drained, no job), and no job in the queue."""
         return not self.jobs() and self._all_idle()

@@ -19,14 +19,6 @@ DOMAIN = "c9d0e4f2-1a2b-4c3d-8e9f-001122334455.7"
 
 
 @pytest.fixture
-def api():
-    server = FakeKubeApi()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def make(api, tmp_path):
     """Adapters on the fake server, each with its own client; all closed at the end."""
     made = []

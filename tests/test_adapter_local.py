@@ -215,16 +215,7 @@ def test_two_agents_racing_never_take_the_same_spare(tmp_path):
     barrier, out = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_racer, args=(str(db), str(tmp_path / f"{me}.jsonl"), me, rounds, barrier, out))
              for me in ("a", "b")]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = _race(procs, out)
     assert [p.exitcode for p in procs] == [0, 0]
     for r in range(rounds):
         won = [results[me][r] for me in ("a", "b") if results[me][r] is not None]
@@ -235,6 +226,20 @@ def test_two_agents_racing_never_take_the_same_spare(tmp_path):
     for me in ("a", "b"):
         lines = [json.loads(x) for x in (tmp_path / f"{me}.jsonl").read_text().splitlines()]
         assert [x["spare"] for x in lines] == results[me]
+
+
+def _race(procs, out) -> dict:
+    """Starts the racing processes and returns what each put on `out`; every process is ended whatever happened."""
+    for p in procs:
+        p.start()
+    try:
+        return dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def _drainer(db: str, me: str, count: int, barrier, out) -> None:
@@ -251,16 +256,7 @@ def test_agents_emptying_one_pool_at_once_share_it_without_overlap(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(3), ctx.Queue()
     procs = [ctx.Process(target=_drainer, args=(str(db), me, 15, barrier, out)) for me in ("a", "b", "c")]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = _race(procs, out)
     got = [s for r in results.values() for s in r if s is not None]
     assert len(got) == len(set(got)) == 30 and set(got) == {f"s{i}" for i in range(30)}
     assert sum(s is None for r in results.values() for s in r) == 15 and seeder.spares("big") == []

@@ -26,24 +26,7 @@ def slurm(slurm_cluster):  # noqa: F811
     """An adapter on the cluster, and the cluster put back as it started after the test: every live node idle, no
     reason, no comment, no Extra, its slurm.conf features only, no reservation, no job."""
     yield SlurmAdapter(timeout_s=15, slurm_conf=str(slurm_cluster.conf))
-    c = slurm_cluster
-    if "slurmctld" not in c.procs:
-        c.start_ctld()
-    c.wake_ctld()
-    c.scontrol("ping")
-    subprocess.run(["scancel", "--user=root"], env=c.env, timeout=30, check=True)
-    # A RESUME while a job is completing leaves that job in CG on 22.05: the queue empties first.
-    wait_for(lambda: not c.jobs(), timeout_s=60, what="no job left")
-    for line in c.scontrol("show", "reservation", "-o", check=False).stdout.splitlines():
-        if line.startswith("ReservationName="):
-            c.scontrol("delete", line.split()[0])
-    for node in LIVE:
-        c.scontrol("update", f"NodeName={node}", "Comment=", "Extra=", "AvailableFeatures=gb200",
-                   "ActiveFeatures=gb200")
-        shown = c.scontrol("show", "node", node, "-o").stdout
-        if "DRAIN" in shown or "State=DOWN" in shown:
-            c.scontrol("update", f"NodeName={node}", "State=RESUME")
-    wait_for(c.idle, timeout_s=60, what="every live node idle, no job left")
+    slurm_cluster.reset(deadline_s=60)
 
 
 def answering(adapter, node):

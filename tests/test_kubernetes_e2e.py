@@ -141,14 +141,6 @@ class Agent:
 
 
 @pytest.fixture
-def api():
-    server = FakeKubeApi()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def agents(tmp_path, api):
     """Makes agents (started by the test); every one is stopped at the end, also when the test failed."""
     made: list[Agent] = []

@@ -93,27 +93,9 @@ def in_service(cluster, *nodes: str) -> bool:
 def cluster(slurm_cluster):  # noqa: F811
     """The module's cluster, put back as it started before and after each test: slurmctld up and awake, every live
     node in service with no reason, no comment, no Extra, its slurm.conf features only, and no reservation."""
-    c = slurm_cluster
-
-    def clean() -> None:
-        if "slurmctld" not in c.procs:
-            c.start_ctld()
-        c.wake_ctld()
-        c.scontrol("ping")
-        for line in c.scontrol("show", "reservation", "-o", check=False).stdout.splitlines():
-            if line.startswith("ReservationName="):
-                c.scontrol("delete", line.split()[0])
-        for node in LIVE:
-            c.scontrol("update", f"NodeName={node}", "Comment=", "Extra=", "AvailableFeatures=gb200",
-                       "ActiveFeatures=gb200")
-            shown = c.scontrol("show", "node", node, "-o").stdout
-            if "DRAIN" in shown or "State=DOWN" in shown:
-                c.scontrol("update", f"NodeName={node}", "State=RESUME")
-        poll(c.idle, "every live node idle")
-
-    clean()
-    yield c
-    clean()
+    slurm_cluster.reset(deadline_s=DEADLINE_S)
+    yield slurm_cluster
+    slurm_cluster.reset(deadline_s=DEADLINE_S)
 
 
 # -- the agents ------------------------------------------------------------------------------------------------------
