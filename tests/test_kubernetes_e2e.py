@@ -223,8 +223,10 @@ def test_kubernetes_xid79_cordons_and_drains_through_evictions_with_our_reason(a
         [f"team-a/{p}" for p in pods] + ["kube-system/nvidia-dcgm-exporter-x"])
 
     agent.inject(XID79)
-    # The taint and the condition are two writes (the node, then its status subresource): wait for both.
-    wait_for(lambda: level(api, HOST) == "quarantined" and (condition(api, HOST) or {}).get("reason") == "Quarantined",
+    # The taint, the condition and its Event are three writes (the node, its status subresource, then the Event):
+    # wait for all three.
+    wait_for(lambda: level(api, HOST) == "quarantined" and (condition(api, HOST) or {}).get("reason") == "Quarantined"
+             and "GpuwardenQuarantined" in [e["reason"] for e in events(api, HOST)],
              timeout_s=WAIT_S, what="the node quarantined")
     obj = api.node_obj(HOST)
     assert obj["spec"]["unschedulable"] is True
