@@ -16,6 +16,9 @@ adapter's real client code runs against real request and response shapes:
 - events: POST core/v1 `events` and events.k8s.io/v1 `events`.
 - 401 without the bearer token, 403 for a (verb, resource) pair made forbidden, 404 for unknown objects, 415 for an
   unknown patch type, 422 for invalid labels, taints or conditions.
+- an optional `authorizer`: called with each request's RBAC attributes (`request_attributes`: verb, API group,
+  resource, subresource, namespace, name, derived from the method and path as kube-apiserver does) before anything
+  else is looked at; False is a 403, as RBAC answers a request no rule allows.
 
 Knobs for failures: `fail(status, count)` answers the next requests with a 5xx (or any status), `hang()` holds
 every request without an answer until `unhang()` or `stop()`, `trickle_s` sends answers a byte at a time,
@@ -264,6 +267,40 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
+VERBS = {"POST": "create", "GET": "get", "HEAD": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+
+def request_attributes(method: str, path: str, query: dict[str, str] | None = None) -> dict[str, Any]:
+    """The attributes RBAC authorizes a request by, derived as kube-apiserver's RequestInfoFactory does
+    (k8s.io/apiserver/pkg/endpoints/request/requestinfo.go): /api/v1/... is the core group "", /apis/GROUP/VERSION/...
+    a named one; then an optional namespaces/NS/, the resource, the object's name and a subresource. The verb is the
+    method's (POST create, GET get, PUT update, PATCH patch, DELETE delete), except that a GET of a collection is
+    list (watch with ?watch=true) and a DELETE of one is deletecollection. Any other path is a non-resource URL."""
+    query = query or {}
+    parts = [unquote(p) for p in path.strip("/").split("/") if p]
+    verb = VERBS.get(method.upper(), method.lower())
+    out: dict[str, Any] = {"verb": verb, "resource_request": False, "path": path, "api_group": None,
+                           "resource": "", "subresource": "", "namespace": "", "name": ""}
+    if len(parts) >= 3 and parts[0] == "api":
+        group, rest = "", parts[2:]
+    elif len(parts) >= 4 and parts[0] == "apis":
+        group, rest = parts[1], parts[3:]
+    else:
+        return out  # /api, /apis, /version, /healthz ...: a non-resource URL
+    if rest[0] == "namespaces" and len(rest) >= 3:  # namespaces/NS/RESOURCE...; namespaces/NS alone is the namespace
+        out["namespace"], rest = rest[1], rest[2:]
+    elif rest[0] == "namespaces" and len(rest) == 2:
+        out["namespace"] = rest[1]
+    out.update(resource_request=True, api_group=group, resource=rest[0],
+               name=rest[1] if len(rest) >= 2 else "", subresource=rest[2] if len(rest) >= 3 else "")
+    if not out["name"]:
+        if verb == "get":
+            out["verb"] = "watch" if query.get("watch") in ("1", "true") else "list"
+        elif verb == "delete":
+            out["verb"] = "deletecollection"
+    return out
+
+
 def _scaled(value: int | str, total: int, round_up: bool) -> int:
     if isinstance(value, str) and value.endswith("%"):
         share = total * int(value[:-1]) / 100
@@ -284,6 +321,8 @@ class FakeKubeApi:
         self.events: list[dict] = []
         self.requests: list[dict] = []  # method, path, query, content_type, code of every request answered
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) pairs RBAC would refuse
+        # request_attributes(...) -> allowed: a whole RBAC policy (None: every authenticated request is allowed)
+        self.authorizer: Callable[[dict[str, Any]], bool] | None = None
         self.linger_evictions = False  # an evicted pod starts terminating (deletionTimestamp) instead of going
         self.trickle_s = 0.0  # > 0: answers are sent one byte at a time, this long apart (a server that crawls)
         self._fail: list[int] = []
@@ -489,6 +528,14 @@ class FakeKubeApi:
                 raise ApiStatus(code, f"fake apiserver: injected {code}")
         if headers.get("Authorization") != f"Bearer {TOKEN}":
             raise ApiStatus(401, "Unauthorized")
+        if self.authorizer is not None:
+            attrs = request_attributes(method, path, query)
+            if not self.authorizer(attrs):
+                what = (f'{attrs["resource"]}/{attrs["subresource"]}' if attrs["subresource"] else attrs["resource"]) \
+                    if attrs["resource_request"] else path
+                raise ApiStatus(403, f'{what} is forbidden: User "system:serviceaccount:gpuwarden:gpuwarden" cannot '
+                                     f'{attrs["verb"]} {what!r} in API group {attrs["api_group"]!r}'
+                                     + (f' in the namespace {attrs["namespace"]!r}' if attrs["namespace"] else ""))
         parts = [unquote(p) for p in path.strip("/").split("/")]
         return self._route(method, parts, query, headers.get("Content-Type", "").split(";")[0].strip(), body)
 
