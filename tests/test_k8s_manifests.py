@@ -551,3 +551,16 @@ def test_the_containerfile_builds_what_the_manifests_run():
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert base.startswith("PYTHON_IMAGE=python:3.11") and requires == ">=3.11"
     assert os.access(ENTRYPOINT, os.X_OK)
+
+
+def test_the_rbac_table_in_the_docs_is_the_manifests(manifests):
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    section = text[text.index("\n## RBAC\n"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("verb", "---"):
+            scope = None if cells[2] == "cluster" else cells[2].removeprefix("namespace ").strip("`")
+            rows.add((scope, "", cells[1], cells[0]))
+    assert rows == granted(grants_for(manifests, *service_account(manifests)))
