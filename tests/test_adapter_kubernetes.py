@@ -582,13 +582,13 @@ def rbac_of(request: dict) -> tuple[str, str]:
     return verb, resource
 
 
-def test_kubernetes_docs_cluster_role_grants_what_the_adapter_asks_for(api, make):
+def test_shipped_rbac_grants_what_the_adapter_asks_for(api, make):
     import yaml
 
-    text = (ROOT / "docs" / "kubernetes.md").read_text()
-    block = text.split("```yaml\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\n", 1)[1]
-    role = yaml.safe_load("kind: ClusterRole\n" + block.split("---", 1)[0])
-    granted = {(verb, res) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
+    # the ClusterRole and the Role for Events of packaging/kubernetes/ (tests/test_k8s_manifests.py checks scopes)
+    docs = yaml.safe_load_all((ROOT / "packaging" / "kubernetes" / "10-rbac.yaml").read_text())
+    granted = {(verb, res) for d in docs if d["kind"] in ("ClusterRole", "Role") for rule in d["rules"]
+               for res in rule["resources"] for verb in rule["verbs"]}
 
     api.add_node("gpu-1", labels={CLIQUE: DOMAIN})
     job_pods(api, "gpu-1")

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, wait_for
 from fake_kube_api import FakeKubeApi, request_attributes
 
 pytest.importorskip("lightkube")
@@ -446,6 +446,67 @@ def test_the_entrypoint_adds_a_remediation_table_where_there_is_none_and_never_h
     out = run_entrypoint(tmp_path, "", None, "--version")
     assert out.returncode == 0 and out.stdout.startswith("gpuwarden ")
 
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_agent_started_as_the_daemonset_starts_it_acts_on_the_downward_apis_node(manifests, tmp_path):
+    """The image's entrypoint with the DaemonSet's args and env and the ConfigMap's configuration (mode "act"; the
+    listen address and state folder moved under the test's own), on the recorded GB200 tray whose hostname is not
+    the node's name: the real agent publishes its NVLink domain on the node named by NODE_NAME, through the API
+    server the client finds (here $KUBECONFIG, the fallback of the in-cluster account), and serves the probes'
+    path."""
+    import urllib.request
+
+    c = container(manifests)
+    api = FakeKubeApi()
+    api.authorizer = authorizer(grants_for(manifests, *service_account(manifests)))
+    api.start()
+    proc = None
+    try:
+        api.add_node("k8s-node-17")
+        root = tmp_path / "root"
+        shutil.copytree(ROOT / "fixtures" / "nodes" / "gb200-nvl72-healthy", root,
+                        ignore=shutil.ignore_patterns("tools"))
+        conf = tmp_path / "etc" / "gpuwarden.toml"
+        conf.parent.mkdir()
+        text = configmap_toml(manifests)
+        assert 'mode = "dry-run"' in text  # shipped in dry-run; the operator turns it on
+        conf.write_text(text.replace('mode = "dry-run"', 'mode = "act"'))
+        port = free_port()
+        args = [a for a in c["args"] if not a.startswith(("--listen", "--state-dir"))]
+        args += [f"--listen=127.0.0.1:{port}", f"--state-dir={tmp_path / 'state'}", "--root", str(root)]
+        environment = {"PATH": f"{gpuwarden_bin().parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+                       "NODE_NAME": "k8s-node-17", "GPUWARDEN_CONFIG": str(conf),
+                       "GPUWARDEN_RUNTIME_DIR": str(tmp_path / "run"),
+                       "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+        assert {e["name"] for e in c["env"]} >= {"NODE_NAME", "GPUWARDEN_CONFIG"}
+        with open(tmp_path / "agent.log", "wb") as log:
+            proc = subprocess.Popen(["sh", str(ENTRYPOINT), *args], env=environment, cwd=tmp_path,
+                                    stdout=subprocess.DEVNULL, stderr=log)
+            wait_for(lambda: proc.poll() is not None or api.node_obj("k8s-node-17")["metadata"]["labels"].get(
+                "gpuwarden.io/nvlink-domain"), timeout_s=90, what="the domain published on k8s-node-17")
+            assert proc.poll() is None, (tmp_path / "agent.log").read_text()[-2000:]
+            probe = c["livenessProbe"]["httpGet"]["path"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe}", timeout=30) as answer:
+                assert answer.status == 200 and b"gpuwarden_" in answer.read()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        api.stop()
+    assert api.node_obj("k8s-node-17")["metadata"]["labels"]["gpuwarden.io/nvlink-domain"] == DOMAIN
+    assert all(r["code"] != 403 for r in api.requests)
+    assert any(e["involvedObject"]["name"] == "k8s-node-17" for e in api.events)
 
 def test_the_daemonset_runs_where_and_how_the_agent_needs(manifests):
     ds = one(manifests, "DaemonSet")
