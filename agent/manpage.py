@@ -132,7 +132,7 @@ def render(parser: argparse.ArgumentParser | None = None, version: str | None = 
         epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
         date = time.strftime("%Y-%m-%d", time.gmtime(int(epoch) if epoch.isdigit() else None))
     out = [
-        f'.TH GPUWARDEN 1 "{date}" "gpuwarden {escape(version)}" "User Commands"',
+        f'.TH GPUWARDEN 1 "{escape(date)}" "gpuwarden {escape(version)}" "User Commands"',
         ".nh",  # no hyphenation: options and paths are copied from the page
         ".ad l",
         ".SH NAME",
