@@ -37,6 +37,11 @@ def sh(*cmd, check=False, env=None, cwd="/", timeout=300, input=None) -> subproc
     return proc
 
 
+def systemd_links() -> set[Path]:
+    """Everything under /etc/systemd/system (the units' enable links and their folders)."""
+    return set(Path("/etc/systemd/system").rglob("*"))
+
+
 def installed_version() -> str | None:
     q = sh("dpkg-query", "-W", "-f", "${db:Status-Status} ${Version}", PACKAGE)
     status, _, version = q.stdout.partition(" ")
@@ -59,11 +64,13 @@ def installed(built_deb):
         pytest.skip(f"{full[0]} holds files this test did not make, and the purge would remove them")
     empty = [d for d in OWN_DIRS if d.is_dir()]  # put back after the purge, as they were found
     opt_venvs_existed = Path("/opt/venvs").exists()
+    links_before = systemd_links()
     try:
         install = sh("dpkg", "-i", built_deb, timeout=300)
         assert install.returncode == 0, install.stdout + install.stderr
         files = sh("dpkg-query", "-L", PACKAGE, check=True).stdout.split("\n")
-        yield {"files": [Path(f) for f in files if f.startswith("/")], "opt_venvs_existed": opt_venvs_existed}
+        yield {"files": [Path(f) for f in files if f.startswith("/")], "opt_venvs_existed": opt_venvs_existed,
+               "links_before": links_before}
     finally:
         if installed_version() is not None or sh("dpkg-query", "-W", PACKAGE).returncode == 0:
             purge()
@@ -178,6 +185,8 @@ def test_purge_leaves_nothing(installed):
     Path("/var/lib/gpuwarden/gpuwarden.db").write_text("")
     Path("/etc/gpuwarden/gpuwarden.toml").write_text('[agent]\nlevel = "full"\n')
     sh("/usr/bin/gpuwarden", "checks", check=True)  # runs the installed program as root once more
+    for unit in (p for p in files if p.parent == UNITS and p.name != "gpuwarden.service" and p.suffix == ".service"):
+        sh("systemctl", "--root=/", "enable", unit.name, check=True)  # what an operator does (docs/install.md)
 
     removed = purge()
     assert removed.returncode == 0, removed.stdout + removed.stderr
@@ -187,5 +196,6 @@ def test_purge_leaves_nothing(installed):
     left_dirs = [d for d in OWN_DIRS if d.exists()]
     assert left_dirs == []
     assert not WANTS.is_symlink()
+    assert systemd_links() == installed["links_before"]  # every enable link, the operator's too, and its folder
     if not installed["opt_venvs_existed"]:
         assert not Path("/opt/venvs").exists()
