@@ -31,7 +31,8 @@ HEADER = """\
 # it. Order: built-in defaults < this file (or the one named with --config) < command-line flags.
 # An unknown key, a wrong type or a value out of range is an error naming the key: preflight exits 2.
 # `gpuwarden checks` lists every check with its keys; docs: /usr/share/doc/gpuwarden/docs/configuration.md.
-# The daemon re-reads this file on `systemctl reload gpuwarden`.
+# `systemctl reload gpuwarden` makes the daemon re-read it (a bad file is logged and the running config kept); where
+# it listens, its state folder, the textfile and the [remediation] set-up (mode, adapter) take a restart.
 """
 
 
