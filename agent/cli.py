@@ -113,9 +113,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ana = sub.add_parser(
         "analyze", help="find faults in saved logs and tool outputs (post-mortem)", formatter_class=raw,
-        description="Judge saved files with the same decision code the live checks use: kernel logs (dmesg, "
-                    "journalctl -k), nvidia-smi -q, dcgmi diag, nccl-tests, perftest and nvbandwidth outputs. "
-                    "Nothing on this machine is read.",
+        description="Judge saved files with the decision code the live checks use: kernel logs (dmesg, journalctl, "
+                    "syslog or raw kmsg: XIDs, NVSwitch SXids) and the outputs of dcgmi diag (text or JSON), "
+                    "nccl-tests and perftest (ib_write_bw). Nothing on this machine is read.",
         epilog="examples:\n"
                "  gpuwarden analyze dmesg.txt\n"
                "  gpuwarden analyze --json node17/*.log\n\n"
