@@ -127,8 +127,9 @@ def _parser() -> argparse.ArgumentParser:
 
     rec = sub.add_parser(
         "record", help="write a scenario (recorded node) from this machine", formatter_class=raw,
-        description="Write what the checks read on this machine (NVML, sysfs, the kernel log, tool outputs) to a "
-                    "folder: a support bundle, and a recorded node that preflight --root and run --root replay.",
+        description="Write what the checks read on this machine (NVML, sysfs, the kernel log; with --with-tools the "
+                    "tools' outputs) to a folder: a support bundle, and a recorded node that preflight --root and "
+                    "run --root replay.",
         epilog="examples:\n"
                "  gpuwarden record --out /tmp/node17\n"
                "  gpuwarden record --out /tmp/node17 --with-tools --budget 1200")
@@ -172,8 +173,9 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser(
         "status", help="the node state and recent findings, from the daemon's store", formatter_class=raw,
-        description="Print the node's state, since when, and its recent findings and remediation intents, as the "
-                    "daemon recorded them in its store (read-only; works while the daemon runs).",
+        description="Print what the daemon recorded in its store: the node's state and its last transitions, each "
+                    "check's last result and findings, and the remediation intents (pending and recent). Read-only: "
+                    "it works while the daemon runs.",
         epilog="examples:\n"
                "  gpuwarden status\n"
                "  gpuwarden status --json")

@@ -187,7 +187,7 @@ def test_purge_leaves_nothing(installed):
     files = installed["files"]
     # What the running service makes (systemd's StateDirectory=) and an operator's edits go too.
     Path("/var/lib/gpuwarden").mkdir(exist_ok=True)
-    Path("/var/lib/gpuwarden/gpuwarden.db").write_text("")
+    Path("/var/lib/gpuwarden/state.db").write_text("")
     Path("/etc/gpuwarden/gpuwarden.toml").write_text('[agent]\nlevel = "full"\n')
     sh("/usr/bin/gpuwarden", "checks", check=True)  # runs the installed program as root once more
     for unit in (p for p in files if p.parent == UNITS and p.name != "gpuwarden.service" and p.suffix == ".service"):
