@@ -14,7 +14,7 @@ from typing import Iterator
 
 FILES: tuple[tuple[str, str], ...] = (
     ("/etc/gpuwarden/gpuwarden.toml", "The configuration (TOML): every key, commented out, shows its default. Read by "
-                                      "every command that takes \\-\\-config when no other file is named; "
+                                      "every command that takes --config when no other file is named; "
                                       "gpuwarden checks lists each check's keys."),
     ("/var/lib/gpuwarden/", "The daemon's state: the SQLite store with the node record, the kernel log cursor, the "
                             "downtime accumulators and the journal of remediation intents. Made by systemd "
@@ -106,7 +106,7 @@ def _command(name: str, summary: str, parser: argparse.ArgumentParser) -> Iterat
     yield escape(summary[:1].upper() + summary[1:]) + "."
     yield ".PP"
     yield f"\\fB{escape(_usage(parser))}\\fR"
-    if parser.description:
+    if parser.description and parser.description.rstrip(".").lower() != summary.rstrip(".").lower():
         yield from _block(parser.description)
     options = [a for a in parser._actions
                if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and a.help != argparse.SUPPRESS]
@@ -158,14 +158,14 @@ def render(parser: argparse.ArgumentParser | None = None, version: str | None = 
                                "Prolog or Epilog):"]
     for code, meaning in cli.EXIT_CODES:
         out += [".TP", f"\\fB{escape(code)}\\fR", escape(meaning)]
-    out += [".PP", "Every other command exits 0 when done and 2 on a usage, configuration or I/O error; "
-                   "\\fBtopology\\fR exits 1 when the node has no known NVLink domain."]
-    if parser.epilog:
+    out += [".PP", "The other commands exit 0 when done and non\\-zero on an error (2 for bad flags or a bad "
+                   "configuration); \\fBtopology\\fR's codes are listed with the command."]
+    if parser.epilog and parser.epilog.startswith("examples:\n"):
         out += [".SH EXAMPLES"]
-        out += _block(parser.epilog.split("\n\n")[0])
+        out += [line for line in _block(parser.epilog.split("\n\n")[0]) if line != "Examples:"][1:]
     out += [".SH FILES"]
     for path, what in FILES:
-        out += [".TP", f"\\fI{escape(path)}\\fR", what]
+        out += [".TP", f"\\fI{escape(path)}\\fR", escape(what)]
     out += [".SH SEE ALSO", ", ".join(f"\\fB{escape(page.split('(')[0])}\\fR({page.split('(')[1]}" for page in SEE_ALSO)
             + ".", ".PP", "/usr/share/doc/gpuwarden/README.md and /usr/share/doc/gpuwarden/docs/."]
     return "\n".join(out) + "\n"
