@@ -29,88 +29,216 @@ from .model import EXIT_UNDECIDED, Report
 log = structlog.get_logger("gpuwarden")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpuwarden", description="GPU node health agent",
-                                epilog="exit codes: 0 pass/warn, 1 fault needing action, 2 could not decide")
-    p.add_argument("--version", action="version", version=f"gpuwarden {metadata.version('gpuwarden')}")
-    sub = p.add_subparsers(dest="command", required=True)
+# Exit codes of `preflight` and `analyze`: the --help epilogs and the man page's EXIT STATUS are written from this
+# table (the README's table says the same; tests/test_manpage.py holds them together).
+EXIT_CODES: tuple[tuple[str, str], ...] = (
+    ("0", "every check passed, or only warned"),
+    ("1", "a fault that needs action (at least one FAIL)"),
+    ("2", "could not decide: a check could not look (UNKNOWN), or the command was wrong (bad config or flags)"),
+    ("130, 143", "interrupted by SIGINT, SIGTERM: no verdict; every tool it had started was ended first"),
+)
+_CONFIG_HELP = "TOML config (default: /etc/gpuwarden/gpuwarden.toml if present; see gpuwarden(1), FILES)"
 
-    pre = sub.add_parser("preflight", help="run the health checks once and print a verdict")
-    pre.add_argument("--root", type=Path, help="run on a recorded node (scenario folder) instead of this machine")
+
+def _exit_codes_epilog() -> str:
+    width = max(len(code) for code, _ in EXIT_CODES)
+    return "exit codes:\n" + "\n".join(f"  {code:<{width}}  {meaning}" for code, meaning in EXIT_CODES)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Descriptions and help are filled to the terminal's width; a text written in lines (the epilogs: examples, the
+    exit code table) keeps them."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=28)
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        # argparse measures subcommand names two columns left of where it prints them, and so wraps the longest.
+        for choice in getattr(action, "_choices_actions", ()):
+            width = len(choice.metavar or choice.dest) + self._current_indent + 4
+            self._action_max_length = max(self._action_max_length, width)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _parser() -> argparse.ArgumentParser:
+    raw = _HelpFormatter
+    p = argparse.ArgumentParser(
+        prog="gpuwarden", formatter_class=raw,
+        description="GPU node health agent: checks a GPU node before it takes work (preflight), watches it while work "
+                    "runs (the daemon, run), and tells the scheduler what to do about a faulty node.",
+        epilog="examples:\n"
+               "  gpuwarden preflight                 quick checks of this node, a verdict and an exit code\n"
+               "  gpuwarden preflight --level full    also the checks that load the GPUs and the network (minutes)\n"
+               "  gpuwarden checks                    the checks, where they run, their config keys\n"
+               "  gpuwarden status                    the daemon's view: node state and recent findings\n"
+               "  gpuwarden COMMAND --help            a command's options\n\n"
+               "The daemon runs as the systemd unit gpuwarden.service; its config is /etc/gpuwarden/gpuwarden.toml.\n"
+               "Manual: gpuwarden(1); documentation: /usr/share/doc/gpuwarden/.")
+    p.add_argument("--version", action="version", version=f"gpuwarden {metadata.version('gpuwarden')}",
+                   help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    pre = sub.add_parser(
+        "preflight", help="run the health checks once and print a verdict", formatter_class=raw,
+        description="Run the health checks once, on this machine or on a recorded node (--root), and print a verdict: "
+                    "a table, or JSON with --json. The exit code says what to do with the node, so the command serves "
+                    "as a Slurm HealthCheckProgram, Prolog or Epilog. A check that cannot look is UNKNOWN, never OK.",
+        epilog="examples:\n"
+               "  gpuwarden preflight\n"
+               "  gpuwarden preflight --level full --budget 900\n"
+               "  gpuwarden preflight --checks xid,ecc,ib_port --json\n"
+               "  gpuwarden preflight --root ./h100-node    (a folder written by gpuwarden record)\n\n"
+               + _exit_codes_epilog())
+    pre.add_argument("--root", type=Path, metavar="DIR",
+                     help="run on a recorded node (a scenario folder, see gpuwarden record) instead of this machine")
     pre.add_argument("--checks", action="append", default=[], metavar="NAME[,NAME…]",
-                     help="run only these checks (repeatable or comma-separated)")
-    pre.add_argument("--json", action="store_true", help="print the report as JSON")
-    pre.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
-    pre.add_argument("--check-timeout", type=float, metavar="SECONDS", help="per-check timeout (overrides config)")
+                     help="run only these checks, whatever their level (repeatable or comma-separated; "
+                          "gpuwarden checks lists them); default: [agent] checks, else every check of the level")
+    pre.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    pre.add_argument("--config", type=Path, metavar="FILE", help=_CONFIG_HELP)
+    pre.add_argument("--check-timeout", type=float, metavar="SECONDS",
+                     help="per-check timeout (default: [agent] check_timeout_s; 0 = each check's own)")
     pre.add_argument("--level", choices=("quick", "full"),
-                     help="quick: non-disturbing checks, seconds (default); full: also the checks that load GPUs "
-                          "and network (burn-in, NCCL, RDMA, DCGM diag), minutes")
+                     help="quick: non-disturbing checks, seconds; full: also the checks that load GPUs "
+                          "and network (burn-in, NCCL, RDMA, DCGM diag), minutes (default: [agent] level, quick)")
     pre.add_argument("--budget", type=float, metavar="SECONDS",
-                     help="overall time budget; checks not started in time are UNKNOWN")
+                     help="overall time budget; checks not started in time are UNKNOWN "
+                          "(default: [agent] budget_s; 0 = none)")
     _log_flags(pre)
 
-    ana = sub.add_parser("analyze", help="find faults in saved logs and tool outputs (post-mortem)")
-    ana.add_argument("files", nargs="+", type=Path)
-    ana.add_argument("--json", action="store_true", help="print the report as JSON")
+    ana = sub.add_parser(
+        "analyze", help="find faults in saved logs and tool outputs (post-mortem)", formatter_class=raw,
+        description="Judge saved files with the decision code the live checks use: kernel logs (dmesg, journalctl, "
+                    "syslog or raw kmsg: XIDs, NVSwitch SXids) and the outputs of dcgmi diag (text or JSON), "
+                    "nccl-tests and perftest (ib_write_bw). Nothing on this machine is read.",
+        epilog="examples:\n"
+               "  gpuwarden analyze dmesg.txt\n"
+               "  gpuwarden analyze --json node17/*.log\n\n"
+               + _exit_codes_epilog())
+    ana.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                     help="saved kernel log or tool output; the format is recognised from the content")
+    ana.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     _log_flags(ana)
 
-    rec = sub.add_parser("record", help="write a scenario (recorded node) from this machine")
-    rec.add_argument("--out", type=Path, required=True, help="folder to write")
-    rec.add_argument("--root", type=Path, help="re-record an existing scenario instead of this machine")
+    rec = sub.add_parser(
+        "record", help="write a scenario (recorded node) from this machine", formatter_class=raw,
+        description="Write what the checks read on this machine (NVML, sysfs, the kernel log; with --with-tools the "
+                    "tools' outputs) to a folder: a support bundle, and a recorded node that preflight --root and "
+                    "run --root replay.",
+        epilog="examples:\n"
+               "  gpuwarden record --out /tmp/node17\n"
+               "  gpuwarden record --out /tmp/node17 --with-tools --budget 1200")
+    rec.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write (required)")
+    rec.add_argument("--root", type=Path, metavar="DIR",
+                     help="re-record an existing scenario instead of this machine")
     rec.add_argument("--with-tools", action="store_true",
                      help="also run the full-level checks' tools (DCGM diag, NCCL, nvbandwidth, ib_write_bw, burn-in) "
                           "and record their outputs: minutes, loads the GPUs and the network")
-    rec.add_argument("--config", type=Path, help="TOML config: the tools' options and timeouts (default "
-                                                   "/etc/gpuwarden/gpuwarden.toml if present)")
+    rec.add_argument("--config", type=Path, metavar="FILE",
+                     help="TOML config: the tools' options and timeouts (default: /etc/gpuwarden/gpuwarden.toml if "
+                          "present)")
     rec.add_argument("--budget", type=float, metavar="SECONDS",
-                     help="with --with-tools: checks not started in time are not recorded")
+                     help="with --with-tools: checks not started in time are not recorded (default: none)")
     _log_flags(rec)
 
-    run = sub.add_parser("run", help="the daemon: passive checks, node state, Prometheus endpoint")
-    run.add_argument("--root", type=Path, help="run on a recorded node (followed and re-read as if live)")
-    run.add_argument("--state-dir", type=Path, help="SQLite state and action journal (default /var/lib/gpuwarden)")
-    run.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics here (default 0.0.0.0:9456)")
-    run.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present)")
+    run = sub.add_parser(
+        "run", help="the daemon: passive checks, node state, Prometheus endpoint", formatter_class=raw,
+        description="The daemon (systemd unit gpuwarden.service): runs the passive checks continuously, follows the "
+                    "kernel log, keeps the node's state (healthy, suspect, cordoned, quarantined, retired) in its "
+                    "store, asks the scheduler to act when [remediation] mode = \"act\" (dry-run by default), and "
+                    "serves Prometheus metrics on /metrics. SIGHUP reloads the config.",
+        epilog="examples:\n"
+               "  gpuwarden run\n"
+               "  gpuwarden run --listen 127.0.0.1:9456 --state-dir /tmp/gw-state\n"
+               "  systemctl enable --now gpuwarden.service")
+    run.add_argument("--root", type=Path, metavar="DIR",
+                     help="run on a recorded node (followed and re-read as if live)")
+    run.add_argument("--state-dir", type=Path, metavar="DIR",
+                     help="SQLite state and action journal (default: [agent] state_dir, /var/lib/gpuwarden)")
+    run.add_argument("--listen", metavar="HOST:PORT",
+                     help="serve /metrics here (default: [agent] listen, 0.0.0.0:9456)")
+    run.add_argument("--config", type=Path, metavar="FILE", help=_CONFIG_HELP)
     run.add_argument("--web.config.file", dest="web_config_file", type=Path, metavar="FILE",
-                     help="TLS and basic auth for /metrics: exporter-toolkit's YAML web config")
-    run.add_argument("--textfile", type=Path, help="also write metrics for node_exporter's textfile collector")
+                     help="TLS and basic auth for /metrics: exporter-toolkit's YAML web config "
+                          "(default: [agent] web_config_file; none: plain HTTP)")
+    run.add_argument("--textfile", type=Path, metavar="FILE",
+                     help="also write metrics for node_exporter's textfile collector (default: [agent] textfile; "
+                          "none)")
     _log_flags(run)
 
-    st = sub.add_parser("status", help="the node state and recent findings, from the daemon's store")
-    st.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
-    st.add_argument("--json", action="store_true")
+    st = sub.add_parser(
+        "status", help="the node state and recent findings, from the daemon's store", formatter_class=raw,
+        description="Print what the daemon recorded in its store: the node's state and its last transitions, each "
+                    "check's last result and findings, and the remediation intents (pending and recent). Read-only: "
+                    "it works while the daemon runs.",
+        epilog="examples:\n"
+               "  gpuwarden status\n"
+               "  gpuwarden status --json")
+    st.add_argument("--state-dir", type=Path, metavar="DIR", help="the daemon's state folder (default: "
+                                                                  "/var/lib/gpuwarden)")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
 
-    brk = sub.add_parser("breaker", help="the circuit breaker that holds cordons when too many nodes are drained")
-    brk_sub = brk.add_subparsers(dest="breaker_command", required=True)
+    brk = sub.add_parser(
+        "breaker", help="the circuit breaker that holds cordons when too many nodes are drained",
+        formatter_class=raw,
+        description="The circuit breaker: when too large a share of the fleet or of one NVLink domain is drained "
+                    "within a window ([remediation.breaker]), the daemon holds new cordons and latches open.")
+    brk_sub = brk.add_subparsers(dest="breaker_command", required=True, title="commands", metavar="COMMAND")
     reset = brk_sub.add_parser("reset", help="close a latched breaker: the running daemon judges the fleet again, "
-                                             "counting only drains after now")
-    reset.add_argument("--state-dir", type=Path, help="default /var/lib/gpuwarden")
+                                             "counting only drains after now",
+                               formatter_class=raw,
+                               description="Close a latched breaker: the running daemon judges the fleet again, "
+                                           "counting only drains after now.")
+    reset.add_argument("--state-dir", type=Path, metavar="DIR", help="the daemon's state folder (default: "
+                                                                     "/var/lib/gpuwarden)")
 
     from . import topology
 
     topo = sub.add_parser("topology", help="this node's NVLink domain; publish it; write Slurm topology.conf / "
                                            "topology.yaml from the scheduler's view",
-                          epilog="exit codes: 0 done, 1 no NVLink domain known for this node, 2 usage, config, "
-                                 "scheduler or file error")
+                          formatter_class=raw,
+                          description="Print this node's NVLink domain (from NVML's GPU fabric info, or [topology] "
+                                      "domain), publish it to the scheduler (a Slurm node feature, Kubernetes "
+                                      "labels), or write Slurm's block topology from the scheduler's view of the "
+                                      "fleet.",
+                          epilog="examples:\n"
+                                 "  gpuwarden topology\n"
+                                 "  gpuwarden topology --publish\n"
+                                 "  gpuwarden topology --slurm-conf /etc/slurm/topology.conf\n\n"
+                                 "exit codes:\n"
+                                 "  0  done\n"
+                                 "  1  no NVLink domain known for this node\n"
+                                 "  2  usage, config, scheduler or file error")
     topology.add_arguments(topo)
     # What the command needs besides topology's own flags (each added unless topology already has it).
-    for flag, kwargs in (("--config", dict(type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if "
-                                                            "present)")),
-                         ("--state-dir", dict(type=Path, help="the local adapter's folder (default "
-                                                              "/var/lib/gpuwarden)")),
-                         ("--log-format", dict(choices=("auto", "json", "console"), help="log format")),
-                         ("--log-level", dict(choices=("debug", "info", "warning", "error"), help="log level"))):
+    for flag, kwargs in (("--config", dict(type=Path, metavar="FILE", help=_CONFIG_HELP)),
+                         ("--state-dir", dict(type=Path, metavar="DIR", help="the local adapter's folder (default: "
+                                                                             "/var/lib/gpuwarden)")),
+                         ("--log-format", dict(choices=("auto", "json", "console"), help="log format (default: "
+                                                                                         "[agent] log_format, auto)")),
+                         ("--log-level", dict(choices=("debug", "info", "warning", "error"),
+                                              help="log level (default: [agent] log_level, info)"))):
         if flag not in topo._option_string_actions:
             topo.add_argument(flag, **kwargs)
 
-    sub.add_parser("checks", help="list the checks and their config keys")
+    sub.add_parser("checks", help="list the checks and their config keys", formatter_class=raw,
+                   description="List every check: where it runs (preflight level quick or full, the daemon's poll "
+                               "interval, or kmsg for the followed kernel log), what it looks at, and its config "
+                               "table [checks.NAME] with each key's default.")
 
     return p
 
 
 def _log_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-format", choices=("auto", "json", "console"), help="log format (default: auto)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default: info)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"),
+                   help="auto: console on a terminal, JSON lines otherwise (default: [agent] log_format, auto)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="log level (default: [agent] log_level, info)")
 
 
 class Interrupted(BaseException):

@@ -159,3 +159,22 @@ def api():
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def built_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Debian package, built once per session by packaging/build-deb (skipped where dpkg-buildpackage or
+    dh-virtualenv is missing; .ci/run installs them)."""
+    import subprocess
+
+    for tool, package in (("dpkg-buildpackage", "dpkg-dev"), ("dh_virtualenv", "dh-virtualenv"),
+                          ("dh", "debhelper")):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} not installed (apt install {package})")
+    out = tmp_path_factory.mktemp("deb")
+    built = subprocess.run([str(ROOT / "packaging" / "build-deb"), str(out)], capture_output=True, text=True,
+                           timeout=600)
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-8000:]
+    deb = Path(built.stdout.strip().splitlines()[-1])
+    assert deb.is_file() and deb.parent == out, built.stdout
+    return deb
