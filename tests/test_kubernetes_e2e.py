@@ -292,12 +292,13 @@ def test_kubernetes_admin_cordon_is_never_undone(api, agents):
     nodes(api, ["gb200-rack07-tray04"])
     nodes(api, [HOST], unschedulable=True)  # `kubectl cordon` by an administrator, before any fault
     # A RESET_GPU-class XID that clears: quarantined, then the retest passes and the node would go back to service.
-    # (The state machine runs the retest once all has looked clear for a minute: the longest wait of this file.)
-    agent = agents(extra={"checks": {"xid": {"hold_s": 0.5}}, "remediation": {"spares": {"swap": False}}}).start()
+    # (The state machine runs the retest once all has looked clear for retest_after_s: half a second here.)
+    agent = agents(extra={"checks": {"xid": {"hold_s": 0.5}}, "remediation": {
+        "spares": {"swap": False}, "ladder": {"retest_after_s": 0.5}}}).start()
     agent.inject(XID48)
     wait_for(lambda: level(api, HOST) == "quarantined", timeout_s=WAIT_S, what="the node quarantined")
     assert k8s.OURS_UNSCHEDULABLE not in api.node_obj(HOST)["metadata"]["annotations"]  # the cordon is not ours
-    wait_for(lambda: agent.done("resume"), timeout_s=WAIT_S + 120, what="the retest passed and the resume tried")
+    wait_for(lambda: agent.done("resume"), timeout_s=WAIT_S, what="the retest passed and the resume tried")
 
     (outcome,) = agent.done("resume")
     assert outcome.startswith("refused:") and "set by someone else" in outcome, outcome
