@@ -63,7 +63,7 @@ def scrape(node: str) -> str:
     work = Path(tempfile.mkdtemp(prefix="gpuwarden-series-"))
     try:
         root = work / node
-        shutil.copytree(NODES / node, root, symlinks=True, ignore=shutil.ignore_patterns("tools"))
+        shutil.copytree(NODES / node, root, symlinks=True)  # its recorded tools too (fabric reads systemctl's)
         cfg = config.defaults(all_specs())
         recorded = Node.recorded_at(root)
         store = Store(work / "state" / "state.db")
