@@ -141,6 +141,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                              node=node, domain=self.opt.domain, clock=self.opt.clock, lock=self._lock,
                              judge=self.opt.judge, recovery=self.opt.recovery)
         self._actions_wanted = self.engine.wanted
+        collector.live(self._live_samples)
         if store.set_aside:
             log.error("state store set aside", detail=store.set_aside)
             self._set_meta("store_set_aside", {"at": self.opt.clock(), "detail": store.set_aside})
@@ -386,8 +387,16 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self.collector.update(Snapshot(self.node.hostname, self._record, results, samples,
                                        self._transitions, self._kmsg_records, self._kmsg_lost))
 
+    def _live_samples(self) -> tuple[MetricSample, ...]:
+        return (MetricSample("gpuwarden_loops_stalled", "The daemon's loops past their deadline (a deadlock, a driver "
+                             "call that never returns): while above 0 the systemd watchdog is not fed and the agent "
+                             "is restarted.", {}, float(len(self.stalled()))),)
+
     def _own_samples(self) -> tuple[MetricSample, ...]:
         return (
+            MetricSample("gpuwarden_node_info", "1, with the node's name at the scheduler and its NVLink domain (\"\" "
+                         "when not known) as labels: join on instance to group any series by node or domain.",
+                         {"node": self.engine.settings.node_name, "domain": self.opt.domain or ""}, 1.0),
             MetricSample("gpuwarden_store_ok", "1 if the last write of the state store succeeded, 0 if it failed "
                          "(detection goes on in memory; the write is retried).", {},
                          0.0 if self._store_error else 1.0),

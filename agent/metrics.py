@@ -7,9 +7,11 @@ passive checks' judgements (agent/passive.py MetricSample).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,18 +35,43 @@ class Snapshot:
     kmsg_lost: int = 0
 
 
+def _version() -> str:
+    try:
+        return metadata.version("gpuwarden")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+VERSION = _version()
+
+
 class DaemonCollector(Collector):
-    def __init__(self) -> None:
+    def __init__(self, started: float | None = None) -> None:
         self._lock = threading.Lock()
         self._snap = Snapshot()
+        self._started = time.time() if started is None else started
+        self._live: Callable[[], Iterable[MetricSample]] | None = None
 
     def update(self, snap: Snapshot) -> None:
         with self._lock:
             self._snap = snap
 
+    def live(self, samples: Callable[[], Iterable[MetricSample]]) -> None:
+        """Samples read at each scrape rather than from the snapshot: what must show even when the loops that
+        publish snapshots are the ones stuck (the daemon's stalled loops). `samples` reads memory only, lock-free."""
+        self._live = samples
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            snap = self._snap
+            snap, live = self._snap, self._live
+        build = GaugeMetricFamily("gpuwarden_build_info", "1, with the agent's version as a label.",
+                                  labels=["version"])
+        build.add_metric([VERSION], 1.0)
+        yield build
+        # A restart shows as a change of this value (changes() over a range counts them; restart loops).
+        started = GaugeMetricFamily("gpuwarden_start_time_seconds", "Unix time the agent process started.")
+        started.add_metric([], self._started)
+        yield started
         state = GaugeMetricFamily("gpuwarden_node_state", "1 for the node's current health state, 0 for the others.",
                                   labels=["state"])
         for s in NodeState:
@@ -95,7 +122,8 @@ class DaemonCollector(Collector):
                                    "Times the kernel ring buffer overwrote records before they were read.")
         lost.add_metric([], snap.kmsg_lost)
         yield lost
-        yield from families(s for samples in snap.samples.values() for s in samples)
+        extra = tuple(live()) if live is not None else ()
+        yield from families([*(s for samples in snap.samples.values() for s in samples), *extra])
 
 
 def families(samples: Iterable[MetricSample]) -> Iterator[Metric]:

@@ -132,6 +132,7 @@ class Engine:
         self._confirming: str | None = None  # the intent whose drain landed and is not judged again yet
         self._reset_at: float | None = None
         self._swap: dict[str, Any] | None = None  # the last spare swap: taken, or the slice must move
+        self._spare = False  # the scheduler showed this node in its domain's spare pool when it last read it
         self._error: str | None = None  # the scheduler's last error while it lasts
         self._error_since: float | None = None
         self._waiting: str | None = None  # what the scheduler, reached, asked to wait for (Busy), while it lasts
@@ -244,7 +245,9 @@ class Engine:
         me = self.settings.node_name
         if action == "publish_domain":
             domain = str(detail.get("domain") or "")
-            if adapter.node(me).domain == domain:
+            view = adapter.node(me)
+            self._spare = view.spare
+            if view.domain == domain:
                 return "already published"
             adapter.publish_domain(me, domain)
             return "done"
@@ -255,6 +258,7 @@ class Engine:
             # a spare, never resumed by another agent).
             action = "quarantine"
         view = adapter.node(me)
+        self._spare = view.spare
         if action in GATED and self._latch is not None:
             self._held(adapter, view)  # every drain of this node waits while the breaker holds
         if _present(action, view):
@@ -291,6 +295,7 @@ class Engine:
             adapter.return_to_pool(me, str(detail.get("domain") or self.domain))
         else:
             return f"failed: unknown action {action!r}"
+        self._spare = action == "return_to_pool"
         return "done"
 
     def _adapter(self) -> SchedulerAdapter:
@@ -425,8 +430,10 @@ class Engine:
         if self.domain and self.settings.swap:
             if self._spares.wants_back_in_pool(list(adapter.nodes()), me, self._spare_policy()):
                 adapter.return_to_pool(me, self.domain)
+                self._spare = True
                 return f"done: returned to the spare pool of {self.domain}"
         adapter.resume(me)
+        self._spare = False
         return "done"
 
     @property
@@ -470,6 +477,8 @@ class Engine:
             return self._next_publish - now
         try:
             self.adapter.publish_domain(self.settings.node_name, self.domain)
+            # Another node's agent may have taken this spare into service since: the fleet view follows.
+            self._spare = self.adapter.node(self.settings.node_name).spare
             self._next_publish = now + self.settings.publish_every_s
         except Exception as exc:  # noqa: BLE001 - logged, tried again
             log.warning("could not re-assert the NVLink domain", domain=self.domain, error=str(exc))
@@ -515,6 +524,9 @@ class Engine:
                          "with a backoff; detection goes on), 1 otherwise, also while the scheduler answers "
                          "\"later\" (a PodDisruptionBudget, pods still terminating, work still running).", {},
                          0.0 if self._error else 1.0),
+            MetricSample("gpuwarden_node_spare", "1 while the scheduler holds this node in its NVLink domain's spare "
+                         "pool, as it showed when last read (at each action and every publish_every_s; 0 before the "
+                         "first read and in dry-run, which never reads it).", {}, 1.0 if self._spare else 0.0),
             MetricSample("gpuwarden_slice_must_move", "1 when this node's NVLink domain had no spare left to take "
                          "its place (the slice must move to another domain).", {},
                          1.0 if self.slice_must_move else 0.0),

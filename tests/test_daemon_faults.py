@@ -113,6 +113,7 @@ def test_a_stuck_loop_is_named_and_the_watchdog_is_not_fed(scenario_copy, tmp_pa
         server.settimeout(10)
         monkeypatch.setenv("NOTIFY_SOCKET", str(sock_path))
         wait_for(lambda: d.stalled() == ["poll-hung"], what="the stuck poll loop named")
+        assert "gpuwarden_loops_stalled 1.0" in metrics(d)  # read at the scrape: nothing publishes for the stuck
         assert _feed_watchdog(d, []) == ["poll-hung"]
         sent = server.recv(4096).decode()
         assert "WATCHDOG=1" not in sent and "stalled: poll-hung" in sent
@@ -120,6 +121,7 @@ def test_a_stuck_loop_is_named_and_the_watchdog_is_not_fed(scenario_copy, tmp_pa
         wait_for(lambda: xid_count(d.results()) == 1, what="an XID while a loop is stuck")
         release.set()
         wait_for(lambda: d.stalled() == [], what="the loop making progress again")
+        assert "gpuwarden_loops_stalled 0.0" in metrics(d)
         assert _feed_watchdog(d, ["poll-hung"]) == []
         assert server.recv(4096).decode().startswith("WATCHDOG=1")
 

@@ -377,6 +377,27 @@ def test_the_domain_is_published_at_start_and_reasserted(tmp_path):
     assert sched.state(ME)["domain"] == "rack07"
 
 
+def test_node_spare_follows_the_schedulers_view_of_this_node(tmp_path):
+    """gpuwarden_node_spare (the fleet view's spares per domain) is what the scheduler showed when the engine last
+    read this node: the start's publication reads it, another agent taking the spare shows at the next
+    re-assertion, and this node returned to the pool shows at once."""
+    clock, journal = Clock(), Journal()
+    sched = DictScheduler(fleet(spare=True, service="drained", ours=True, reason="gpuwarden: spare"), clock=clock)
+    e = engine(sched, journal, clock, tmp_path, domain="rack07", settings={"publish_every_s": 600.0})
+    assert sample(e, "gpuwarden_node_spare") == 0.0  # not read yet
+    e.enqueue(e.start(clock()))
+    run(e, clock, until=lambda: not e.pending())
+    assert sample(e, "gpuwarden_node_spare") == 1.0
+    assert sched.take_spare("rack07", "tray00") == ME  # another node's agent takes this spare into service
+    assert sample(e, "gpuwarden_node_spare") == 1.0  # not read since
+    clock.t += e.step()
+    e.step()  # the periodic re-assertion reads the node again
+    assert sample(e, "gpuwarden_node_spare") == 0.0
+    e.enqueue([("k:pool", "return_to_pool", {"at": clock.t, "reason": "retest passed", "domain": "rack07"})])
+    run(e, clock, until=lambda: not e.pending())
+    assert sched.state(ME)["spare"] and sample(e, "gpuwarden_node_spare") == 1.0
+
+
 # -- with the policy modules (agent/breaker.py, agent/spares.py) -------------------------------------------------------
 def test_the_real_breaker_holds_when_half_the_domain_is_drained(tmp_path):
     clock, journal = Clock(), Journal()
