@@ -7,16 +7,23 @@ stay in the namespace, so before systemd starts the namespace gets:
   unit logs and any journal vanish with it (a kill -9 leaves nothing behind on the host);
 - /proc/sys and /proc/sysrq-trigger read-only, and its own hostname (UTS): no sysctl or hostname reaches the host;
 - every unit that the *.wants/ and *.requires/ folders of /etc, /run and /lib pull in (systemd-tmpfiles-setup would
-  wipe the host's /tmp, systemd-sysctl apply sysctls, systemd-sysusers add users, journald flush to /var/log ...)
-  masked in /run/systemd/system.control (and a fixed list of units that touch the kernel or the file systems,
-  whatever pulls them), no generator run, the highest place on the unit path, so /etc cannot override the mask; the
-  targets themselves stay, and so do gpuwarden's own units. Booted into an empty target, the manager starts
-  nothing until a test asks;
+  wipe the host's /tmp, systemd-sysctl apply sysctls, systemd-sysusers add users, journald flush to /var/log ...),
+  and a fixed list of units that act on the kernel or the file systems whatever pulls them, masked in
+  /run/systemd/system.control: the highest place on the unit path, so /etc cannot override a mask. The targets
+  themselves stay, and so do gpuwarden's own units. No generator runs. Booted into an empty target, the manager
+  starts nothing until a test asks;
 - its own cgroup below the caller's (a cgroup v1 hierarchy or v2), so two managers never share a subtree and
   units stay inside the caller's memory limit; the subtree is removed at teardown.
 Every service's standard output and error go to /run/gpuwarden-harness/logs/<unit>.log (a drop-in for all
-services): `output(unit)` reads it. Teardown is SIGKILL to the namespace's PID 1 (it ignores SIGTERM), which ends
-every process in the namespace, whatever the test did.
+services): `output(unit)` reads it; no journal is written anywhere. Teardown is SIGKILL to the namespace's PID 1
+(it ignores SIGTERM), which ends every process in the namespace, whatever the test did.
+
+Units are seen where systemd looks for them: what a test installs (`install_unit`, `drop_in`: the private
+/run/systemd/system) and what is installed on the host (/lib/systemd/system, enabled in /etc/systemd/system by
+dpkg; run `daemon_reload()` after installing there). `systemctl(...)`, `show(unit, props)`,
+`wait_active(unit)`, `wait_for(unit, predicate)`, `write(path, text)` (a file units can see), `root_path(path)`
+(the namespace's file system from the host). Use `with PrivateSystemd() as m:` or the module-scoped
+`private_systemd` fixture.
 """
 from __future__ import annotations
 
@@ -29,7 +36,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+
+import pytest
 
 SYSTEMD = "/lib/systemd/systemd"
 UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system",
@@ -244,6 +252,14 @@ class PrivateSystemd:
             self.daemon_reload()
         return name
 
+    def write(self, path: str | Path, text: str) -> Path:
+        """Write a file into the namespace (under its private /run, say: the host's /tmp is not what units see),
+        making its folders; returns the host's path to it."""
+        target = self.root_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        return target
+
     def drop_in(self, unit: str, text: str, name: str = "50-test.conf", reload: bool = True) -> None:
         """A drop-in for `unit` in the namespace's /run/systemd/system/<unit>.d/ (added to those in /etc and /lib)."""
         folder = self.root_path("/run/systemd/system") / f"{unit}.d"
@@ -295,6 +311,17 @@ class PrivateSystemd:
         return self.wait_for(unit, done, timeout)
 
 
+@pytest.fixture(scope="module")
+def private_systemd():
+    """A booted private systemd for one test module (import this fixture into the module); skipped, with the
+    reason, where unshare, nsenter, systemd or root are missing."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    with PrivateSystemd() as manager:
+        yield manager
+
+
 def _remove_cgroup(cg: Path) -> None:
     """rmdir a cgroup subtree, leaves first (its processes are gone; the kernel may take a moment to see it)."""
     deadline = time.monotonic() + 10
@@ -315,7 +342,10 @@ target=$2; logs=$3; shift 3
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
 for d in /tmp /var/tmp; do mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$d"; done
 for d in /var/log /var/lib; do mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$d"; done
-for p in /proc/sys /proc/sysrq-trigger; do [ -e "$p" ] || continue; mount --bind "$p" "$p"; mount -o remount,bind,ro "$p"; done
+for p in /proc/sys /proc/sysrq-trigger; do
+    [ -e "$p" ] || continue
+    mount --bind "$p" "$p"; mount -o remount,bind,ro "$p"
+done
 hostname gpuwarden-harness
 mkdir -p /run/systemd/system /run/systemd/system.control /run/systemd/system/service.d "$logs"
 for unit in "$@"; do ln -sf /dev/null "/run/systemd/system.control/$unit"; done

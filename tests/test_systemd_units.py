@@ -48,8 +48,8 @@ def manager():
     with systemd_harness.PrivateSystemd() as m:
         for name in ("gpuwarden.slice", DAEMON, PREFLIGHT):
             m.install_unit(ROOT / "systemd" / name, reload=False)
-        m.install_unit(f"[Unit]\nDescription=stand-in for the scheduler's node daemon\n\n"
-                       f"[Service]\nExecStart=/bin/sleep infinity\n", name=STAND_IN, reload=False, stand_in=True)
+        m.install_unit("[Unit]\nDescription=stand-in for the scheduler's node daemon\n\n"
+                       "[Service]\nExecStart=/bin/sleep infinity\n", name=STAND_IN, reload=False, stand_in=True)
         m.daemon_reload()
         # What the package's postinst does: enable the preflight, so that slurmd requires it (here in /run).
         m.systemctl("enable", "--runtime", PREFLIGHT)
