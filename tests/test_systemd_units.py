@@ -26,13 +26,16 @@ STAND_IN = "slurmd.service"  # the scheduler's node daemon, as the preflight's [
 
 
 def _interpreter_visible() -> str:
-    """Drop-in lines that let the sandbox see this checkout's Python, when it lives under a home folder (pyenv in
-    /root): ProtectHome= hides it there, where the package's /usr/bin/python3 would be seen. Home stays hidden
-    (tmpfs), only the interpreter's folder is bound in, read-only."""
-    base = Path(sys.base_prefix).resolve()
-    if not any(base.is_relative_to(h) for h in ("/root", "/home", "/run/user")):
+    """Drop-in lines that let the sandbox see this checkout's Python and the checkout itself, when they live under
+    a home folder (pyenv in /root, a CI checkout in /home): ProtectHome= hides them there, where the package's
+    /usr/bin/python3 and /opt/venvs would be seen. Home stays hidden (tmpfs); only these folders are bound in,
+    read-only."""
+    homes = ("/root", "/home", "/run/user")
+    hidden = sorted({p for p in (Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT.resolve())
+                     if any(p.is_relative_to(h) for h in homes)})
+    if not hidden:
         return ""
-    return f"ProtectHome=tmpfs\nBindReadOnlyPaths={base}\n"
+    return "ProtectHome=tmpfs\n" + "".join(f"BindReadOnlyPaths={p}\n" for p in hidden)
 
 
 def _free_port() -> int:
@@ -68,13 +71,21 @@ def _sample(text: str, series: str) -> float | None:
     return None
 
 
+def _forget_output(m, unit: str) -> None:
+    log = m.root_path(f"{systemd_harness.LOG_DIR}/{unit}.log")
+    if log.exists():
+        log.unlink()
+
+
 def _run_daemon(m, *args: str, extra: str = "") -> tuple[dict, int]:
     """(re)start the daemon with ExecStart swapped to this checkout's program and `args`; wait for READY=1."""
     port = _free_port()
     argv = [str(PROGRAM), "run", "--state-dir", "/var/lib/gpuwarden", "--listen", f"127.0.0.1:{port}", *args]
     m.drop_in(DAEMON, f"[Service]\nExecStart=\nExecStart={' '.join(argv)}\n{_interpreter_visible()}{extra}")
+    m.systemctl("stop", DAEMON)
     m.systemctl("reset-failed", DAEMON, check=False)
-    m.systemctl("restart", DAEMON)  # Type=notify: returns once READY=1 came (or fails)
+    _forget_output(m, DAEMON)
+    m.systemctl("start", DAEMON)  # Type=notify: returns once READY=1 came (or fails)
     return m.wait_active(DAEMON, timeout=60), port
 
 
@@ -111,6 +122,9 @@ def test_hardened_daemon_reports_ready_and_serves_metrics(manager):
     assert int(fields["CapBnd"], 16) == (1 << 34) | (1 << 21)  # CAP_SYSLOG (34), CAP_SYS_ADMIN (21)
     cgroup = manager.nsenter("cat", f"/proc/{props['MainPID']}/cgroup").stdout
     assert "/gpuwarden.slice/gpuwarden.service" in cgroup
+    limits = manager.show("gpuwarden.slice", "MemoryHigh", "MemoryMax", "TasksMax", "CPUWeight", "ActiveState")
+    assert limits == {"MemoryHigh": str(256 << 20), "MemoryMax": str(512 << 20), "TasksMax": "128",
+                      "CPUWeight": "20", "ActiveState": "active"}
 
 
 def test_reload_reaches_the_agent(manager):
@@ -140,7 +154,8 @@ def test_live_kernel_log_is_read_under_the_hardening(manager):
     assert _sample(text, 'gpuwarden_check_status{check="kmsg",status="ok"}') == 1.0
     assert _sample(text, 'gpuwarden_check_success{check="thermal"}') == 0.0
     output = manager.output(DAEMON)
-    assert "no device events" not in output  # the udev monitor (AF_NETLINK) was allowed
+    assert '"event": "running"' in output  # the agent's info lines are here ...
+    assert "no device events" not in output  # ... and this one is not: the udev monitor (AF_NETLINK) was allowed
     assert "Traceback" not in output
     assert manager.show(DAEMON, "ActiveState", "NRestarts")["ActiveState"] == "active"
 
@@ -161,9 +176,7 @@ def _preflight_on(m, node: Path) -> None:
                          f"{_interpreter_visible()}")
     m.systemctl("reset-failed", PREFLIGHT, STAND_IN, check=False)
     m.systemctl("stop", PREFLIGHT, check=False)
-    log = m.root_path(f"{systemd_harness.LOG_DIR}/{PREFLIGHT}.log")
-    if log.exists():
-        log.unlink()
+    _forget_output(m, PREFLIGHT)
 
 
 def test_a_faulty_node_keeps_slurmd_from_starting(manager):
