@@ -28,6 +28,7 @@ dpkg; run `daemon_reload()` after installing there). `systemctl(...)`, `show(uni
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import shutil
@@ -135,6 +136,7 @@ class PrivateSystemd:
         name = f"gpuwarden-harness-{os.getpid()}-{id(self):x}"
         parent, hierarchies = _cgroup_parent()
         for h in hierarchies:
+            _remove_stale(h / parent.relative_to("/"))
             cg = h / parent.relative_to("/") / name
             cg.mkdir(parents=True, exist_ok=True)
             self._cgroups.append(cg)
@@ -143,9 +145,10 @@ class PrivateSystemd:
         log = open(self._work / "manager.log", "wb")
         cgroup_procs = " ".join(shlex.quote(str(c / "cgroup.procs")) for c in self._cgroups)
         self._unshare = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--uts", "--propagation", "private",
-             "sh", str(script), cgroup_procs, BOOT_TARGET, LOG_DIR, *self.masked],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount", "--mount-proc", "--uts",
+             "--propagation", "private", "sh", str(script), cgroup_procs, BOOT_TARGET, LOG_DIR, *self.masked],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent)
         log.close()
         try:
             self._wait_boot()
@@ -320,6 +323,23 @@ def private_systemd():
         pytest.skip(why)
     with PrivateSystemd() as manager:
         yield manager
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove the cgroups of managers whose test process was killed before its teardown (named after its PID)."""
+    if not parent.is_dir():
+        return
+    for cg in parent.glob("gpuwarden-harness-*"):
+        owner = cg.name.split("-")[2]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _remove_cgroup(cg)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL unshare when the test process dies (killed at a CI timeout, say); unshare's
+    --kill-child then SIGKILLs the namespace's PID 1, and with it the namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _remove_cgroup(cg: Path) -> None:
