@@ -8,6 +8,7 @@ the hardening included, is the unit as shipped."""
 import shutil
 import socket
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 
 from conftest import ROOT
 import systemd_harness
+from gpuwarden.agent.adapters.base import REASON_PREFIX
+from slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.skipif(systemd_harness.missing() is not None, reason=str(systemd_harness.missing()))
 
@@ -217,3 +220,54 @@ def test_a_healthy_node_lets_slurmd_start(manager):
     assert pre == {"ActiveState": "active", "SubState": "exited", "ExecMainStatus": "0"}  # RemainAfterExit
     order = manager.show(STAND_IN, "After", "Requires")
     assert PREFLIGHT in order["After"].split() and PREFLIGHT in order["Requires"].split()
+
+
+def test_the_hardened_agent_drains_its_node_on_a_real_slurmctld(manager):
+    """The scheduler under the sandbox: munge's socket (AF_UNIX), slurmctld over TCP, scontrol run by the agent.
+    The faulty recorded node is cordoned: slurmctld drains n1 with the agent's reason. The cluster lives in
+    /dev/shm, which the unit sees (the namespace hides the host's /tmp, the unit has a private one)."""
+    base = Path(tempfile.mkdtemp(prefix="gpuwarden-slurm-", dir="/dev/shm"))
+    cluster = SlurmCluster(base, live=("n1",), dead=())
+    try:
+        cluster.start()
+        config = manager.write("/run/gpuwarden-test/slurm.toml", f"""
+[remediation]
+mode = "act"
+adapter = "slurm"
+node_name = "n1"
+retry_min_s = 0.2
+retry_max_s = 1.0
+[remediation.slurm]
+slurm_conf = "{cluster.conf}"
+[remediation.breaker]
+cluster_share = 1.0
+domain_share = 1.0
+[remediation.spares]
+swap = false
+[remediation.ladder]
+reset_gpu = false
+reboot = false
+reboot_command = ["true"]
+step_after_s = 3600.0
+[topology]
+domain = "rackA"
+""")
+        _run_daemon(manager, "--root", str(NODES / "gb200-nvl72-faulty"), "--config",
+                    "/run/gpuwarden-test/slurm.toml")
+        assert config.exists()
+
+        def drained(_state):
+            node = cluster.scontrol("show", "node", "n1").stdout
+            return "DRAIN" in node and f"Reason={REASON_PREFIX}" in node
+        try:
+            manager.wait_for(DAEMON, drained, timeout=60, props=("ActiveState",))
+        except TimeoutError as exc:
+            raise AssertionError(f"n1 not drained:\n{manager.output(DAEMON)[-3000:]}") from exc
+        node = cluster.scontrol("show", "node", "n1").stdout
+        reason = node.split("Reason=", 1)[1].splitlines()[0]
+        assert reason.startswith(REASON_PREFIX) and "[root@" in reason  # the agent's reason, set as root
+        assert "Traceback" not in manager.output(DAEMON)
+    finally:
+        manager.systemctl("stop", DAEMON, check=False)
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
