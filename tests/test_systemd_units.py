@@ -175,10 +175,14 @@ def _preflight_on(m, node: Path) -> None:
     assert "/usr/bin/gpuwarden preflight " in shipped
     exec_start = shipped.replace("/usr/bin/gpuwarden preflight ", f"{PROGRAM} preflight --root {node} ")
     m.systemctl("stop", STAND_IN, check=False)
+    # Back to "not run this boot" whatever the last test left: the shipped unit refuses a stop, lifted for this.
+    m.drop_in(PREFLIGHT, "[Unit]\nRefuseManualStop=no\n", name="40-test-reset.conf")
+    m.systemctl("stop", PREFLIGHT, check=False)
+    m.root_path(f"/run/systemd/system/{PREFLIGHT}.d/40-test-reset.conf").unlink()
     m.drop_in(PREFLIGHT, f"[Service]\nExecStart=\n{exec_start}\nEnvironment=GPUWARDEN_PREFLIGHT_RETRY_S=0.1\n"
                          f"{_interpreter_visible()}")
     m.systemctl("reset-failed", PREFLIGHT, STAND_IN, check=False)
-    m.systemctl("stop", PREFLIGHT, check=False)
+    assert m.show(PREFLIGHT, "ActiveState")["ActiveState"] == "inactive"
     _forget_output(m, PREFLIGHT)
 
 
@@ -271,3 +275,17 @@ domain = "rackA"
         manager.systemctl("stop", DAEMON, check=False)
         cluster.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_stopping_the_preflight_never_stops_slurmd(manager):
+    """What a package upgrade or removal does to its units (stop, restart) must not reach the node daemon through
+    Requires=: the preflight refuses a manual stop."""
+    _preflight_on(manager, NODES / "h100-hgx-healthy")
+    manager.systemctl("start", STAND_IN)
+    pid = manager.wait_active(STAND_IN)["MainPID"]
+    for verb in ("stop", "restart", "try-restart"):
+        refused = manager.systemctl(verb, PREFLIGHT, check=False)
+        assert refused.returncode != 0 and "refused" in refused.stderr.lower(), (verb, refused.stderr)
+    slurmd = manager.show(STAND_IN, "ActiveState", "MainPID")
+    assert slurmd == {"ActiveState": "active", "MainPID": pid}
+    assert manager.show(PREFLIGHT, "ActiveState")["ActiveState"] == "active"
