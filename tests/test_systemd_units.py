@@ -130,6 +130,19 @@ def test_hardened_daemon_reports_ready_and_serves_metrics(manager):
                       "CPUWeight": "20", "ActiveState": "active"}
 
 
+def test_textfile_drop_in_as_documented(manager):
+    """docs/daemon.md's drop-in for --textfile: the folder made writable, the file readable by node_exporter."""
+    folder = "/run/gpuwarden-test/node-exporter"
+    manager.root_path(folder).mkdir(parents=True, exist_ok=True)
+    _run_daemon(manager, "--root", str(NODES / "h100-hgx-healthy"), "--textfile", f"{folder}/gpuwarden.prom",
+                extra=f"ReadWritePaths={folder}\nUMask=0022\n")
+    prom = manager.root_path(f"{folder}/gpuwarden.prom")
+    manager.systemctl("reload", DAEMON)  # any signal wakes the main loop, which writes the file (else every 15 s)
+    manager.wait_for(DAEMON, lambda _s: prom.exists(), timeout=60, props=("ActiveState",))
+    assert prom.stat().st_mode & 0o777 == 0o644
+    assert "gpuwarden_node_state{" in prom.read_text()
+
+
 def test_reload_reaches_the_agent(manager):
     _run_daemon(manager, "--root", str(NODES / "h100-hgx-healthy"))
     manager.systemctl("reload", DAEMON)
@@ -138,7 +151,7 @@ def test_reload_reaches_the_agent(manager):
 
 
 def test_watchdog_restarts_a_stalled_agent(manager):
-    state, _port = _run_daemon(manager, "--root", str(NODES / "h100-hgx-healthy"), extra="WatchdogSec=2\n")
+    state, _port = _run_daemon(manager, "--root", str(NODES / "h100-hgx-healthy"), extra="WatchdogSec=2\nRestartSec=100ms\n")
     first_pid, restarts = state["MainPID"], int(state["NRestarts"])
     manager.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", DAEMON)
     after = manager.wait_for(DAEMON, lambda s: int(s["NRestarts"]) > restarts and s["ActiveState"] == "active"
