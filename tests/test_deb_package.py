@@ -183,6 +183,96 @@ def test_docs_and_shared_files_are_where_the_units_point(installed):
             assert dst.read_bytes() == f.read_bytes(), dst
 
 
+def test_a_new_user_gets_the_installed_agent_running_under_systemd_and_scraped_by_prometheus(installed, tmp_path):
+    """The README's Install section, step by step, with the package this tree built: the conffile edited (only the
+    listen address: tests use 127.0.0.1 and a free port), the installed unit started by a real systemd (a private
+    PID 1: this machine's own is not systemd), then a real Prometheus started with the installed scrape job and
+    rules, pointed at the agent."""
+    import urllib.parse
+    import urllib.request
+
+    import yaml
+    from conftest import wait_for
+    from systemd_harness import PrivateSystemd, missing
+    from test_daemon import free_port
+
+    if missing():
+        pytest.fail(f"a private systemd cannot start here: {missing()}")
+    if not shutil.which("prometheus"):
+        pytest.fail("prometheus not installed (apt install prometheus)")
+    conf = Path("/etc/gpuwarden/gpuwarden.toml")
+    shipped = conf.read_text()
+    port = free_port()
+    # The one edit: uncomment the listen key and give it an address (as `editor /etc/gpuwarden/gpuwarden.toml`).
+    assert shipped.count('\n#listen = "0.0.0.0:9456"\n') == 1, "the sample's listen line changed"
+    conf.write_text(shipped.replace('\n#listen = "0.0.0.0:9456"\n', f'\nlisten = "127.0.0.1:{port}"\n'))
+    shared = Path("/usr/share/gpuwarden/prometheus")
+    procs: list[subprocess.Popen] = []
+    try:
+        with PrivateSystemd() as systemd:
+            systemd.daemon_reload()  # sees the unit dpkg put in /lib and enabled in /etc
+            assert systemd.systemctl("is-enabled", "gpuwarden.service", check=False).stdout.strip() == "enabled"
+            systemd.systemctl("start", "gpuwarden.service")  # what the package's postinst does where systemd runs
+            unit = systemd.wait_active("gpuwarden.service", timeout=60)  # Type=notify: active once READY=1 came
+            assert unit["SubState"] == "running", unit
+            exe = systemd.nsenter("readlink", f"/proc/{unit['MainPID']}/exe").stdout.strip()
+            assert exe.startswith("/usr/bin/python3"), exe  # Debian's interpreter, through the package's venv
+
+            # Prometheus with the installed scrape job and rules, side by side as installed.
+            prom = tmp_path / "prometheus"
+            prom.mkdir()
+            shutil.copy(shared / "gpuwarden-rules.yml", prom / "gpuwarden-rules.yml")
+            cfg = yaml.safe_load((shared / "prometheus-scrape.yml").read_text())
+            cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+            (job,) = cfg["scrape_configs"]
+            job.update(scrape_interval="1s", scrape_timeout="1s")
+            job["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
+            (prom / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+            check = sh("promtool", "check", "config", prom / "prometheus.yml")
+            assert check.returncode == 0, check.stdout + check.stderr
+            prom_port = free_port()
+            procs.append(subprocess.Popen(
+                ["prometheus", f"--config.file={prom / 'prometheus.yml'}", f"--storage.tsdb.path={prom / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                stderr=open(prom / "prometheus.log", "wb")))
+            api = f"http://127.0.0.1:{prom_port}/api/v1"
+
+            def query(expr: str) -> list:
+                try:
+                    with urllib.request.urlopen(f"{api}/query?query={urllib.parse.quote(expr)}", timeout=5) as r:
+                        return yaml.safe_load(r.read())["data"]["result"]
+                except OSError:
+                    return []
+
+            wait_for(lambda: query('up{job="gpuwarden", instance="127.0.0.1"} == 1')
+                     and query("gpuwarden_node_state == 1"), timeout_s=90,
+                     what="Prometheus to scrape the installed agent")
+            (build,) = query("gpuwarden_build_info")
+            assert build["metric"]["version"] == pyproject_version()
+            (state,) = query("gpuwarden_node_state == 1")
+            assert state["metric"]["job"] == "gpuwarden" and state["metric"]["instance"] == "127.0.0.1"
+            with urllib.request.urlopen(f"{api}/rules", timeout=5) as r:
+                groups = yaml.safe_load(r.read())["data"]["groups"]
+            rules = [rule for g in groups for rule in g["rules"]]
+            assert rules and all(rule["health"] in ("ok", "unknown") for rule in rules), \
+                [(rule["name"], rule.get("lastError")) for rule in rules if rule["health"] == "err"]
+
+            # The operator's look at the node, with the installed program, where the unit keeps its state.
+            status = systemd.nsenter("/usr/bin/gpuwarden", "status", check=False)
+            assert status.returncode == 0 and "state" in status.stdout, status.stdout + status.stderr
+            assert systemd.show("gpuwarden.service", "NRestarts")["NRestarts"] == "0", \
+                systemd.output("gpuwarden.service")[-3000:]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        conf.write_text(shipped)
+
+
 def test_purge_leaves_nothing(installed):
     files = installed["files"]
     # What the running service makes (systemd's StateDirectory=) and an operator's edits go too.
