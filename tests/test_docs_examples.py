@@ -5,7 +5,8 @@ run's own:
 - every ```sh block of README.md, and every ```sh block of docs/*.md marked `<!-- doc-test: run -->`, with bash,
   expecting exit 0 or the status a `<!-- doc-test: exit=N -->` marker names. Setup steps that install packages
   or create a venv (`apt-get …`, `python3 -m venv …`, `.venv/bin/pip install …`) are left out; what follows their
-  `&&` runs. The
+  `&&` runs. A README block marked `<!-- doc-test: covered by: tests/FILE.py::TEST -->` (an install on the
+  machine itself) is not run: the named test, which must exist, carries out its steps. The
   suite's own command (`.venv/bin/python -m pytest`) runs with `--collect-only`, not the whole suite inside itself.
   The only other liberty: a `127.0.0.1:PORT` gets a free port and `/tmp/...` a folder of the test's own, so two
   runs at once do not meet. A block that starts a daemon in the background has it ended with the block's process
@@ -71,7 +72,11 @@ def blocks(path: Path) -> list[Block]:
 
 
 ALL = [b for p in DOCS for b in blocks(p)]
-RUNNABLE = [b for b in ALL if b.lang == "sh" and (b.path.name == "README.md" or b.marker.startswith("run"))]
+# A README block that changes the machine itself (installs a package, starts a system service) is not run here: its
+# marker `covered by: tests/FILE.py::TEST` names the test that carries out the same steps (checked below).
+COVERED = [b for b in ALL if b.marker.startswith("covered by:")]
+RUNNABLE = [b for b in ALL if b.lang == "sh" and (b.path.name == "README.md" or b.marker.startswith("run"))
+            and b not in COVERED]
 OUTPUTS = [b for b in ALL if b.marker.startswith("output of:")]
 
 
@@ -288,6 +293,14 @@ def test_ci_runs_the_readmes_test_command_verbatim():
                   if "-m pytest" in line]
     ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text().splitlines()
     assert command in ci
+
+
+@pytest.mark.parametrize("block", COVERED, ids=lambda b: b.where())
+def test_a_block_not_run_here_names_the_test_that_runs_its_steps(block):
+    target = block.marker.removeprefix("covered by:").strip()
+    path, sep, name = target.partition("::")
+    assert sep and path.startswith("tests/") and (ROOT / path).is_file(), f"{block.where()}: no test file in {target}"
+    assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), f"{block.where()}: no {target}"
 
 
 def test_shown_output_is_marked_for_checking():
