@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 

@@ -45,6 +45,7 @@ class Wiring:
         self.base = base
         self.roots = {mode: base / "roots" / mode for mode in MODES}
         self.runs = base / "runs"
+        self.switched = False  # a script judged another tray than the healthy one since the last reset
         for path in (*self.roots.values(), self.runs):
             path.mkdir(parents=True, exist_ok=True)
         (base / "gw.toml").write_text("")  # the defaults, whatever /etc/gpuwarden holds on this host
@@ -77,6 +78,7 @@ exit $rc
             tmp.unlink()
         tmp.symlink_to(tray)
         os.replace(tmp, link)
+        self.switched |= tray != HEALTHY
 
     def count(self, mode: str, node: str) -> list[str]:
         path = self.runs / f"{mode}-{node}"
@@ -111,20 +113,17 @@ def wired(tmp_path_factory):
 
 @pytest.fixture
 def slurm(wired):
-    """The module's cluster as it started, before and after each test: every script judging the healthy tray (a
-    round completed after the switch, so no run judging the faulty one is left), no job, every node idle."""
+    """The module's cluster as it started, before each test: every script judging the healthy tray (after a switch
+    back, two rounds, so no run judging the faulty one is left), no job, every node idle with no reason."""
     cluster, wiring = wired
-
-    def reset():
+    if wiring.switched:
         for mode in MODES:
             for node in LIVE:
                 wiring.judge(mode, node, HEALTHY)
         wiring.rounds(*LIVE)
-        cluster.reset(deadline_s=DEADLINE_S)
-
-    reset()
-    yield cluster, wiring
-    reset()
+        wiring.switched = False
+    cluster.reset(deadline_s=DEADLINE_S)
+    return cluster, wiring
 
 
 def nodes(cluster) -> dict[str, tuple[str, str]]:
@@ -165,8 +164,8 @@ def test_slurm_health_check_drains_a_failing_node_with_a_readable_reason_and_res
     poll(lambda: nodes(cluster)["n2"] == ("drained", REASON), f"n2 drained by its health check with {REASON!r}")
     assert cluster.scontrol("show", "node", "n2", "-o").stdout.count(f"Reason={REASON} [root@") == 1
     # slurmd logs what the program printed, since it exited 1: the verdict and what was done.
-    poll(lambda: f"health_check failed: rc:1 output:gpuwarden slurm healthcheck n2: FAIL, xid 79 GPU2 0018:01:00.0 "
-                 f"and " in log_of(cluster, "slurmd-n2.log"), "slurmd's record of the failed health check")
+    poll(lambda: "health_check failed: rc:1 output:gpuwarden slurm healthcheck n2: FAIL, xid 79 GPU2 0018:01:00.0 "
+                 "and " in log_of(cluster, "slurmd-n2.log"), "slurmd's record of the failed health check")
     # More rounds: the drain is not sent again (its time, which the breaker reads, does not move), n1 stays in service.
     wiring.rounds("n1", "n2")
     assert reasons_set(cluster, "n2", REASON) == 1
@@ -225,7 +224,8 @@ def test_slurm_prolog_on_a_failing_node_drains_it_and_requeues_the_job(slurm):
     wiring.judge("prolog", "n3", FAULTY)  # a fault since the last health check, which still passes
     bad = sbatch(cluster, "n3")
     # Requeued (COMPLETING on n3 first, while its allocation is released), held for its owner.
-    poll(lambda: job(cluster, bad).get("JobState") == "PENDING", "the job on n3 requeued")
+    poll(lambda: (lambda j: j.get("JobState") == "PENDING" and j.get("Restarts") == "1")(job(cluster, bad)),
+         "the job on n3 requeued")
     state = job(cluster, bad)
     assert state["Reason"] == "launch_failed_requeued_held" and state["Restarts"] == "1", state
     assert reasons_set(cluster, "n3", REASON) == 1  # drained by the Prolog with gpuwarden's reason ...
