@@ -23,7 +23,7 @@ import structlog
 
 from . import config as config_mod
 from . import logs
-from .adapters.base import AdapterError, NodeView, Service
+from .adapters.base import AdapterError
 from .errors import GpuwardenError
 from .model import EXIT_FAULT, EXIT_PASS, EXIT_UNDECIDED, CheckResult, Report, Status
 
@@ -133,34 +133,44 @@ def _summary(report: Report) -> str:
     return ", ".join(parts)
 
 
-def _held_by_other(view: NodeView) -> bool:
-    """Out of service with someone else's reason (administrator, NHC, Slurm's own, the daemon's)."""
-    return bool(view.reason) and not view.reason.startswith(PREFLIGHT_REASON) and view.reason != SLURM_NOT_RESPONDING
+def look(adapter: Any, node: str) -> tuple[str, str]:
+    """(sinfo's long state, reason) of this node alone. Every node of a cluster runs this each HealthCheckInterval,
+    so it asks for one node (`sinfo -n` with a single name is a single-node RPC), not the whole node list the
+    adapter reads when it acts (`sinfo --json` ignores --nodes on 22.05)."""
+    out = adapter._run("sinfo", ["-h", "-N", "-n", node, "-o", "%T %E"], "this node's state")
+    line = out[:8192].partition("\n")[0].strip()
+    if not line:
+        raise GpuwardenError(f"{node}: slurmctld does not know this node (give --node, or check SLURMD_NODENAME)")
+    state, _, reason = line.partition(" ")
+    reason = reason.strip()
+    return state.lower(), "" if reason == "none" else reason
 
 
-def _ours_held(view: NodeView) -> bool:
-    return (bool(view.reason) and view.reason.startswith(PREFLIGHT_REASON)
-            and view.service in (Service.DRAINED, Service.CORDONED, Service.DOWN))
+def _held(state: str) -> bool:
+    """Out of service: drained, draining, down, failing (`drained*`: and not answering)."""
+    return any(word in state for word in ("drain", "down", "fail"))
 
 
 def act(adapter: Any, node: str, report: Report, on_unknown: str) -> tuple[int, str]:
-    """(exit code, what was done) for `report` on `node`, through the Slurm adapter."""
+    """(exit code, what was done) for `report` on `node`. Nothing is sent when nothing is to change; a drain or
+    resume goes through the Slurm adapter, which checks the node again before it writes."""
     code = report.exit_code
     if code == EXIT_UNDECIDED and on_unknown == "leave":
         return EXIT_UNDECIDED, "node left as it is (could not decide; --on-unknown leave)"
-    view = next((v for v in adapter.nodes() if v.name == node), None)
-    if view is None:
-        raise GpuwardenError(f"{node}: slurmctld does not know this node (give --node, or check SLURMD_NODENAME)")
+    state, reason = look(adapter, node)
+    ours = reason.startswith(PREFLIGHT_REASON)
     if code == EXIT_PASS:
-        if _ours_held(view):
+        if ours and _held(state):
             adapter.resume(node)
-            return EXIT_PASS, f"resumed (was: {view.reason})"
-        return EXIT_PASS, "nothing to do" + (f" (held by someone else: {view.reason}; left)" if view.reason else "")
-    reason = reason_for(report) if code == EXIT_FAULT else unknown_reason(report)
-    if _held_by_other(view):
-        return code, f"already held out by someone else ({view.reason}); left as it is"
-    adapter.drain(node, reason)
-    return code, f"drained: {reason}"
+            return EXIT_PASS, f"resumed (was: {reason})"
+        return EXIT_PASS, "nothing to do" + (f" (held by someone else: {reason}; left)" if reason else "")
+    text = reason_for(report) if code == EXIT_FAULT else unknown_reason(report)
+    if reason and not ours and reason != SLURM_NOT_RESPONDING:
+        return code, f"already held out by someone else ({reason}); left as it is"
+    if reason == text and "drain" in state:
+        return code, f"drained already: {text}"
+    adapter.drain(node, text)
+    return code, f"drained: {text}"
 
 
 def run(args: argparse.Namespace) -> int:
