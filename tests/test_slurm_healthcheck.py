@@ -91,6 +91,12 @@ exit $rc
              f"{more} more health-check runs on {', '.join(nodes)}")
 
 
+def example_conf() -> dict[str, str]:
+    """The settings of packaging/slurm/slurm.conf.example (its lines that are not comments)."""
+    lines = (ROOT / "packaging" / "slurm" / "slurm.conf.example").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
 @pytest.fixture(scope="module")
 def wired(tmp_path_factory):
     base = tmp_path_factory.mktemp("slurm-hc")
@@ -99,11 +105,14 @@ def wired(tmp_path_factory):
         for node in LIVE:
             wiring.judge(mode, node, HEALTHY)
     cluster = SlurmCluster(base / "cluster", live=LIVE, dead=())
+    example = example_conf()
+    # The example's lines, but the programs wrapped (this cluster, this checkout) and the interval short (seconds for
+    # a test; HealthCheckNodeState without CYCLE, so each node runs every interval).
     cluster.settings = {"HealthCheckProgram": str(wiring.script("healthcheck", cluster.conf)),
                         "HealthCheckInterval": str(INTERVAL_S), "HealthCheckNodeState": "ANY",
                         "Prolog": str(wiring.script("prolog", cluster.conf)),
                         "Epilog": str(wiring.script("epilog", cluster.conf)),
-                        "PrologFlags": "Alloc", "PrologEpilogTimeout": "60"}
+                        "PrologFlags": example["PrologFlags"], "PrologEpilogTimeout": example["PrologEpilogTimeout"]}
     try:
         cluster.start()
         yield cluster, wiring
@@ -247,3 +256,22 @@ def test_slurm_epilog_on_a_failing_node_drains_it(slurm):
     poll(lambda: job(cluster, done).get("JobState") == "COMPLETED", "the job to complete")
     assert "epilog failed: rc:1 output:gpuwarden slurm epilog n2: FAIL, xid 79" in log_of(cluster, "slurmd-n2.log")
     assert "reason set to: Epilog error" not in log_of(cluster, "slurmctld.log")
+
+
+def test_slurm_conf_example_names_the_shipped_scripts_with_timeouts_that_fit():
+    """packaging/slurm/slurm.conf.example: each program is a shipped script (installed in /usr/lib/gpuwarden/), and
+    its time limits leave the program's own budget room (slurmd's fixed 60 s for the health check)."""
+    from gpuwarden.agent.slurm_healthcheck import BUDGET_S, SCONTROL_TIMEOUT_S
+
+    conf = example_conf()
+    for key, mode in (("HealthCheckProgram", "healthcheck"), ("Prolog", "prolog"), ("Epilog", "epilog")):
+        assert conf[key] == f"/usr/lib/gpuwarden/slurm-{mode}"
+        script = ROOT / "packaging" / "slurm" / f"slurm-{mode}"
+        assert os.access(script, os.X_OK)
+        assert subprocess.run(["sh", "-n", str(script)], capture_output=True).returncode == 0
+        assert f" slurm {mode} " in script.read_text()
+    worst = {mode: budget + 3 * SCONTROL_TIMEOUT_S for mode, budget in BUDGET_S.items()}  # three Slurm calls
+    assert worst["healthcheck"] + 5 <= 60  # slurm.conf(5): killed if it does not end within 60 seconds
+    assert int(conf["HealthCheckInterval"]) > 60  # a run ends (or is killed) before the next starts
+    assert max(worst["prolog"], worst["epilog"]) + 5 <= int(conf["PrologEpilogTimeout"])
+    assert conf["PrologFlags"] == "Alloc" and conf["HealthCheckNodeState"] == "ANY,CYCLE"
