@@ -171,6 +171,17 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
     def wake_ctld(self) -> None:
         os.kill(self.procs["slurmctld"].pid, signal.SIGCONT)
 
+    def stop_slurmd(self, name: str) -> None:
+        """Stop one node's slurmd (slurmctld marks the node not responding after SlurmdTimeout)."""
+        proc = self.procs.pop(f"slurmd-{name}", None)
+        if proc is not None:
+            _end(proc)
+
+    def start_slurmd(self, name: str) -> None:
+        """Start one node's slurmd again; the caller waits for what it expects (with a HealthCheckProgram, slurmd
+        runs it once before it registers)."""
+        self._spawn(f"slurmd-{name}", [sys.executable, "-c", REAPER, "slurmd", "-D", "-N", name, "-f", str(self.conf)])
+
     def scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=60)
         if check and proc.returncode != 0:

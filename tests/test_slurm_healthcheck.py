@@ -151,9 +151,14 @@ def log_of(cluster, name: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def reasons_set(cluster, node: str, reason: str) -> int:
-    """How many times slurmctld set `reason` on `node` (its log line for each update)."""
-    return log_of(cluster, "slurmctld.log").count(f"update_node: node {node} reason set to: {reason}\n")
+def ctld_mark(cluster) -> int:
+    """Where slurmctld's log ends now: what a test reads from (the module's earlier tests wrote before it)."""
+    return len(log_of(cluster, "slurmctld.log"))
+
+
+def reasons_set(cluster, node: str, reason: str, since: int) -> int:
+    """How many times slurmctld set `reason` on `node` since `since` (its log line for each update)."""
+    return log_of(cluster, "slurmctld.log")[since:].count(f"update_node: node {node} reason set to: {reason}\n")
 
 
 def job(cluster, job_id: str) -> dict[str, str]:
@@ -169,6 +174,7 @@ def sbatch(cluster, node: str) -> str:
 
 def test_slurm_health_check_drains_a_failing_node_with_a_readable_reason_and_resumes_it_once_it_passes(slurm):
     cluster, wiring = slurm
+    mark = ctld_mark(cluster)
     wiring.judge("healthcheck", "n2", FAULTY)
     poll(lambda: nodes(cluster)["n2"] == ("drained", REASON), f"n2 drained by its health check with {REASON!r}")
     assert cluster.scontrol("show", "node", "n2", "-o").stdout.count(f"Reason={REASON} [root@") == 1
@@ -177,7 +183,7 @@ def test_slurm_health_check_drains_a_failing_node_with_a_readable_reason_and_res
                  "and " in log_of(cluster, "slurmd-n2.log"), "slurmd's record of the failed health check")
     # More rounds: the drain is not sent again (its time, which the breaker reads, does not move), n1 stays in service.
     wiring.rounds("n1", "n2")
-    assert reasons_set(cluster, "n2", REASON) == 1
+    assert reasons_set(cluster, "n2", REASON, mark) == 1
     assert set(wiring.count("healthcheck", "n1")) == {"0"}
     assert nodes(cluster)["n1"] == ("idle", "")
 
@@ -188,6 +194,7 @@ def test_slurm_health_check_drains_a_failing_node_with_a_readable_reason_and_res
 
 def test_slurm_health_check_never_resumes_nor_rewrites_another_drain(slurm):
     cluster, wiring = slurm
+    mark = ctld_mark(cluster)
     admin, nhc, daemon = "admin: bad fan", "NHC: check_fs_mount: /scratch not mounted", \
         "gpuwarden: xid 79 GPU0 0008:01:00.0"
     cluster.scontrol("update", "NodeName=n1", "State=DRAIN", f"Reason={admin}")  # healthy tray: passes
@@ -197,12 +204,13 @@ def test_slurm_health_check_never_resumes_nor_rewrites_another_drain(slurm):
     wiring.rounds(*LIVE)
     assert nodes(cluster) == {"n1": ("drained", admin), "n2": ("drained", daemon), "n3": ("drained", nhc)}
     assert set(wiring.count("healthcheck", "n3")[-2:]) == {"1"}  # it did judge n3 as failing
-    assert reasons_set(cluster, "n3", REASON) == 0
+    assert reasons_set(cluster, "n3", REASON, mark) == 0
     assert "held out by someone else (NHC: check_fs_mount" in log_of(cluster, "slurmd-n3.log")
 
 
 def test_slurm_could_not_look_leaves_the_node_by_default_or_drains_it_as_configured(slurm, tmp_path):
     cluster, wiring = slurm
+    mark = ctld_mark(cluster)
     blind = tmp_path / "blind"  # the healthy tray whose NVML cannot be read: the NVML checks are UNKNOWN
     subprocess.run(["cp", "-r", str(HEALTHY), str(blind)], check=True)
     (blind / "nvml.json").unlink()
@@ -219,14 +227,15 @@ def test_slurm_could_not_look_leaves_the_node_by_default_or_drains_it_as_configu
                              timeout=120)
     assert drained.returncode == 2, drained.stdout + drained.stderr
     set_to = re.search(r"update_node: node n1 reason set to: (gpuwarden: preflight: unknown: [^\n]*)\n",
-                       log_of(cluster, "slurmctld.log"))
-    assert set_to and " ecc " in f" {set_to.group(1)} ", log_of(cluster, "slurmctld.log")[-2000:]
+                       log_of(cluster, "slurmctld.log")[mark:])
+    assert set_to and " ecc " in f" {set_to.group(1)} ", log_of(cluster, "slurmctld.log")[mark:]
     # n1's own health check judges a readable tray: it resumes the drain, which is the preflight's.
     poll(lambda: nodes(cluster)["n1"] == ("idle", ""), "n1 resumed by its passing health check")
 
 
 def test_slurm_prolog_on_a_failing_node_drains_it_and_requeues_the_job(slurm):
     cluster, wiring = slurm
+    mark = ctld_mark(cluster)
     ok = sbatch(cluster, "n1")  # a healthy node's Prolog passes: the job runs
     poll(lambda: job(cluster, ok).get("JobState") == "COMPLETED", "the job on n1 to complete")
 
@@ -237,8 +246,8 @@ def test_slurm_prolog_on_a_failing_node_drains_it_and_requeues_the_job(slurm):
          "the job on n3 requeued")
     state = job(cluster, bad)
     assert state["Reason"] == "launch_failed_requeued_held" and state["Restarts"] == "1", state
-    assert reasons_set(cluster, "n3", REASON) == 1  # drained by the Prolog with gpuwarden's reason ...
-    ctld = log_of(cluster, "slurmctld.log")
+    assert reasons_set(cluster, "n3", REASON, mark) == 1  # drained by the Prolog with gpuwarden's reason ...
+    ctld = log_of(cluster, "slurmctld.log")[mark:]
     assert ctld.index(f"update_node: node n3 reason set to: {REASON}") < ctld.index(f"Requeuing JobId={bad}")
     assert "reason set to: Prolog error" not in ctld  # ... which Slurm kept (a drained node is not drained again)
     assert f"[job {bad}] prolog failed status=1:0" in log_of(cluster, "slurmd-n3.log")
@@ -250,12 +259,13 @@ def test_slurm_prolog_on_a_failing_node_drains_it_and_requeues_the_job(slurm):
 
 def test_slurm_epilog_on_a_failing_node_drains_it(slurm):
     cluster, wiring = slurm
+    mark = ctld_mark(cluster)
     wiring.judge("epilog", "n2", FAULTY)  # the fault appears while the job runs
     done = sbatch(cluster, "n2")
-    poll(lambda: reasons_set(cluster, "n2", REASON) == 1, "n2 drained by its Epilog")
+    poll(lambda: reasons_set(cluster, "n2", REASON, mark) == 1, "n2 drained by its Epilog")
     poll(lambda: job(cluster, done).get("JobState") == "COMPLETED", "the job to complete")
     assert "epilog failed: rc:1 output:gpuwarden slurm epilog n2: FAIL, xid 79" in log_of(cluster, "slurmd-n2.log")
-    assert "reason set to: Epilog error" not in log_of(cluster, "slurmctld.log")
+    assert "reason set to: Epilog error" not in log_of(cluster, "slurmctld.log")[mark:]
 
 
 def test_slurm_conf_example_names_the_shipped_scripts_with_timeouts_that_fit():
@@ -275,3 +285,76 @@ def test_slurm_conf_example_names_the_shipped_scripts_with_timeouts_that_fit():
     assert int(conf["HealthCheckInterval"]) > 60  # a run ends (or is killed) before the next starts
     assert max(worst["prolog"], worst["epilog"]) + 5 <= int(conf["PrologEpilogTimeout"])
     assert conf["PrologFlags"] == "Alloc" and conf["HealthCheckNodeState"] == "ANY,CYCLE"
+
+
+# -- without a cluster: the name, the reason ------------------------------------------------------------------------
+def _config(tmp_path: Path, text: str = ""):
+    from gpuwarden.agent import config as config_mod
+    from gpuwarden.checks import all_specs
+
+    path = tmp_path / "gw.toml"
+    path.write_text(text)
+    return config_mod.load(all_specs(), path, explicit=True)
+
+
+def test_slurm_node_name_is_the_flag_then_slurmd_s_then_the_config_then_the_hostname(tmp_path):
+    import socket
+
+    from gpuwarden.agent.errors import GpuwardenError
+    from gpuwarden.agent.slurm_healthcheck import node_name
+
+    named = _config(tmp_path, '[remediation]\nnode_name = "gb200-r07-t03"\n')
+    assert node_name("n1", named, {"SLURMD_NODENAME": "n2"}) == "n1"
+    assert node_name(None, named, {"SLURMD_NODENAME": "n2"}) == "n2"
+    assert node_name(None, named, {}) == "gb200-r07-t03"
+    assert node_name(None, _config(tmp_path), {}) == socket.gethostname().split(".", 1)[0]
+    # A hostlist or an option would make scontrol act on other nodes, or on none: refused before anything runs.
+    for bad in ("n[1-9]", "n1,n2", "-x", "n1 n2", "x" * 65, "n1\nNodeName=n2", "nœ"):
+        with pytest.raises(GpuwardenError, match="not a single Slurm node name"):
+            node_name(None, named, {"SLURMD_NODENAME": bad})
+
+
+def test_slurm_reason_is_the_worst_finding_readable_and_bounded(tmp_path):
+    from gpuwarden.agent.cli import _node
+    from gpuwarden.agent.model import Action, CheckResult, Entity, Finding, Report, Status
+    from gpuwarden.agent.runner import run_checks
+    from gpuwarden.agent.slurm_healthcheck import reason_for, unknown_reason
+    from gpuwarden.checks import ALL
+
+    quick = [s for s in ALL if s.level == "quick"]
+    cfg = _config(tmp_path)
+    faulty = Report("n1", tuple(run_checks(_node(FAULTY), quick, cfg, None, budget_s=60)))
+    assert faulty.exit_code == 1 and reason_for(faulty) == REASON
+
+    blind = tmp_path / "blind"
+    subprocess.run(["cp", "-r", str(HEALTHY), str(blind)], check=True)
+    (blind / "nvml.json").unlink()
+    unknown = Report("n1", tuple(run_checks(_node(blind), quick, cfg, None, budget_s=60)))
+    assert unknown.exit_code == 2
+    assert unknown_reason(unknown).startswith("gpuwarden: preflight: unknown: ")
+    assert set(unknown_reason(unknown).split(": ")[-1].split()) == {
+        r.check for r in unknown.results if r.status is Status.UNKNOWN}
+
+    # An entity id from a device or a log is not trusted: quotes, newlines and length are taken out.
+    hostile = Finding("ib_port", "ib-port-down", Entity("ib_port", "mlx5_0/1\" State=RESUME\n" + "x" * 500),
+                      Status.FAIL, "down", Action.DRAIN)
+    text = reason_for(Report("n1", (CheckResult("ib_port", Status.FAIL, (hostile,)),)))
+    assert text.startswith("gpuwarden: preflight: ib_port ib-port-down ib_port mlx5_0/1 State=RESUME x")
+    assert len(text) <= 200 and all(c.isprintable() and c not in "\"'\\`\n" for c in text)
+
+
+def test_slurm_a_node_whose_slurmd_starts_on_a_fault_registers_drained(slurm):
+    """slurmd runs the health check once when it starts, before it registers (22.05.8 waits for it, up to its 60 s
+    limit): a node that comes up with a fault joins drained, with the readable reason, before any job reaches it."""
+    cluster, wiring = slurm
+    mark = ctld_mark(cluster)
+    cluster.stop_slurmd("n3")
+    wiring.judge("healthcheck", "n3", FAULTY)
+    cluster.start_slurmd("n3")
+    poll(lambda: nodes(cluster)["n3"] == ("drained", REASON), "n3 registered, drained by its start-up health check")
+    assert reasons_set(cluster, "n3", REASON, mark) == 1
+    # slurmd's log: started, the health check's verdict, then the node's configuration it registers with.
+    slurmd = log_of(cluster, "slurmd-n3.log")
+    since = slurmd[slurmd.rindex("slurmd started on"):]
+    verdict = since.index("health_check failed: rc:1 output:gpuwarden slurm healthcheck n3: FAIL, xid 79")
+    assert verdict < since.index(" CPUs=1 Boards=1 ")
