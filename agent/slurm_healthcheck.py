@@ -23,7 +23,7 @@ import structlog
 
 from . import config as config_mod
 from . import logs
-from .adapters.base import AdapterError
+from .adapters.base import AdapterError, Refused
 from .errors import GpuwardenError
 from .model import EXIT_FAULT, EXIT_PASS, EXIT_UNDECIDED, CheckResult, Report, Status
 
@@ -140,7 +140,7 @@ def look(adapter: Any, node: str) -> tuple[str, str]:
     out = adapter._run("sinfo", ["-h", "-N", "-n", node, "-o", "%T %E"], "this node's state")
     line = out[:8192].partition("\n")[0].strip()
     if not line:
-        raise GpuwardenError(f"{node}: slurmctld does not know this node (give --node, or check SLURMD_NODENAME)")
+        raise Refused(f"{node}: slurmctld does not know this node (give --node, or check SLURMD_NODENAME)")
     state, _, reason = line.partition(" ")
     reason = reason.strip()
     return state.lower(), "" if reason == "none" else reason
@@ -214,9 +214,9 @@ def run(args: argparse.Namespace) -> int:
         # or slurmctld could not be reached after a pass).
         code = EXIT_FAULT if done.startswith("drained") else EXIT_PASS
     line = f"gpuwarden slurm {args.mode} {node}: {_summary(report)}; {done}"
-    # stdout: slurmd logs it when the program exits non-zero (`health_check failed: rc:1 output:...`).
+    # One line on stdout, the record: slurmd logs it when the program exits non-zero (`health_check failed: rc:1
+    # output:...`); the same again in the log would only repeat it there.
     print(line, flush=True)
-    (log.warning if code else log.info)("slurm " + args.mode, node=node, status=report.status.value, exit_code=code,
-                                        done=done)
+    log.debug("slurm " + args.mode, node=node, status=report.status.value, exit_code=code, done=done)
     return code
 
