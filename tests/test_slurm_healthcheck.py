@@ -347,14 +347,15 @@ def test_slurm_a_node_whose_slurmd_starts_on_a_fault_registers_drained(slurm):
     """slurmd runs the health check once when it starts, before it registers (22.05.8 waits for it, up to its 60 s
     limit): a node that comes up with a fault joins drained, with the readable reason, before any job reaches it."""
     cluster, wiring = slurm
-    mark = ctld_mark(cluster)
     cluster.stop_slurmd("n3")
+    poll(lambda: nodes(cluster)["n3"][0].endswith("*"), "slurmctld to mark n3 not responding")
+    mark = ctld_mark(cluster)
     wiring.judge("healthcheck", "n3", FAULTY)
     cluster.start_slurmd("n3")
     poll(lambda: nodes(cluster)["n3"] == ("drained", REASON), "n3 registered, drained by its start-up health check")
-    assert reasons_set(cluster, "n3", REASON, mark) == 1
-    # slurmd's log: started, the health check's verdict, then the node's configuration it registers with.
+    ctld = log_of(cluster, "slurmctld.log")[mark:]
+    assert ctld.count(f"update_node: node n3 reason set to: {REASON}\n") == 1
+    assert ctld.index(f"update_node: node n3 reason set to: {REASON}") < ctld.index("Node n3 now responding")
     slurmd = log_of(cluster, "slurmd-n3.log")
-    since = slurmd[slurmd.rindex("slurmd started on"):]
-    verdict = since.index("health_check failed: rc:1 output:gpuwarden slurm healthcheck n3: FAIL, xid 79")
-    assert verdict < since.index(" CPUs=1 Boards=1 ")
+    assert "health_check failed: rc:1 output:gpuwarden slurm healthcheck n3: FAIL, xid 79" in \
+        slurmd[slurmd.rindex("slurmd started on"):]
