@@ -231,6 +231,10 @@ def _parser() -> argparse.ArgumentParser:
                                "interval, or kmsg for the followed kernel log), what it looks at, and its config "
                                "table [checks.NAME] with each key's default.")
 
+    from . import slurm_healthcheck
+
+    slurm_healthcheck.add_parser(sub)
+
     return p
 
 
@@ -402,10 +406,17 @@ def cmd_checks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from .slurm_healthcheck import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
-               "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology}
+               "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology,
+               "slurm": cmd_slurm}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

@@ -22,6 +22,9 @@ import pytest
 
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "sbatch", "scancel")
 PACKAGES = "munge slurmctld slurmd slurm-client"
+# The slurm.conf settings a test may add (SlurmCluster.settings): the node health check and job prolog/epilog wiring.
+SETTINGS = ("HealthCheckProgram", "HealthCheckInterval", "HealthCheckNodeState", "Prolog", "Epilog", "PrologFlags",
+            "PrologEpilogTimeout", "SchedulerParameters")
 START_DEADLINE_S = 120.0  # two loaded cores: slurmctld and a few slurmd take seconds each to come up
 
 
@@ -54,6 +57,8 @@ class SlurmCluster:
     ctld_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # More slurm.conf lines, one of SETTINGS each (HealthCheckProgram=/path ...): what a test wires into Slurm itself.
+    settings: dict[str, str] = field(default_factory=dict)
 
     @property
     def conf(self) -> Path:
@@ -74,6 +79,10 @@ class SlurmCluster:
         nodes = "\n".join(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=1 "
                           f"RealMemory=100 Features=gb200 State=UNKNOWN" for name, port in self.node_ports.items())
         all_nodes = ",".join(self.node_ports)
+        unknown = sorted(set(self.settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"slurm.conf settings {unknown}: not among {SETTINGS}")
+        extra = "".join(f"{key}={value}\n" for key, value in self.settings.items())
         b = self.base
         self.conf.write_text(f"""\
 ClusterName=gwtest
@@ -109,7 +118,7 @@ MessageTimeout=5
 InactiveLimit=0
 KillWait=2
 MinJobAge=10
-{nodes}
+{extra}{nodes}
 PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -161,6 +170,17 @@ PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
 
     def wake_ctld(self) -> None:
         os.kill(self.procs["slurmctld"].pid, signal.SIGCONT)
+
+    def stop_slurmd(self, name: str) -> None:
+        """Stop one node's slurmd (slurmctld marks the node not responding after SlurmdTimeout)."""
+        proc = self.procs.pop(f"slurmd-{name}", None)
+        if proc is not None:
+            _end(proc)
+
+    def start_slurmd(self, name: str) -> None:
+        """Start one node's slurmd again; the caller waits for what it expects (with a HealthCheckProgram, slurmd
+        runs it once before it registers)."""
+        self._spawn(f"slurmd-{name}", [sys.executable, "-c", REAPER, "slurmd", "-D", "-N", name, "-f", str(self.conf)])
 
     def scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=60)
