@@ -126,6 +126,22 @@ def edit_nvml(root: Path, change) -> None:
     os.utime(path, ns=(stamp, stamp))
 
 
+def end_processes(*procs, grace_s: float = 20.0) -> None:
+    """SIGTERM to each process still running, then SIGKILL to any that has not exited `grace_s` later: a test's
+    servers and agents never outlive it."""
+    import subprocess
+
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for p in live:
+        p.terminate()
+    for p in live:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
 def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
     """Polls `predicate` until it is truthy (and returns its value), else fails naming `what`."""
     import time

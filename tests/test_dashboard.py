@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, end_processes, wait_for
 from exported_series import TARGET_LABELS, exported, labels_of, references, values_of
 from test_alert_rules import ENUM_LABELS, RULES, recorded
 
@@ -169,14 +169,7 @@ def prometheus(tmp_path_factory):
                  timeout_s=90, what="Prometheus to scrape both agents")
         yield api
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        end_processes(*reversed(procs))
 
 
 def _has(api: str, expr: str) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NODES, ROOT
+from conftest import NODES, ROOT, end_processes
 
 pytestmark = pytest.mark.slow
 
@@ -263,13 +263,7 @@ def test_a_new_user_gets_the_installed_agent_running_under_systemd_and_scraped_b
             assert systemd.show("gpuwarden.service", "NRestarts")["NRestarts"] == "0", \
                 systemd.output("gpuwarden.service")[-3000:]
     finally:
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        end_processes(*procs)
         conf.write_text(shipped)
 
 

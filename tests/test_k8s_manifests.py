@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, end_processes, wait_for
 from fake_kube_api import FakeKubeApi, request_attributes
 
 pytest.importorskip("lightkube")
@@ -496,13 +496,7 @@ def test_the_agent_started_as_the_daemonset_starts_it_acts_on_the_downward_apis_
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe}", timeout=30) as answer:
                 assert answer.status == 200 and b"gpuwarden_" in answer.read()
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        end_processes(proc, grace_s=30)
         api.stop()
     assert api.node_obj("k8s-node-17")["metadata"]["labels"]["gpuwarden.io/nvlink-domain"] == DOMAIN
     assert all(r["code"] != 403 for r in api.requests)

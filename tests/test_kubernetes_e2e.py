@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, end_processes, wait_for
 from fake_kube_api import FakeKubeApi
 from gpuwarden.agent.adapters import kubernetes as k8s
 
@@ -95,13 +95,7 @@ class Agent:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_processes(self.proc, grace_s=30)
         if self.proc is not None:
             self.log.close()
         self.proc = None

@@ -151,7 +151,8 @@ def test_reload_reaches_the_agent(manager):
 
 
 def test_watchdog_restarts_a_stalled_agent(manager):
-    state, _port = _run_daemon(manager, "--root", str(NODES / "h100-hgx-healthy"), extra="WatchdogSec=2\nRestartSec=100ms\n")
+    state, _port = _run_daemon(manager, "--root", str(NODES / "h100-hgx-healthy"),
+                               extra="WatchdogSec=2\nRestartSec=100ms\n")
     first_pid, restarts = state["MainPID"], int(state["NRestarts"])
     manager.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", DAEMON)
     after = manager.wait_for(DAEMON, lambda s: int(s["NRestarts"]) > restarts and s["ActiveState"] == "active"
