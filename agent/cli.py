@@ -1,6 +1,6 @@
 """The `gpuwarden` command.
 
-Exit codes of `preflight` and `analyze` (usable as Slurm HealthCheckProgram / Prolog):
+Exit codes of `preflight` and `analyze` (for Slurm's HealthCheckProgram / Prolog / Epilog: `gpuwarden slurm`):
   0  every check passed, or only warned
   1  a fault that needs action (at least one FAIL)
   2  could not decide: a check could not look (UNKNOWN), or the command itself was wrong (bad config, bad
@@ -86,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     pre = sub.add_parser(
         "preflight", help="run the health checks once and print a verdict", formatter_class=raw,
         description="Run the health checks once, on this machine or on a recorded node (--root), and print a verdict: "
-                    "a table, or JSON with --json. The exit code says what to do with the node, so the command serves "
-                    "as a Slurm HealthCheckProgram, Prolog or Epilog. A check that cannot look is UNKNOWN, never OK.",
+                    "a table, or JSON with --json. The exit code says what to do with the node (for Slurm's health "
+                    "check, Prolog and Epilog, which also drain the node: gpuwarden slurm). A check that cannot look "
+                    "is UNKNOWN, never OK.",
         epilog="examples:\n"
                "  gpuwarden preflight\n"
                "  gpuwarden preflight --level full --budget 900\n"
@@ -233,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from . import slurm_healthcheck
 
-    slurm_healthcheck.add_parser(sub)
+    slurm_healthcheck.add_parser(sub, raw, _CONFIG_HELP, _log_flags)
 
     return p
 

@@ -157,7 +157,7 @@ def fold_status(findings: Iterable[Finding]) -> Status:
     return max((f.status for f in findings), key=lambda s: s.rank, default=Status.OK)
 
 
-# Exit codes of `preflight` and `analyze`, usable as Slurm HealthCheckProgram / Prolog.
+# Exit codes of `preflight` and `analyze` (Slurm's health check and Prolog go through `gpuwarden slurm`).
 EXIT_PASS = 0  # every check passed or only warned
 EXIT_FAULT = 1  # a fault that needs action (any FAIL)
 EXIT_UNDECIDED = 2  # no fault found, but something could not be judged (any UNKNOWN)

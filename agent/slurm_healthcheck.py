@@ -42,19 +42,32 @@ MAX_NAME = 64
 SLURM_NOT_RESPONDING = "Not responding"
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("slurm", help="run the quick preflight as Slurm's HealthCheckProgram, Prolog or Epilog, and "
-                                     "drain or resume this node in Slurm",
-                       description="Run the quick preflight within a budget that fits Slurm's limits and act on "
-                                   "this node's Slurm state: a FAIL drains it with a 'gpuwarden: preflight: ...' "
-                                   "reason, a pass resumes it only when that reason is gpuwarden's preflight's.",
-                       epilog="exit codes: 0 pass, 1 FAIL (Prolog/Epilog: Slurm requeues the job and keeps the node "
-                              "drained), 2 could not decide or could not reach slurmctld (health check only)")
+def add_parser(sub: Any, formatter_class: Any, config_help: str, log_flags: Any) -> None:
+    """`gpuwarden slurm MODE`, with the CLI's help formatter, config help and log flags."""
+    p = sub.add_parser(
+        "slurm", formatter_class=formatter_class,
+        help="run the quick preflight as Slurm's HealthCheckProgram, Prolog or Epilog, and drain or resume this node "
+             "in Slurm",
+        description="Run the quick preflight within a budget that fits Slurm's limits and act on this node's Slurm "
+                    "state: a FAIL drains it with a 'gpuwarden: preflight: ...' reason, a pass resumes it only when "
+                    "that reason is gpuwarden's preflight's (never an administrator's, NHC's or the daemon's drain). "
+                    "Slurm ignores a health check's exit code, so this command drains the node itself.",
+        epilog="slurm.conf (the scripts set PATH, which slurmd does not;\n"
+               "docs: /usr/share/doc/gpuwarden/docs/slurm.md):\n"
+               "  HealthCheckProgram=/usr/lib/gpuwarden/slurm-healthcheck\n"
+               "  Prolog=/usr/lib/gpuwarden/slurm-prolog\n"
+               "  Epilog=/usr/lib/gpuwarden/slurm-epilog\n\n"
+               "exit codes:\n"
+               "  0  pass (or, for a Prolog/Epilog, could not decide: any other exit makes Slurm drain with "
+               "'Prolog error')\n"
+               "  1  FAIL: the node is drained (Prolog/Epilog: Slurm requeues the job and keeps our reason)\n"
+               "  2  health check only: could not decide, or could not reach slurmctld")
     p.add_argument("mode", choices=("healthcheck", "prolog", "epilog"),
                    help="healthcheck: HealthCheckProgram (budget 35 s of Slurm's 60 s); prolog / epilog: Prolog / "
                         "Epilog (budget 8 s)")
-    p.add_argument("--node", help="this node's Slurm name (default: SLURMD_NODENAME, which slurmd sets, else "
-                                  "[remediation] node_name, else the short hostname)")
+    p.add_argument("--node", metavar="NAME",
+                   help="this node's Slurm name (default: SLURMD_NODENAME, which slurmd sets, else [remediation] "
+                        "node_name, else the short hostname)")
     p.add_argument("--on-unknown", choices=("leave", "drain"), default="leave",
                    help="when a check could not look: leave the node as it is and say why (default), or drain it "
                         "with 'gpuwarden: preflight: unknown: <checks>'")
@@ -63,11 +76,11 @@ def add_parser(sub: Any) -> None:
                    help="run only these checks (default: the quick level)")
     p.add_argument("--scontrol-timeout", type=float, default=SCONTROL_TIMEOUT_S, metavar="SECONDS",
                    help=f"each sinfo/scontrol call is ended after this (default {SCONTROL_TIMEOUT_S:g})")
-    p.add_argument("--root", type=Path, help="judge a recorded node (scenario folder) instead of this machine")
-    p.add_argument("--config", type=Path, help="TOML config (default /etc/gpuwarden/gpuwarden.toml if present); "
-                                               "[remediation.slurm] names scontrol, sinfo, slurm_conf")
-    p.add_argument("--log-format", choices=("auto", "json", "console"), help="log format (default: auto)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default: info)")
+    p.add_argument("--root", type=Path, metavar="DIR",
+                   help="judge a recorded node (scenario folder) instead of this machine")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help=config_help + "; [remediation.slurm] names scontrol, sinfo, slurm_conf")
+    log_flags(p)
 
 
 def node_name(explicit: str | None, cfg: Any, environ: dict[str, str] | None = None) -> str:
