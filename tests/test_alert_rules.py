@@ -149,6 +149,14 @@ def test_each_alert_names_the_node_and_what_to_do():
                 assert f"$labels.{part}" in text, (name, part)
 
 
+def test_the_readmes_operate_section_the_alerts_link_to_names_real_alerts():
+    readme = (ROOT / "README.md").read_text()
+    assert "\n## Operate\n" in readme  # the anchor README.md#operate of every alert's runbook_url
+    operate = readme.split("\n## Operate\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"\bGpuwarden[A-Z][A-Za-z]+", operate)) - {"GpuwardenHealthy"}  # the node condition
+    assert named and named <= set(alerts()), named - set(alerts())
+
+
 def test_the_scrape_example_is_valid_and_names_the_instance_after_the_node():
     out = promtool("check", "config", "prometheus-scrape.yml")
     assert out.returncode == 0, out.stdout + out.stderr
