@@ -34,6 +34,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def poll(predicate, what: str, timeout_s: float = 120.0, every_s: float = 0.3):
+    """`predicate` until it is truthy (its value is returned), else fail naming `what`. Each look may run Slurm's
+    tools, so not too often; the default deadline is generous (two loaded cores, slurmctld, several agents) and
+    never a measurement."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every_s)
+
+
 def _free_ports(count: int) -> list[int]:
     """`count` distinct free ports on 127.0.0.1 (held open together, so no two are the same)."""
     socks = []

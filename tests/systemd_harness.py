@@ -115,8 +115,12 @@ def _cgroup_parent() -> tuple[Path, list[Path]]:
 class PrivateSystemd:
     """One private systemd; use as a context manager (or `start()` / `stop()`)."""
 
-    def __init__(self, boot_timeout: float = 60.0):
+    def __init__(self, boot_timeout: float = 60.0, keep: tuple[str | Path, ...] = ()):
+        """`keep`: host folders the units must still see where the namespace lays a tmpfs over their parent (a
+        checkout or a virtual environment under /tmp or /var/lib); each is bound back in at its own path."""
         self.boot_timeout = boot_timeout
+        hidden = sorted({Path(p).resolve() for p in keep if Path(p).resolve().parts[1:2] in (("tmp",), ("var",))})
+        self.keep = [str(p) for p in hidden if not any(p != q and p.is_relative_to(q) for q in hidden)]
         self.pid: int | None = None  # PID 1 of the namespace, as the host sees it
         self._unshare: subprocess.Popen | None = None
         self._work = Path(tempfile.mkdtemp(prefix="gpuwarden-systemd-"))
@@ -146,7 +150,8 @@ class PrivateSystemd:
         cgroup_procs = " ".join(shlex.quote(str(c / "cgroup.procs")) for c in self._cgroups)
         self._unshare = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount", "--mount-proc", "--uts",
-             "--propagation", "private", "sh", str(script), cgroup_procs, BOOT_TARGET, LOG_DIR, *self.masked],
+             "--propagation", "private", "sh", str(script), cgroup_procs, BOOT_TARGET, LOG_DIR, "\n".join(self.keep),
+             *self.masked],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_die_with_parent)
         log.close()
@@ -358,10 +363,22 @@ def _remove_cgroup(cg: Path) -> None:
 _BOOT_SCRIPT = r"""
 set -eu
 for procs in $1; do echo $$ > "$procs"; done
-target=$2; logs=$3; shift 3
+target=$2; logs=$3; keep=$4; shift 4
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
+# The folders to keep (one per line) are bound aside before the tmpfs mounts hide them, then bound back in place.
+mkdir -p /run/gpuwarden-harness/keep
+n=0
+printf '%s\n' "$keep" | while IFS= read -r path; do
+    [ -n "$path" ] || continue
+    n=$((n + 1)); mkdir -p "/run/gpuwarden-harness/keep/$n"; mount --bind "$path" "/run/gpuwarden-harness/keep/$n"
+done
 for d in /tmp /var/tmp; do mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$d"; done
 for d in /var/log /var/lib; do mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$d"; done
+n=0
+printf '%s\n' "$keep" | while IFS= read -r path; do
+    [ -n "$path" ] || continue
+    n=$((n + 1)); mkdir -p "$path"; mount --move "/run/gpuwarden-harness/keep/$n" "$path"
+done
 for p in /proc/sys /proc/sysrq-trigger; do
     [ -e "$p" ] || continue
     mount --bind "$p" "$p"; mount -o remount,bind,ro "$p"

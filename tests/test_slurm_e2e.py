@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 from conftest import NODES, ROOT
 from gpuwarden.agent.adapters.slurm import SlurmAdapter
-from slurm_cluster import free_port, slurm_cluster  # noqa: F401  (the fixture)
+from slurm_cluster import free_port, poll, slurm_cluster  # noqa: F401  (the fixture)
 
 LIVE = ("n1", "n2", "n3", "n4", "n5", "n6")
 RACK = {"n1": "rackA", "n2": "rackA", "n3": "rackA", "n4": "rackB", "n5": "rackB", "n6": "rackB"}
@@ -33,18 +32,6 @@ QUIET = "6,{seq},{usec},-;systemd[1]: Started Session {seq} of user root."
 REASON79 = "gpuwarden: xid 79 GPU0 0008:01:00.0"  # the recorded tray's GPU 0 is at 0008:01:00.0
 QUARANTINE79 = "gpuwarden: quarantine: xid 79 GPU0 0008:01:00.0"
 DEADLINE_S = 120.0  # two loaded cores, several agents and slurmctld: generous, and never a measurement
-
-
-def poll(predicate, what: str, timeout_s: float = DEADLINE_S, every_s: float = 0.3):
-    """`predicate` until it is truthy (its value is returned); each look may run Slurm's tools, so not too often."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every_s)
 
 
 # -- the scheduler's side ------------------------------------------------------------------------------------------

@@ -10,13 +10,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import NODES, ROOT
-from slurm_cluster import SlurmCluster
+from slurm_cluster import SlurmCluster, poll
 
 LIVE = ("n1", "n2", "n3")
 MODES = ("healthcheck", "prolog", "epilog")
@@ -25,17 +24,6 @@ HEALTHY, FAULTY = NODES / "gb200-nvl72-healthy", NODES / "gb200-nvl72-faulty"
 REASON = "gpuwarden: preflight: xid 79 GPU2 0018:01:00.0"
 DEADLINE_S = 120.0  # two loaded cores: generous, and never a measurement
 INTERVAL_S = 3  # HealthCheckInterval: short, so a test waits seconds for a round (slurmctld checks it each second)
-
-
-def poll(predicate, what: str, timeout_s: float = DEADLINE_S, every_s: float = 0.3):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every_s)
 
 
 class Wiring:

@@ -34,11 +34,12 @@ def _interpreter_visible() -> str:
     /usr/bin/python3 and /opt/venvs would be seen. Home stays hidden (tmpfs); only these folders are bound in,
     read-only."""
     homes = ("/root", "/home", "/run/user")
-    hidden = sorted({p for p in (Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT.resolve())
-                     if any(p.is_relative_to(h) for h in homes)})
-    if not hidden:
-        return ""
-    return "ProtectHome=tmpfs\n" + "".join(f"BindReadOnlyPaths={p}\n" for p in hidden)
+    ours = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), ROOT.resolve()}
+    in_home = sorted(p for p in ours if any(p.is_relative_to(h) for h in homes))
+    # PrivateTmp= gives the unit a /tmp of its own: a checkout under /tmp (a CI clone) is bound in too.
+    in_tmp = sorted(p for p in ours if p.is_relative_to("/tmp") or p.is_relative_to("/var/tmp"))
+    lines = "ProtectHome=tmpfs\n" if in_home else ""
+    return lines + "".join(f"BindReadOnlyPaths={p}\n" for p in [*in_home, *in_tmp])
 
 
 def _free_port() -> int:
@@ -51,7 +52,9 @@ def _free_port() -> int:
 def manager():
     if not PROGRAM.exists():
         pytest.skip(f"{PROGRAM} not installed (pip install -e . in this interpreter's environment)")
-    with systemd_harness.PrivateSystemd() as m:
+    # A checkout or virtual environment under /tmp (a CI clone) stays visible: the namespace's /tmp is a tmpfs.
+    keep = (ROOT, sys.prefix, sys.base_prefix)
+    with systemd_harness.PrivateSystemd(keep=keep) as m:
         for name in ("gpuwarden.slice", DAEMON, PREFLIGHT):
             m.install_unit(ROOT / "systemd" / name, reload=False)
         m.install_unit("[Unit]\nDescription=stand-in for the scheduler's node daemon\n\n"
