@@ -5,6 +5,7 @@ healthy one.
 
 Only ExecStart is changed (through drop-ins), to this checkout's program and a recorded node; every other line,
 the hardening included, is the unit as shipped."""
+import contextlib
 import shutil
 import socket
 import sys
@@ -54,7 +55,14 @@ def manager():
         pytest.skip(f"{PROGRAM} not installed (pip install -e . in this interpreter's environment)")
     # A checkout or virtual environment under /tmp (a CI clone) stays visible: the namespace's /tmp is a tmpfs.
     keep = (ROOT, sys.prefix, sys.base_prefix)
-    with systemd_harness.PrivateSystemd(keep=keep) as m:
+    # The unit's ConfigurationDirectory= makes /etc/gpuwarden on the host's /etc, which the namespace shares: removed
+    # again at the end when this module made it (and it stayed empty).
+    etc = Path("/etc/gpuwarden")
+    made_etc = not etc.exists()
+    with contextlib.ExitStack() as cleanup:
+        if made_etc:
+            cleanup.callback(lambda: etc.is_dir() and not any(etc.iterdir()) and etc.rmdir())
+        m = cleanup.enter_context(systemd_harness.PrivateSystemd(keep=keep))
         for name in ("gpuwarden.slice", DAEMON, PREFLIGHT):
             m.install_unit(ROOT / "systemd" / name, reload=False)
         m.install_unit("[Unit]\nDescription=stand-in for the scheduler's node daemon\n\n"
