@@ -23,7 +23,7 @@ import structlog
 
 from . import config as config_mod
 from . import logs
-from .adapters.base import AdapterError, Refused
+from .adapters.base import AdapterError
 from .errors import GpuwardenError
 from .model import EXIT_FAULT, EXIT_PASS, EXIT_UNDECIDED, CheckResult, Report, Status
 
@@ -146,19 +146,6 @@ def _summary(report: Report) -> str:
     return ", ".join(parts)
 
 
-def look(adapter: Any, node: str) -> tuple[str, str]:
-    """(sinfo's long state, reason) of this node alone. Every node of a cluster runs this each HealthCheckInterval,
-    so it asks for one node (`sinfo -n` with a single name is a single-node RPC), not the whole node list the
-    adapter reads when it acts (`sinfo --json` ignores --nodes on 22.05)."""
-    out = adapter._run("sinfo", ["-h", "-N", "-n", node, "-o", "%T %E"], "this node's state")
-    line = out[:8192].partition("\n")[0].strip()
-    if not line:
-        raise Refused(f"{node}: slurmctld does not know this node (give --node, or check SLURMD_NODENAME)")
-    state, _, reason = line.partition(" ")
-    reason = reason.strip()
-    return state.lower(), "" if reason == "none" else reason
-
-
 def _held(state: str) -> bool:
     """Out of service: drained, draining, down, failing (`drained*`: and not answering)."""
     return any(word in state for word in ("drain", "down", "fail"))
@@ -170,7 +157,7 @@ def act(adapter: Any, node: str, report: Report, on_unknown: str) -> tuple[int, 
     code = report.exit_code
     if code == EXIT_UNDECIDED and on_unknown == "leave":
         return EXIT_UNDECIDED, "node left as it is (could not decide; --on-unknown leave)"
-    state, reason = look(adapter, node)
+    state, reason = adapter.state_and_reason(node)
     ours = reason.startswith(PREFLIGHT_REASON)
     if code == EXIT_PASS:
         if ours and _held(state):

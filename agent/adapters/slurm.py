@@ -309,6 +309,19 @@ class SlurmAdapter:
     def nodes(self) -> Sequence[NodeView]:
         return [n.view for n in self._fleet()]
 
+    def state_and_reason(self, node: str) -> tuple[str, str]:
+        """(sinfo's long state, lower-case; the reason, "" when none) of this one node, read cheaply: every node of a
+        cluster may ask this each HealthCheckInterval, so it is one single-node request (`sinfo -n` with one name),
+        not the whole node list the other calls read (`sinfo --json` ignores --nodes on 22.05). Refused when
+        slurmctld does not know the node."""
+        out = self._run("sinfo", ["-h", "-N", "-n", node, "-o", "%T %E"], "this node's state")
+        line = out[:8192].partition("\n")[0].strip()
+        if not line:
+            raise Refused(f"{node}: slurmctld does not know this node (give --node, or check SLURMD_NODENAME)")
+        state, _, reason = line.partition(" ")
+        reason = reason.strip()
+        return state.lower(), "" if reason == "none" else reason
+
     def node(self, node: str) -> NodeView:
         n = self._get(node)
         if n.view.jobs is None and n.responding:
