@@ -112,6 +112,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._transitions = 0
         self._kmsg_records = 0
         self._kmsg_lost = 0
+        self._kmsg_wake_at: float | None = None  # the consumers' earliest hold ending (opt.clock), if any
         self._wakers: dict[str, int] = {}  # poll loop -> the write end of its wake-up pipe (daemon_devices.py)
         self._retesting = False
         self._next_retest_at = 0.0  # a retest that could not decide is asked again after retest_after_s

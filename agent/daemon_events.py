@@ -17,13 +17,16 @@ from .sources.kmsg import Cursor
 from .store import CheckRecord
 
 log = structlog.get_logger("gpuwarden.daemon")
+# A hold ends when `now - last_at > hold_s`: judged this long after the end, it has ended whatever the rounding.
+WAKE_AFTER_S = 0.05
 KMSG_CHECK = "kmsg"  # the follower itself, reported like a check so "could not read the log" is visible
 NVML_EVENTS_META = "nvml_events"  # where a recorded node's XID event list was handed over up to (None live)
 
 
 class EventLoops:
     """Needs from the daemon: node, config, opt, consumers, store, stop_event, _stop_r, _lock, _records, _meta,
-    _kmsg_records, _kmsg_lost, _record_for(), _commit(), _sleep(), _beat(), _beat_off() and _fail_loop()."""
+    _kmsg_records, _kmsg_lost, _kmsg_wake_at, _record_for(), _commit(), _sleep(), _beat(), _beat_off() and
+    _fail_loop()."""
 
     def _kmsg_loop(self) -> None:
         follower, next_idle, backoff = None, 0.0, 0.0
@@ -44,6 +47,12 @@ class EventLoops:
                 if records or error or now_mono >= next_idle:
                     self._feed(records, follower, error)
                     next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
+                    # An incident whose hold ends before the next tick is judged again when it ends, so the node's
+                    # state follows at once (a quarantined node's retest waits for its faults to clear).
+                    with self._lock:
+                        wake_at = self._kmsg_wake_at
+                    if wake_at is not None and (left := wake_at - self.opt.clock()) > 0:
+                        next_idle = min(next_idle, now_mono + left + WAKE_AFTER_S)
                 backoff = 0.0
             except Exception as exc:  # noqa: BLE001 - no loop dies: the follower is UNKNOWN, tried again later
                 self._fail_loop("kmsg", KMSG_CHECK, exc)
@@ -77,8 +86,9 @@ class EventLoops:
 
     def _judge_consumers(self, batch: KernelBatch, now: float, source_error: str | None = None) -> list[CheckRecord]:
         """Every kernel-log consumer's record after `batch` (call with the lock held). A consumer whose judge
-        raises is UNKNOWN with the reason; `source_error` (the log could not be read) is carried as the error."""
-        updates = []
+        raises is UNKNOWN with the reason; `source_error` (the log could not be read) is carried as the error.
+        Keeps the consumers' earliest hold ending, for the kernel-log loop's next wake-up."""
+        updates, ends = [], []
         for consumer in self.consumers:
             state = self._records.get(consumer.name, CheckRecord(consumer.name)).state
             try:
@@ -88,6 +98,9 @@ class EventLoops:
                                                 f"internal error: {type(exc).__name__}: {exc}", 0.0, now))
             else:
                 updates.append(self._record_for(consumer.name, judgement, None, source_error, 0.0, now))
+                if judgement.wake_at is not None:
+                    ends.append(judgement.wake_at)
+        self._kmsg_wake_at = min(ends, default=None)
         return updates
 
     def _nvml_xid_loop(self) -> None:

@@ -39,6 +39,9 @@ class Judgement:
     state: dict[str, Any]  # persisted; must round-trip through json
     findings: tuple[Finding, ...] = ()
     metrics: tuple[MetricSample, ...] = ()
+    # When (the judge's clock) a finding held for a time stops holding with no new input (an incident's hold
+    # ending): the daemon judges again then, instead of at its next idle tick. None: no such time.
+    wake_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -122,22 +122,26 @@ def judge_kernel_records(state: Mapping[str, Any], batch: Any, cfg: Mapping[str,
             inc["links"].append(e.link)
     unread_lines.note(unread, unreadable, at_of)
     force = set(cfg["fail_sxids"])
-    kept, findings = {}, []
+    kept, findings, ends = {}, [], []  # ends: when each held incident stops holding
     for key, inc in incidents.items():
         fatal = inc["fatal"] > 0 or inc["sxid"] in force
         hold_s = cfg["fatal_hold_s"] if fatal else cfg["hold_s"]
-        if hold and hold_s > 0 and now - inc["last_at"] > hold_s:
-            continue
+        if hold and hold_s > 0:
+            if now - inc["last_at"] > hold_s:
+                continue
+            ends.append(inc["last_at"] + hold_s)
         kept[key] = inc
         findings.append(_sxid_finding(inc, fatal))
     new_state: dict[str, Any] = {"boot_id": boot_id, "incidents": kept}
     if unread_lines.standing(unread, now, cfg["hold_s"], hold):
         findings.append(unread_lines.finding(SXID_CHECK_NAME, "sxid-unreadable", "SXid", unread))
         new_state["unread"] = unread
+        if (end := unread_lines.ends_at(unread, cfg["hold_s"], hold)) is not None:
+            ends.append(end)
     metrics = tuple(MetricSample("gpuwarden_nvswitch_sxid_events", "NVSwitch SXid events seen this boot, per "
                                  "switch and SXid code.", {"pci": i["pci"], "sxid": str(i["sxid"])},
                                  float(i["events"])) for i in kept.values())
-    return Judgement(new_state, tuple(findings), metrics)
+    return Judgement(new_state, tuple(findings), metrics, wake_at=min(ends, default=None))
 
 
 def _sxid_finding(inc: Mapping[str, Any], fatal: bool) -> Finding:

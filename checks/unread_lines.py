@@ -25,6 +25,11 @@ def standing(unread: Mapping[str, Any], now: float, hold_s: float, hold: bool = 
     return bool(unread) and (not hold or now - unread["last_at"] <= hold_s)
 
 
+def ends_at(unread: Mapping[str, Any], hold_s: float, hold: bool = True) -> float | None:
+    """When standing unread lines stop being reported (None: never by time alone)."""
+    return unread["last_at"] + hold_s if unread and hold else None
+
+
 def finding(check: str, code: str, what: str, unread: Mapping[str, Any]) -> Finding:
     first = unread["lines"][0]
     return Finding(check, code, Entity("node", "kernel-log"), Status.UNKNOWN,

@@ -124,15 +124,20 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
     findings: list[Finding] = []
     kept: dict[str, dict[str, Any]] = {}
+    ends: list[float] = []  # when each held incident stops holding
     for key, inc in incidents.items():
         action = _action(inc, incidents, catalog, force)
-        if hold and action < Action.REBOOT and now - inc["last_at"] > cfg["hold_s"]:
-            continue
+        if hold and action < Action.REBOOT:
+            if now - inc["last_at"] > cfg["hold_s"]:
+                continue
+            ends.append(inc["last_at"] + cfg["hold_s"])
         kept[key] = inc
         findings.append(_finding(inc, entity_at(inc["pci"]), catalog.get(int(inc["xid"])), action,
                                  forced=int(inc["xid"]) in force))
     if unread_lines.standing(unread, now, cfg["hold_s"], hold):
         findings.append(unread_lines.finding(CHECK_NAME, _UNREAD, "XID", unread))
+        if (end := unread_lines.ends_at(unread, cfg["hold_s"], hold)) is not None:
+            ends.append(end)
     else:
         unread = {}
     if nvml_error:
@@ -144,7 +149,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         new_state["unread"] = unread
     if nvml_error:
         new_state["nvml_error"] = nvml_error
-    return Judgement(new_state, tuple(findings), _metrics(kept))
+    return Judgement(new_state, tuple(findings), _metrics(kept), wake_at=min(ends, default=None))
 
 
 def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:

@@ -18,6 +18,7 @@ from gpuwarden.agent import config
 from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
 from gpuwarden.agent.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.model import Status
 from gpuwarden.agent.node import Node
 from gpuwarden.agent.retest import run_retest
 from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
@@ -316,6 +317,29 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
                  what="the actions applied")
         assert store.intents(pending_only=True) == []
         assert store.transitions(1)[0].to is NodeState.HEALTHY
+    finally:
+        d.stop()
+        store.close()
+
+
+def test_an_incident_whose_hold_ends_is_dropped_when_it_ends_not_at_the_next_idle_tick(scenario_copy, tmp_path):
+    """The kernel-log consumers are judged again when the earliest hold ends (Judgement.wake_at), so a quarantined
+    node's faults clear on time. The idle tick is an hour here: nothing else would judge the XID again."""
+    root = scenario_copy("gb200-nvl72-healthy")
+    cfg = config.defaults(all_specs())
+    cfg.checks["xid"]["hold_s"] = 1.0
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), [], list(KERNEL_CONSUMERS), cfg, store,
+               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=3600.0))
+    d.start()
+    try:
+        wait_for(lambda: "xid" in d.results(), what="the first look at the kernel log")
+        append(root, XID48)  # RESET_GPU: below REBOOT, so it holds hold_s after it was logged
+        wait_for(lambda: [f.code for f in d.results()["xid"].findings] == ["48"], what="the XID 48 incident")
+        assert d.record.state is NodeState.QUARANTINED
+        wait_for(lambda: not d.results()["xid"].findings, timeout_s=30, what="the incident to end with its hold")
+        assert d.results()["xid"].status is Status.OK
     finally:
         d.stop()
         store.close()

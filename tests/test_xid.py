@@ -427,3 +427,22 @@ def test_run_lets_an_unreadable_kernel_log_propagate(scenario_copy):
     (root / "kmsg").unlink()
     with pytest.raises(SourceError):
         list(run(Node.recorded_at(root), DEFAULTS))
+
+
+# --- when a held incident ends (Judgement.wake_at: the daemon judges again then) --------------------------------
+def test_the_judgement_says_when_its_earliest_held_incident_ends():
+    from gpuwarden.agent.kernel_log import parse_kmsg_text
+    from gpuwarden.agent.passive import KernelBatch
+    from gpuwarden.checks.xid import CONSUMER
+
+    text = ("3,1,1000,-;NVRM: Xid (PCI:0009:01:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
+            "3,2,2000,-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n")
+    records, errors = parse_kmsg_text(text, "kmsg")
+    assert not errors
+    cfg = {**DEFAULTS, "hold_s": 60.0}
+    held = CONSUMER.judge({}, KernelBatch(records[:1], [], "b"), cfg, 1000.0)
+    assert held.wake_at == 1060.0  # the XID 48 (RESET_GPU) holds hold_s after it was logged (now, here)
+    both = CONSUMER.judge(held.state, KernelBatch(records[1:], [], "b"), cfg, 1010.0)
+    assert both.wake_at == 1060.0  # the XID 79 (REBOOT) holds until the next boot: no end by time
+    later = CONSUMER.judge(both.state, KernelBatch([], [], "b"), cfg, 1061.0)
+    assert [f.code for f in later.findings] == ["79"] and later.wake_at is None
