@@ -96,7 +96,8 @@ def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> AerSa
     ignored = set(cfg["ignore_pci"])
     bdfs = aer_devices(node.sysfs)
     if not bdfs:
-        raise NotApplicable(f"no aer_dev_* statistics under {node.sysfs.path(PCI)} (kernel < 4.19 or no AER)")
+        raise NotApplicable(f"no aer_dev_* statistics under {node.sysfs.path(PCI)}: AER is off or unsupported here "
+                            "(kernels before 4.19 have no such files)")
     totals: dict[str, dict[str, int]] = {}
     nonzero: dict[str, dict[str, dict[str, int]]] = {}
     unreadable = []
