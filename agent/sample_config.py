@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -89,16 +90,9 @@ def doc_comments(text: str) -> dict[str, str]:
     return comments
 
 
-def _wrap(text: str, width: int = 116) -> Iterator[str]:
-    line = ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            yield line
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    if line:
-        yield line
+def _wrap(text: str, width: int = 116) -> list[str]:
+    # Whole words only: a long path or URL in a comment stays on one line.
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def _table(name: str, values: dict[str, Any], about: str, comments: dict[str, str]) -> Iterator[str]:

@@ -165,14 +165,14 @@ def prometheus(tmp_path_factory):
                                        f"--web.listen-address=127.0.0.1:{prom_port}"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         api = f"http://127.0.0.1:{prom_port}"
-        wait_for(lambda: _has(api, 'count(gpuwarden_node_info{node=~"gb200-rack07-tray(03|11)"}) == 2'),
+        wait_for(lambda: has_data(api, 'count(gpuwarden_node_info{node=~"gb200-rack07-tray(03|11)"}) == 2'),
                  timeout_s=90, what="Prometheus to scrape both agents")
         yield api
     finally:
         end_processes(*reversed(procs))
 
 
-def _has(api: str, expr: str) -> bool:
+def has_data(api: str, expr: str) -> bool:
     try:
         return bool(query(api, expr)[1])
     except OSError:

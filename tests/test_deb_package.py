@@ -188,13 +188,11 @@ def test_a_new_user_gets_the_installed_agent_running_under_systemd_and_scraped_b
     listen address: tests use 127.0.0.1 and a free port), the installed unit started by a real systemd (a private
     PID 1: this machine's own is not systemd), then a real Prometheus started with the installed scrape job and
     rules, pointed at the agent."""
-    import urllib.parse
-    import urllib.request
-
     import yaml
     from conftest import wait_for
     from systemd_harness import PrivateSystemd, missing
     from test_daemon import free_port
+    from test_dashboard import get, has_data, query  # the Prometheus HTTP API, as the dashboard test reads it
 
     if missing():
         pytest.fail(f"a private systemd cannot start here: {missing()}")
@@ -235,24 +233,15 @@ def test_a_new_user_gets_the_installed_agent_running_under_systemd_and_scraped_b
                 ["prometheus", f"--config.file={prom / 'prometheus.yml'}", f"--storage.tsdb.path={prom / 'tsdb'}",
                  f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
                 stderr=open(prom / "prometheus.log", "wb")))
-            api = f"http://127.0.0.1:{prom_port}/api/v1"
-
-            def query(expr: str) -> list:
-                try:
-                    with urllib.request.urlopen(f"{api}/query?query={urllib.parse.quote(expr)}", timeout=5) as r:
-                        return yaml.safe_load(r.read())["data"]["result"]
-                except OSError:
-                    return []
-
-            wait_for(lambda: query('up{job="gpuwarden", instance="127.0.0.1"} == 1')
-                     and query("gpuwarden_node_state == 1"), timeout_s=90,
+            api = f"http://127.0.0.1:{prom_port}"
+            wait_for(lambda: has_data(api, 'up{job="gpuwarden", instance="127.0.0.1"} == 1')
+                     and has_data(api, "gpuwarden_node_state == 1"), timeout_s=90,
                      what="Prometheus to scrape the installed agent")
-            (build,) = query("gpuwarden_build_info")
+            (build,) = query(api, "gpuwarden_build_info")[1]
             assert build["metric"]["version"] == pyproject_version()
-            (state,) = query("gpuwarden_node_state == 1")
+            (state,) = query(api, "gpuwarden_node_state == 1")[1]
             assert state["metric"]["job"] == "gpuwarden" and state["metric"]["instance"] == "127.0.0.1"
-            with urllib.request.urlopen(f"{api}/rules", timeout=5) as r:
-                groups = yaml.safe_load(r.read())["data"]["groups"]
+            groups = get(f"{api}/api/v1/rules")["data"]["groups"]
             rules = [rule for g in groups for rule in g["rules"]]
             assert rules and all(rule["health"] in ("ok", "unknown") for rule in rules), \
                 [(rule["name"], rule.get("lastError")) for rule in rules if rule["health"] == "err"]
