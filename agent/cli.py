@@ -236,6 +236,10 @@ def _parser() -> argparse.ArgumentParser:
 
     slurm_healthcheck.add_parser(sub, raw, _CONFIG_HELP, _log_flags)
 
+    from . import sweep_command
+
+    sweep_command.add_parser(sub, raw, _CONFIG_HELP, _log_flags)
+
     return p
 
 
@@ -413,11 +417,17 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep_command import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
                "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology,
-               "slurm": cmd_slurm}
+               "slurm": cmd_slurm, "sweep": cmd_sweep}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

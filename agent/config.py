@@ -75,13 +75,40 @@ REMEDIATION_DEFAULTS: dict[str, Any] = {
 TOPOLOGY_DEFAULTS: dict[str, Any] = {
     "domain": "",  # this node's NVLink domain; "" = read it from NVML (GPU fabric clusterUuid.cliqueId)
 }
-_SECTIONS = ("agent", "remediation", "topology")
-_FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes"}  # keys checked by their users
+# [sweep]: `gpuwarden sweep`, the multi-node NCCL sweep of idle nodes (docs/sweep.md). The criteria's keys are
+# merged in from agent/sweep_criteria.py (CRITERIA_DEFAULTS), which owns their meaning.
+SWEEP_DEFAULTS: dict[str, Any] = {
+    "launcher": "auto",  # how collectives start: srun (Slurm) | mpirun (no scheduler: --hosts) | auto (by adapter)
+    "command": ["all_reduce_perf", "-b", "8", "-e", "2G", "-f", "2", "-g", "1", "-c", "1", "-n", "20", "-w", "5",
+                "-N", "10"],  # one rank per GPU; -N repeats the size table, the samples of the p95 latency
+    "ranks_per_node": 4,  # processes (GPUs) per node (GB200 NVL72 compute tray: 4; HGX: 8)
+    "group_nodes": 8,  # nodes per group in the first round (a domain with fewer idle nodes is one group)
+    "cross_domain": True,  # also a round of groups across NVLink domains, over the InfiniBand fabric
+    "max_nodes": 0,  # test at most this many idle nodes per sweep (0 = every idle node)
+    "include_spares": False,  # also test healthy spares (local adapter only: a Slurm spare is drained)
+    "sku": "",  # the nodes' SKU, for the SKU baselines (thresholds/nccl_sweep.toml); "" = none
+    "timeout_s": 900.0,  # one collective past this is hung: its job is ended
+    "start_timeout_s": 60.0,  # no nodes within this (busy with real work): the group is not run
+    "max_tests": 64,  # collectives the localisation may run after the first rounds
+    "partition": "",  # srun: the low-priority preemptible partition the sweep runs in ("" = the default one)
+    "qos": "",  # srun: its QOS ("" = none)
+    "job_name": "gpuwarden-sweep",  # srun: job name (real work can preempt it, squeue shows it)
+    "launcher_args": [],  # more arguments for srun or mpirun (e.g. "--mpi=pmix")
+    "results_dir": "/var/lib/gpuwarden/sweep",  # verdicts per node (nodes/) and reports (reports/): a shared path
+    "link_action": "drain",  # a bad link: drain both ends | monitor (a warning on both ends)
+    "busbw_gbps": {},  # baselines: "<SKU>/<nodes>" = bus bandwidth at large sizes, GB/s
+    "latency_p95_us": {},  # baselines: "<SKU>/<nodes>" = p95 latency of small messages, microseconds
+}
+_SECTIONS = ("agent", "remediation", "topology", "sweep")
+_FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes", "sweep.busbw_gbps",
+                "sweep.latency_p95_us"}  # keys checked by their users
 _CHOICES: dict[str, tuple[Any, ...]] = {"agent.log_format": ("auto", "json", "console"),
                                         "agent.log_level": ("debug", "info", "warning", "error"),
                                         "agent.level": ("quick", "full"),
                                         "remediation.mode": ("dry-run", "act"),
-                                        "remediation.adapter": ("local", "slurm", "kubernetes")}
+                                        "remediation.adapter": ("local", "slurm", "kubernetes"),
+                                        "sweep.launcher": ("auto", "srun", "mpirun"),
+                                        "sweep.link_action": ("drain", "monitor")}
 
 MAX_FILE_BYTES = 1 << 20
 MAX_STR = 4096  # characters in one string value
@@ -115,9 +142,13 @@ class Config:
     shared: dict[str, dict[str, str]] = field(default_factory=dict)
     remediation: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(REMEDIATION_DEFAULTS))
     topology: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(TOPOLOGY_DEFAULTS))
+    sweep: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(SWEEP_DEFAULTS))
 
     def for_check(self, name: str) -> dict[str, Any]:
         table = self.checks.get(name, {})
+        if name == "nccl_sweep":  # the node's side of a sweep reads where [sweep] writes, as [remediation] names it
+            table = {**table, "results_dir": table.get("results_dir") or self.sweep["results_dir"],
+                     "node_name": table.get("node_name") or self.remediation["node_name"]}
         borrowed = self.shared.get(name)
         if not borrowed:
             return table
@@ -130,7 +161,8 @@ def defaults(specs: Iterable[Any]) -> Config:
     specs = list(specs)
     tables: dict[str, dict[str, Any]] = {}
     list_types: dict[str, type] = {"agent.checks": str, "remediation.ladder.reboot_command": str,
-                                   "remediation.ladder.ticket_command": str}
+                                   "remediation.ladder.ticket_command": str, "sweep.command": str,
+                                   "sweep.launcher_args": str}
     shared: dict[str, dict[str, str]] = {}
     for spec in specs:
         table = tables.setdefault(spec.name, {})

@@ -8,7 +8,8 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.passive import KernelConsumer, PassiveSpec, one_look
 
 from . import (burnin, clock_events, dcgm_diag, ecc, ecc_memtest, ecc_watch, fabric, ib_downtime, ib_port,
-               nccl_allreduce, nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback, thermal, xid)
+               nccl_allreduce, nccl_sweep, nvlink_lanes, nvswitch_sxid, pcie_aer, pcie_link, peer_p2p, rdma_loopback,
+               thermal, xid)
 
 ALL: tuple[CheckSpec, ...] = (
     # quick: reads only, seconds. nvlink_lanes, fabric and pcie_aer are the daemon's checks, judged in one look
@@ -23,6 +24,7 @@ ALL: tuple[CheckSpec, ...] = (
 # gpuwarden run: polled passive checks, and the consumers of the followed kernel log.
 PASSIVE: tuple[PassiveSpec, ...] = (
     ib_downtime.SPEC, clock_events.SPEC, thermal.SPEC, nvlink_lanes.SPEC, pcie_aer.SPEC, fabric.SPEC, ecc_watch.SPEC,
+    nccl_sweep.SPEC,
 )
 KERNEL_CONSUMERS: tuple[KernelConsumer, ...] = (xid.CONSUMER, pcie_aer.KERNEL_CONSUMER, nvswitch_sxid.SXID_CONSUMER)
 

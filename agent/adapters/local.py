@@ -60,6 +60,10 @@ CREATE TABLE nodes (
 CREATE INDEX nodes_domain ON nodes (domain);
 CREATE INDEX nodes_taken_for ON nodes (taken_for);
 """
+# Nodes a multi-node sweep holds (agent/sweep.py): never taken as a spare until released or expired. Added to a
+# database of schema 1 in place (an older file has no such table: nothing is held there).
+_SWEEP_HOLDS = ("CREATE TABLE IF NOT EXISTS sweep_holds (node TEXT PRIMARY KEY, sweep TEXT NOT NULL, "
+                "until REAL NOT NULL)")
 _COLUMNS = "name, hold, reason, reason_since, ours, quarantined, domain, spare, jobs, down"
 # SQLite's primary error names: held by another process (retry), or a file that is not a usable database.
 _BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
@@ -203,8 +207,9 @@ class LocalAdapter:
             row = db.execute("SELECT name FROM nodes WHERE taken_for = ? ORDER BY name LIMIT 1", (for_node,)).fetchone()
             if row is not None:
                 return row[0], False  # a retried intent: the spare already taken for this node
+            held = {r[0] for r in db.execute("SELECT node FROM sweep_holds WHERE until > ?", (self._clock(),))}
             pool = [_view(r) for r in db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE domain = ? AND spare = 1",
-                                                 (domain,))]
+                                                 (domain,)) if r[0] not in held]
             candidates = healthy_spares(pool, domain, exclude=for_node)
             if not candidates:
                 return None, False
@@ -233,6 +238,23 @@ class LocalAdapter:
             db.execute("UPDATE nodes SET taken_for = NULL WHERE taken_for = ?", (node,))
             return True
         self._done("return_to_pool", node, self._write(change), domain=domain)
+
+    def hold_for_sweep(self, sweep: str, nodes: Sequence[str], for_s: float) -> None:
+        """Holds `nodes` for a sweep for at most `for_s` seconds: take_spare passes them over until then (a spare in
+        a sweep is busy, and its verdict is not known yet)."""
+        names = [_name(n, "node") for n in nodes]
+        until = self._clock() + max(0.0, min(float(for_s), 7 * 86400.0))
+
+        def change(db: sqlite3.Connection) -> bool:
+            db.executemany("INSERT OR REPLACE INTO sweep_holds VALUES (?, ?, ?)", [(n, sweep, until) for n in names])
+            return bool(names)
+        self._done("hold_for_sweep", ",".join(names)[:MAX_REASON], self._write(change), sweep=sweep, until=until)
+
+    def release_sweep(self, sweep: str) -> None:
+        def change(db: sqlite3.Connection) -> bool:
+            return db.execute("DELETE FROM sweep_holds WHERE sweep = ? OR until <= ?",
+                              (sweep, self._clock())).rowcount > 0
+        self._done("release_sweep", sweep, self._write(change))
 
     # -- the world outside the agent (demo, fleet simulator) ----------------------------------------------------------
     def admin_drain(self, node: str, reason: str) -> None:
@@ -314,6 +336,8 @@ class LocalAdapter:
                     found = row[0] if row else None
                 else:
                     found = None
+                if found == str(SCHEMA_VERSION):
+                    db.execute(_SWEEP_HOLDS)
                 db.execute("COMMIT")
             finally:
                 if db.in_transaction:
