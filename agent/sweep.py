@@ -205,13 +205,21 @@ class Sweep:
         from .localise import Localiser
 
         s = self.settings
-        phases = plan_phases(self.candidates, int(s["group_nodes"]), bool(s["cross_domain"]))
-        if not phases:
+        planned = [p.name for p in plan_phases(self.candidates, int(s["group_nodes"]), bool(s["cross_domain"]))]
+        if not planned:
             self.report.undecided.append(f"{len(self.candidates)} idle node(s) that can be grouped: a collective "
                                          "needs at least 2")
-        for phase in phases:
+        for name in planned:
             if self.stop.is_set():
                 break
+            # A node or link found at fault in an earlier round kind is not tested again: it would only fail the
+            # groups it joins, and hide the next fault behind its own.
+            blamed = set(self.report.culprit_nodes) | {n for link in self.report.culprit_links for n in link}
+            left = [v for v in self.candidates if v.name not in blamed]
+            phase = next((p for p in plan_phases(left, int(s["group_nodes"]), bool(s["cross_domain"]))
+                          if p.name == name), None)
+            if phase is None:
+                continue
             first = self._round_of(phase.name, "sweep", list(phase.groups))
             decided = [t for t in first if t.outcome.decided]
             failing = [t.nodes for t in decided if t.outcome.bad]
@@ -275,8 +283,8 @@ class Sweep:
         out = []
         for run in runs:
             outcome, reasons, figures = self.judge(run, phase)
-            test = Collective(phase, self._round, purpose, tuple(run.nodes), outcome, tuple(reasons), figures, run.ended,
-                        run.duration_s, run.job_id)
+            test = Collective(phase, self._round, purpose, tuple(run.nodes), outcome, tuple(reasons), figures,
+                              run.ended, run.duration_s, run.job_id)
             self.report.tests.append(test)
             out.append(test)
             log.info("sweep collective", sweep=self.report.sweep_id, nodes=",".join(run.nodes),
@@ -325,7 +333,8 @@ def findings_for(report: Report, link_action: str = "drain") -> dict[str, list[F
         out[node] = [Finding(
             CHECK_NAME, "sweep-unresolved", Entity.node(node), Status.WARN,
             f"a collective with {node} failed and the sweep could not tell which node or link is at fault "
-            f"(sweep {report.sweep_id}: {report.partial or 'a test was preempted, not run, or the test budget ran out'})",
+            f"(sweep {report.sweep_id}: "
+            f"{report.partial or 'a collective was preempted or not run, or the test budget ran out'})",
             Action.MONITOR, evidence([node]))]
     return out
 
