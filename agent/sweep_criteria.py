@@ -91,7 +91,8 @@ def parse_baselines(table: Any, source: str) -> dict[tuple[str, int], dict[str, 
     """[sweep.baselines] (or the bundled table): {"<SKU>/<nodes>": {latency_p95_us, busbw_gbps}} ->
     {(sku, nodes): {field: value}}. Everything is checked; the first fault is a ConfigError naming its key."""
     if not isinstance(table, Mapping):
-        raise ConfigError(f"{source}: must be a table of \"<SKU>/<nodes>\" = {{ latency_p95_us = .., busbw_gbps = .. }}")
+        raise ConfigError(f"{source}: must be a table of \"<SKU>/<nodes>\" = "
+                          f"{{ latency_p95_us = .., busbw_gbps = .. }}")
     if len(table) > _MAX_ENTRIES:
         raise ConfigError(f"{source}: {len(table)} entries, at most {_MAX_ENTRIES}")
     out: dict[tuple[str, int], dict[str, float]] = {}
@@ -130,6 +131,20 @@ def _baseline_key(key: Any, source: str) -> tuple[str, int]:
     return sku, int(nodes)
 
 
+def bundled_baselines() -> dict[tuple[str, int], dict[str, float]]:
+    """The bundled table: one section per SKU, keys "<field>_<n>_nodes" (the layout of every thresholds file:
+    SKU sections of plain numbers), checked as strictly as the config's."""
+    flat: dict[str, dict[str, Any]] = {}
+    for sku, section in sku_table(TABLE).items():
+        for key, value in (section.items() if isinstance(section, Mapping) else ()):
+            name, _, nodes = key.removesuffix("_nodes").rpartition("_")
+            if not key.endswith("_nodes") or name not in _FIELDS:
+                raise ConfigError(f"{TABLE_SOURCE} [{sku}]: key {key!r:.80} is not <field>_<nodes>_nodes with field "
+                                  f"one of {', '.join(_FIELDS)}")
+            flat.setdefault(f"{sku}/{nodes}", {})[name] = value
+    return parse_baselines(flat, TABLE_SOURCE)
+
+
 def baseline_for(sku: str, nodes: int, policy: Mapping[str, Any], history: SweepHistory | None,
                  members: Sequence[str]) -> Baseline:
     """Each figure from the first place that has it: the config's [sweep.baselines], the bundled table, then the
@@ -139,8 +154,9 @@ def baseline_for(sku: str, nodes: int, policy: Mapping[str, Any], history: Sweep
 
     key = f"{sku}/{nodes}"
     found: dict[str, Figure] = {}
-    for table, source in ((policy.get(BASELINES_KEY) or {}, CONFIG_SOURCE), (sku_table(TABLE), TABLE_SOURCE)):
-        for name, value in parse_baselines(table, source).get((sku, nodes), {}).items():
+    for table, source in ((parse_baselines(policy.get(BASELINES_KEY) or {}, CONFIG_SOURCE), CONFIG_SOURCE),
+                          (bundled_baselines(), TABLE_SOURCE)):
+        for name, value in table.get((sku, nodes), {}).items():
             found.setdefault(name, Figure(value, _FIELDS[name][0], f"{source} '{key}'"))
     notes: list[str] = []
     missing = [name for name in _FIELDS if name not in found]
@@ -213,8 +229,9 @@ def judge(run: GroupRun, baseline: Baseline, policy: Mapping[str, Any]) -> Judge
         shown = ", ".join(f"{r.size_bytes} B (line {r.line}): {r.wrong}" for r in wrong_rows[:5])
         found.append((Outcome.WRONG, f"wrong values: #wrong > 0 at {shown or 'no row shown'}; out of bounds values: "
                                      f"{out_of_bounds} (nccl-tests' own check): silent data corruption in the group"))
-        evidence["wrong_rows"] = [{"size_bytes": r.size_bytes, "line": r.line, "out_of_place_wrong": r.out_of_place.wrong,
-                                   "in_place_wrong": r.in_place.wrong} for r in wrong_rows[:20]]
+        evidence["wrong_rows"] = [{"size_bytes": r.size_bytes, "line": r.line,
+                                   "out_of_place_wrong": r.out_of_place.wrong, "in_place_wrong": r.in_place.wrong}
+                                  for r in wrong_rows[:20]]
         evidence["out_of_bounds"] = out_of_bounds
     corrupt = bool(found)
 
@@ -349,7 +366,9 @@ def _figures(sizes: list[_SizeStats], p: Mapping[str, Any]) -> dict[str, Any]:
 def _regimes(fig: Mapping[str, Any], baseline: Baseline, p: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """(slow reasons, other reasons): each regime judged against its baseline figure, or said to be not judged."""
     slow, notes = [], []
-    why_missing = f"no baseline for {baseline.key} nodes" + (f" ({'; '.join(baseline.notes)})" if baseline.notes else "")
+    why_missing = f"no baseline for {baseline.key} nodes"
+    if baseline.notes:
+        why_missing += f" ({'; '.join(baseline.notes)})"
     factor, fraction = float(p["latency_factor"]), float(p["busbw_fraction"])
     if fig["latency"] is None:
         notes.append(f"small-message latency not judged: no result row from 1 B to {p['small_max_bytes']} B")

@@ -149,7 +149,8 @@ class SweepHistory:
             if db.in_transaction:
                 db.execute("ROLLBACK")
         if found != SCHEMA_VERSION:
-            what = "another program's SQLite database" if found is None else f"schema {found!r:.40}, not {SCHEMA_VERSION}"
+            what = ("another program's SQLite database" if found is None
+                    else f"schema {found!r:.40}, not {SCHEMA_VERSION}")
             raise SweepHistoryError(f"{self.path}: not a gpuwarden sweep history ({what}); point [sweep] at another "
                                     f"file, or move this one aside to start an empty history")
         self._checked = True
