@@ -109,13 +109,20 @@ def parse_baselines(table: Any, source: str) -> dict[tuple[str, int], dict[str, 
         figures = {}
         for name, number in value.items():
             top = _FIELDS[name][1]
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) \
-                    or not 0 < number <= top:
+            # Compared, never converted first: nan fails every comparison, inf and a 400-digit int fail the bound.
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number <= top:
                 raise ConfigError(f"{source} {shown}.{name}: must be a number > 0 and <= {top:g}, "
-                                  f"got {repr(number)[:40]}")
+                                  f"got {_quoted(number)}")
             figures[name] = float(number)
         out[(sku, nodes)] = figures
     return out
+
+
+def _quoted(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10 ** 30:
+        return f"a number of {len(str(abs(value))) if value.bit_length() < 10_000 else 'thousands of'} digits"
+    return repr(value)[:40] if not isinstance(value, (str, bytes, list, dict)) or len(value) < 1000 else \
+        f"{type(value).__name__} of {len(value)} items"
 
 
 def _baseline_key(key: Any, source: str) -> tuple[str, int]:
