@@ -380,7 +380,7 @@ def test_sweep_unreadable_history_leaves_the_regime_unjudged_with_the_file_named
     assert base.notes[0].startswith(f"sweep history unreadable: {path}: ")
 
 
-# -- baselines tables are hostile input ---------------------------------------------------------------------------------
+# -- baselines tables are hostile input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("table, message", [
     ([1, 2], "config [sweep.baselines]: must be a table"),
     ({"H100-SXM-HGX": {"busbw_gbps": 1.0}}, "key 'H100-SXM-HGX' must be \"<SKU>/<nodes>\""),
