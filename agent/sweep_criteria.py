@@ -49,6 +49,18 @@ CRITERIA_DEFAULTS: dict[str, Any] = {
     "history_keep": 50,
 }
 
+# The range each [sweep] key above may take (inclusive); check_policy() enforces them, and the small range must
+# end below the large one.
+CRITERIA_RANGES: dict[str, tuple[float, float]] = {
+    "small_max_bytes": (1, 1 << 40),
+    "large_min_bytes": (2, 1 << 40),
+    "latency_factor": (1.0, 100.0),  # under 1 a group at its own baseline would be slow
+    "busbw_fraction": (0.01, 1.0),  # over 1 likewise
+    "min_cycles": (2, 10_000),  # one cycle has no spread to take a p95 of
+    "history_min_samples": (1, 10_000),
+    "history_keep": (1, 10_000),
+}
+
 _MAX_ENTRIES = 1000  # [sweep.baselines] entries: far past any fleet's SKU x group-size combinations
 _MAX_NODES = 100_000
 _FIELDS = {  # field -> (unit, largest value taken)
@@ -80,10 +92,28 @@ class Baseline:
 class Judged:
     outcome: Outcome
     reasons: tuple[str, ...]  # each names the figure and its source
-    latency_p95_us: float | None  # small messages: median over sizes of each size's p95 over cycles
+    latency_p95_us: float | None  # small messages: median over sizes of each size's p95 over cycles (with fewer
+    #                               than min_cycles cycles, of each size's median; evidence "latency_statistic")
     transition_busbw_gbps: float | None  # MB range: median over its sizes of each size's median busbw; not judged
     busbw_gbps: float | None  # large messages: median over cycles at the largest size >= large_min_bytes
     evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+def check_policy(policy: Mapping[str, Any], origin: str = "[sweep]") -> dict[str, Any]:
+    """The criteria's keys of `policy`, defaults filled in, each checked against CRITERIA_RANGES (a ConfigError
+    naming the key). Call it when the config is read, so a bad value stops the sweep before any collective runs."""
+    p = {**CRITERIA_DEFAULTS, **{k: v for k, v in policy.items() if k in CRITERIA_DEFAULTS}}
+    for key, (low, high) in CRITERIA_RANGES.items():
+        value = p[key]
+        whole = isinstance(CRITERIA_DEFAULTS[key], int)
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
+                or not low <= value <= high:
+            raise ConfigError(f"{origin} {key}: must be {'an integer' if whole else 'a number'} from {low:g} to "
+                              f"{high:g}, got {_quoted(value)}")
+    if p["small_max_bytes"] >= p["large_min_bytes"]:
+        raise ConfigError(f"{origin} small_max_bytes ({p['small_max_bytes']}) must be below large_min_bytes "
+                          f"({p['large_min_bytes']})")
+    return p
 
 
 # -- baselines --------------------------------------------------------------------------------------------------------
@@ -206,10 +236,27 @@ class _SizeStats:
 
 def judge(run: GroupRun, baseline: Baseline, policy: Mapping[str, Any]) -> Judged:
     """The outcome of one group's collective. Several may apply; the worst is taken (WRONG > HUNG > FAILED > SLOW).
-    Wrong values count even in a run that was later preempted or hung: they were checked before it ended."""
+    Wrong values count even in a run that was later preempted or hung: they were checked before it ended.
+
+    How the figures are read (all_reduce_perf -N prints the table once per cycle; each row's time is already the
+    mean over -n iterations, so the cycles are the samples):
+    - a row's time is its better half (min of out-of-place and in-place), as its busbw is the better half (max):
+      the worse half of one row is often a one-off (p5en, 8 B: 983.2 us out-of-place, 166.1 us in-place);
+    - small messages: per size, the p95 over cycles; the group's figure is the median of those over the small
+      sizes. A fault of a node or link (a slow NIC, PCIe, a congested port) adds latency at every small size, so
+      the median over sizes shows it, while one size that stalled in a cycle or two does not fail a group whose
+      other sizes are at baseline (its p95 is in the evidence). The p95 over cycles catches a node that stalls
+      now and then, which a median over cycles hides;
+    - fewer cycles than min_cycles: the median over the cycles there are (a p95 of 1-4 samples is their maximum),
+      judged against the same baseline: lenient, it cannot fail a healthy group, and the reason says so;
+    - large messages: the median over cycles of busbw at the largest size >= large_min_bytes, where busbw is
+      nearest its plateau (2 x p5 H100: at 1 GiB two healthy runs differ by 29 %, at 2 GiB by 1.3 %);
+    - the MB range between: the median over its sizes of each size's median busbw, reported, never judged;
+    - a regime without a baseline figure is not judged, and the reasons say "not judged: no baseline for ...".
+    """
     from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 
-    p = {**CRITERIA_DEFAULTS, **policy}
+    p = check_policy(policy)
     where = f"all_reduce_perf on {','.join(run.nodes)[:200]}"
     if run.ended in (NOT_STARTED, LAUNCH_ERROR):
         return Judged(Outcome.NOT_RUN, (f"not run ({run.ended}): {run.detail or 'no detail'}",), None, None, None,

@@ -17,6 +17,7 @@ from gpuwarden.agent.sweep_criteria import (
     Figure,
     baseline_for,
     bundled_baselines,
+    check_policy,
     judge,
     p95,
     parse_baselines,
@@ -430,3 +431,24 @@ def test_sweep_judge_takes_a_hand_made_baseline():
     j = judge(group(P5), base, POLICY)
     assert j.outcome is Outcome.SLOW and j.reasons[0].endswith("< 0.8 x baseline 650 GB/s (operator)")
     assert any("not judged: no baseline for H100-SXM-HGX/2 nodes" in r for r in j.reasons)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("latency_factor", 0.5, "[sweep] latency_factor: must be a number from 1 to 100, got 0.5"),
+    ("busbw_fraction", 1.5, "busbw_fraction: must be a number from 0.01 to 1"),
+    ("busbw_fraction", float("nan"), "got nan"),
+    ("min_cycles", 1, "min_cycles: must be an integer from 2 to 10000, got 1"),
+    ("min_cycles", 5.0, "must be an integer"),
+    ("history_keep", True, "must be an integer"),
+    ("small_max_bytes", 2 << 30, "small_max_bytes (2147483648) must be below large_min_bytes (1073741824)"),
+])
+def test_sweep_bad_criteria_keys_are_config_errors(key, value, message):
+    with pytest.raises(ConfigError) as err:
+        check_policy({**POLICY, key: value})
+    assert message in str(err.value)
+    with pytest.raises(ConfigError):
+        judge(group(P5), h100(), {**POLICY, key: value})
+
+
+def test_sweep_criteria_defaults_are_in_their_ranges():
+    assert check_policy({}) == CRITERIA_DEFAULTS
