@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .errors import ConfigError, ParseError
+from .sweep_history import SweepHistory, SweepHistoryError
 from .sweep_model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT, GroupRun, Outcome
 from .thresholds import sku_table
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # at run time imported where used: gpuwarden.checks loads every check, which import the agent
     from gpuwarden.checks.parse_nccl_tests import Line, NcclTestsRun, Row
-
-    from .sweep_history import SweepHistory
 
 TABLE = "nccl_sweep"  # checks/data/thresholds/nccl_sweep.toml
 TABLE_SOURCE = f"thresholds/{TABLE}.toml"
@@ -187,8 +186,6 @@ def baseline_for(sku: str, nodes: int, policy: Mapping[str, Any], history: Sweep
     """Each figure from the first place that has it: the config's [sweep.baselines], the bundled table, then the
     median of the members' own past figures at this group size (history). A figure none of them has stays None:
     that regime is then not judged, and the notes say what was looked at."""
-    from .sweep_history import SweepHistoryError
-
     key = f"{sku}/{nodes}"
     found: dict[str, Figure] = {}
     for table, source in ((parse_baselines(policy.get(BASELINES_KEY) or {}, CONFIG_SOURCE), CONFIG_SOURCE),
@@ -200,12 +197,15 @@ def baseline_for(sku: str, nodes: int, policy: Mapping[str, Any], history: Sweep
     if missing and history is None:
         notes.append("no sweep history")
     elif missing:
-        need = int(policy.get("history_min_samples", CRITERIA_DEFAULTS["history_min_samples"]))
+        need = check_policy(policy)["history_min_samples"]
         try:
             learned = [(m, history.learned(m, nodes, min_samples=need)) for m in members]
         except SweepHistoryError as err:
             learned = []
             notes.append(f"sweep history unreadable: {err}")
+        except ValueError as err:  # a member name the history cannot hold: no learned figure, said
+            learned = []
+            notes.append(f"sweep history not consulted: {err}")
         for name in missing:
             have = [(m, got) for m, got in learned if getattr(got, name) is not None]
             if have:

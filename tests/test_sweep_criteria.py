@@ -452,3 +452,9 @@ def test_sweep_bad_criteria_keys_are_config_errors(key, value, message):
 
 def test_sweep_criteria_defaults_are_in_their_ranges():
     assert check_policy({}) == CRITERIA_DEFAULTS
+
+
+def test_sweep_member_name_the_history_cannot_hold_is_said(tmp_path):
+    base = h100(sku="B200-HGX", history=SweepHistory(tmp_path / "h.db"), members=("p5-st-1", "bad\nname"))
+    assert base.busbw_gbps is None
+    assert base.notes[0].startswith("sweep history not consulted: node must be a printable name")
