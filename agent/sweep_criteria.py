@@ -267,7 +267,7 @@ def judge(run: GroupRun, baseline: Baseline, policy: Mapping[str, Any]) -> Judge
     except ParseError as err:
         parse_error = str(err)
     stderr_lines = _stderr_lines(run.stderr, where)
-    sizes = _sizes(parsed.rows if parsed else [], p)
+    sizes = _sizes(parsed.rows if parsed else [])
     figures = _figures(sizes, p)
     evidence: dict[str, Any] = {
         "ended": run.ended, "returncode": run.returncode, "duration_s": round(run.duration_s, 3),
@@ -362,7 +362,7 @@ def _stderr_lines(stderr: str, where: str) -> list[Line]:
     return [*parsed.errors, *(w for w in parsed.warnings if _FAILING_WARN.search(w.text))]
 
 
-def _sizes(rows: list[Row], p: Mapping[str, Any]) -> list[_SizeStats]:
+def _sizes(rows: list[Row]) -> list[_SizeStats]:
     """Every size in order of first appearance, with one sample per cycle (-N prints the table again per cycle).
     0 B rows move no data and are left out."""
     by_size: dict[int, _SizeStats] = {}
