@@ -96,12 +96,19 @@ SWEEP_DEFAULTS: dict[str, Any] = {
     "launcher_args": [],  # more arguments for srun or mpirun (e.g. "--mpi=pmix")
     "results_dir": "/var/lib/gpuwarden/sweep",  # verdicts per node (nodes/) and reports (reports/): a shared path
     "link_action": "drain",  # a bad link: drain both ends | monitor (a warning on both ends)
-    "busbw_gbps": {},  # baselines: "<SKU>/<nodes>" = bus bandwidth at large sizes, GB/s
-    "latency_p95_us": {},  # baselines: "<SKU>/<nodes>" = p95 latency of small messages, microseconds
+    # The criteria (agent/sweep_criteria.py CRITERIA_DEFAULTS, which says why each default is what it is).
+    "small_max_bytes": 65536,  # sizes up to this are latency-bound: judged on their p95 time over the cycles
+    "large_min_bytes": 1073741824,  # sizes from this up are bandwidth-bound: judged on bus bandwidth
+    "latency_factor": 1.5,  # SLOW above this many times the latency baseline
+    "busbw_fraction": 0.8,  # SLOW under this fraction of the bus bandwidth baseline
+    "min_cycles": 5,  # cycles (-N) needed for a p95; with fewer, the median over the cycles there are
+    "history_min_samples": 5,  # a node's past figures at a group size needed before they make a baseline
+    "history_keep": 50,  # past figures kept per node and group size
+    # "<SKU>/<nodes>" = { latency_p95_us = .., busbw_gbps = .. }: baselines that win over the bundled table
+    "baselines": {},
 }
 _SECTIONS = ("agent", "remediation", "topology", "sweep")
-_FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes", "sweep.busbw_gbps",
-                "sweep.latency_p95_us"}  # keys checked by their users
+_FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes"}  # keys checked by their users
 _CHOICES: dict[str, tuple[Any, ...]] = {"agent.log_format": ("auto", "json", "console"),
                                         "agent.log_level": ("debug", "info", "warning", "error"),
                                         "agent.level": ("quick", "full"),
@@ -127,6 +134,16 @@ _RANGES: dict[str, tuple[float, float]] = {
     "checks.clock_events.sw_thermal_warn_ratio": (0.0, 1.0),
     "remediation.breaker.cluster_share": (0.0, 1.0),
     "remediation.breaker.domain_share": (0.0, 1.0),
+    "sweep.latency_factor": (1.0, 100.0),
+    "sweep.busbw_fraction": (0.01, 1.0),
+    "sweep.small_max_bytes": (1, 1 << 40),
+    "sweep.large_min_bytes": (2, 1 << 40),
+    "sweep.min_cycles": (2, 10_000),
+    "sweep.history_min_samples": (1, 10_000),
+    "sweep.history_keep": (1, 10_000),
+    "sweep.group_nodes": (2, 100_000),
+    "sweep.ranks_per_node": (1, 1024),
+    "sweep.max_tests": (0, 100_000),
 }
 
 
@@ -268,6 +285,12 @@ def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefi
            choices: Mapping[str, tuple[Any, ...]]) -> None:
     for key, value in values.items():
         full = f"{prefix}.{key}"
+        if full == "sweep.baselines":  # a table of tables: the sweep's criteria check every entry
+            from .sweep_criteria import parse_baselines
+
+            parse_baselines(_table(value, full, origin), f"{origin}: [{full}]")
+            target[key] = {k: dict(v) for k, v in value.items()}
+            continue
         if prefix in _FREE_TABLES:
             target[key] = _free_value(full, value, origin)
             continue

@@ -26,6 +26,10 @@ TABLES: dict[str, str] = {
     "remediation.slurm": 'Keyword arguments of the Slurm adapter, e.g. scontrol = "/usr/bin/scontrol", timeout_s.',
     "remediation.kubernetes": "Keyword arguments of the Kubernetes adapter, e.g. kubeconfig, timeout_s.",
     "topology": "This node's NVLink domain (docs/topology.md).",
+    "sweep": "gpuwarden sweep: multi-node NCCL collectives over idle nodes, their criteria and where verdicts go "
+             "(docs/sweep.md).",
+    "sweep.baselines": '"<SKU>/<nodes>" = { latency_p95_us = .., busbw_gbps = .. }: baselines that win over the '
+                       "bundled table.",
 }
 HEADER = """\
 # gpuwarden configuration (TOML). Every key below is commented out and shows its default: uncomment a key to change
@@ -122,7 +126,7 @@ def render(docs: Path | None = None) -> str:
     for spec in [*all_specs(), *PASSIVE, *KERNEL_CONSUMERS]:
         summaries.setdefault(spec.name, getattr(spec, "summary", ""))
     out = [HEADER.rstrip("\n")]
-    for section in ("agent", "remediation", "topology"):
+    for section in ("agent", "remediation", "topology", "sweep"):
         out += _table(section, getattr(cfg, section), TABLES[section], comments)
     for name in sorted(cfg.checks):
         borrowed = cfg.shared.get(name, {})

@@ -33,7 +33,8 @@ EXIT_CODES = (("0", "every node tested passed"),
 def add_parser(sub: Any, formatter: Any, config_help: str, log_flags: Any) -> None:
     width = max(len(c) for c, _ in EXIT_CODES)
     p = sub.add_parser(
-        "sweep", help="multi-node NCCL collectives over idle nodes; find the bad node or link", formatter_class=formatter,
+        "sweep", help="multi-node NCCL collectives over idle nodes; find the bad node or link",
+        formatter_class=formatter,
         description="Test idle nodes with multi-node nccl-tests collectives, launched through the scheduler as "
                     "low-priority preemptible jobs (srun) or with mpirun where there is none: groups within each "
                     "NVLink domain, then across domains over the InfiniBand fabric. Small messages are judged on p95 "
@@ -66,18 +67,19 @@ def _names(values: Sequence[str]) -> list[str]:
 # -- judging ----------------------------------------------------------------------------------------------------------
 def make_judge(settings: Mapping[str, Any], history: Any) -> Any:
     """judge(run, phase) -> (outcome, reasons, figures): the criteria with the baselines of config, the SKU table
-    and the nodes' own history."""
+    and the nodes' own history; a group size with no figure of its own borrows the nearest configured one."""
     from . import sweep_criteria as criteria
 
     policy = dict(settings)
     sku = settings["sku"] or "any"
 
     def judge(run: GroupRun, phase: str) -> tuple[Outcome, tuple[str, ...], dict[str, Any]]:
-        baseline = criteria.baseline_for(sku, len(run.nodes), policy, history, run.nodes)
+        baseline = nearest_baseline(criteria.baseline_for(sku, len(run.nodes), policy, history, run.nodes), sku,
+                                    len(run.nodes), policy)
         judged = criteria.judge(run, baseline, policy)
-        figures = {k: v for k, v in (("latency_p95_us", judged.latency_p95_us),
-                                     ("transition_busbw_gbps", judged.transition_busbw_gbps),
-                                     ("busbw_gbps", judged.busbw_gbps)) if v is not None}
+        figures: dict[str, Any] = {k: v for k, v in (("latency_p95_us", judged.latency_p95_us),
+                                                     ("transition_busbw_gbps", judged.transition_busbw_gbps),
+                                                     ("busbw_gbps", judged.busbw_gbps)) if v is not None}
         for name in ("latency_p95_us", "busbw_gbps"):
             fig = getattr(baseline, name, None)
             if fig is not None:
@@ -93,13 +95,35 @@ def make_judge(settings: Mapping[str, Any], history: Any) -> Any:
     return judge
 
 
-def _baselines_table(settings: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-    """[sweep] busbw_gbps / latency_p95_us ("<SKU>/<nodes>" = figure) as the criteria's one table."""
-    table: dict[str, dict[str, float]] = {}
-    for name in ("busbw_gbps", "latency_p95_us"):
-        for key, value in settings.get(name, {}).items():
-            table.setdefault(key, {})[name] = value
-    return table
+def nearest_baseline(baseline: Any, sku: str, nodes: int, policy: Mapping[str, Any]) -> Any:
+    """Fills a figure `baseline` lacks from the configured or bundled figure of the nearest group size: bus
+    bandwidth is normalised to the group (nccl-tests' busbw), so the nearest size's figure holds; latency grows with
+    the group, so only a larger group's figure is borrowed (lenient, never a false SLOW)."""
+    import dataclasses
+
+    from . import sweep_criteria as criteria
+
+    if baseline.latency_p95_us is not None and baseline.busbw_gbps is not None:
+        return baseline
+    entries: dict[int, dict[str, tuple[float, str]]] = {}
+    for table, source in ((criteria.bundled_baselines(), criteria.TABLE_SOURCE),
+                          (criteria.parse_baselines(policy.get(criteria.BASELINES_KEY) or {}, criteria.CONFIG_SOURCE),
+                           criteria.CONFIG_SOURCE)):
+        for (s, n), fields in table.items():
+            if s == sku:
+                entries.setdefault(n, {}).update({k: (v, source) for k, v in fields.items()})
+    filled = {}
+    for name, unit, sizes in (("busbw_gbps", "GB/s", sorted(entries, key=lambda n: (abs(n - nodes), -n))),
+                              ("latency_p95_us", "us", sorted(n for n in entries if n > nodes))):
+        if getattr(baseline, name) is not None:
+            continue
+        for n in sizes:
+            if name in entries[n]:
+                value, source = entries[n][name]
+                filled[name] = criteria.Figure(value, unit, f"{source} '{sku}/{n}' (the nearest group size with a "
+                                                            f"figure; this group has {nodes} nodes)")
+                break
+    return dataclasses.replace(baseline, **filled) if filled else baseline
 
 
 # -- launching --------------------------------------------------------------------------------------------------------
@@ -128,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     settings = dict(cfg.sweep)
-    settings["baselines"] = _baselines_table(settings)
+    from .sweep_criteria import check_policy
+
+    check_policy(settings, f"{cfg.source}: [sweep]")
     results_dir = Path(args.results_dir or settings["results_dir"])
     hosts, only = _names(args.hosts), set(_names(args.nodes))
     adapter, adapter_name = None, cfg.remediation["adapter"]
@@ -169,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .sweep_history import SweepHistory
 
-    history = SweepHistory(results_dir / "history.db")
+    history = SweepHistory(results_dir / "history.db", keep=int(settings["history_keep"]))
     launcher = make_launcher(settings, adapter_name, bool(hosts), results_dir / "work")
     stop = threading.Event()
     caught: list[int] = []
@@ -192,6 +218,15 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, h)
     if caught:
         report.partial = f"interrupted by {signal.Signals(caught[0]).name}"
+    blind = [t for t in report.tests if t.outcome is Outcome.PASS
+             and not any(k.startswith("baseline_") for k in t.figures)]
+    if blind:
+        sizes = sorted({len(t.nodes) for t in blind})
+        report.undecided.append(
+            f"performance not judged for {len(blind)} collective(s): no baseline for "
+            f"{settings['sku'] or 'any'}/{'|'.join(map(str, sizes))} nodes in [sweep.baselines], the bundled table or "
+            f"the nodes' history (learning: {settings['history_min_samples']} passing sweeps make one); their nodes "
+            "passed on correctness only")
     written = write_results(results_dir, report, settings["link_action"])
     log.info("sweep done", sweep=report.sweep_id, exit_code=report.exit_code, verdicts=len(written),
              report=str(results_dir / "reports" / f"{report.sweep_id}.json"))

@@ -32,7 +32,7 @@ def uncommented(text: str) -> str:
 
 def default_leaves() -> dict[str, object]:
     cfg = config.defaults(all_specs())
-    return leaves({"agent": cfg.agent, "remediation": cfg.remediation, "topology": cfg.topology,
+    return leaves({"agent": cfg.agent, "remediation": cfg.remediation, "topology": cfg.topology, "sweep": cfg.sweep,
                    "checks": cfg.checks})
 
 
@@ -55,8 +55,8 @@ def test_uncommented_the_loader_accepts_it_and_every_value_is_the_default(tmp_pa
     loaded = config.load(all_specs(), path, explicit=True)  # the real loader: types, ranges, choices
     assert loaded.files == [str(path)]
     fresh = config.defaults(all_specs())
-    assert (loaded.agent, loaded.remediation, loaded.topology, loaded.checks) == \
-        (fresh.agent, fresh.remediation, fresh.topology, fresh.checks)
+    assert (loaded.agent, loaded.remediation, loaded.topology, loaded.sweep, loaded.checks) == \
+        (fresh.agent, fresh.remediation, fresh.topology, fresh.sweep, fresh.checks)
 
 
 def test_a_changed_key_takes_effect_once_uncommented(tmp_path):

@@ -72,12 +72,9 @@ partition = "sweep"
 timeout_s = {timeout_s}
 start_timeout_s = 5.0
 results_dir = "{self.results}"
-[sweep.busbw_gbps]
-"any/2" = 460.0
-"any/3" = 460.0
-[sweep.latency_p95_us]
-"any/2" = 65.0
-"any/3" = 65.0
+[sweep.baselines]
+"any/2" = {{ latency_p95_us = 65.0, busbw_gbps = 460.0 }}
+"any/3" = {{ latency_p95_us = 65.0, busbw_gbps = 460.0 }}
 """)
         return path
 
