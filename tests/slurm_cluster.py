@@ -22,9 +22,10 @@ import pytest
 
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "sbatch", "scancel")
 PACKAGES = "munge slurmctld slurmd slurm-client"
-# The slurm.conf settings a test may add (SlurmCluster.settings): the node health check and job prolog/epilog wiring.
+# The slurm.conf settings a test may add (SlurmCluster.settings): the node health check, job prolog/epilog wiring and
+# preemption (a low-priority partition whose jobs give way to the normal one's).
 SETTINGS = ("HealthCheckProgram", "HealthCheckInterval", "HealthCheckNodeState", "Prolog", "Epilog", "PrologFlags",
-            "PrologEpilogTimeout", "SchedulerParameters")
+            "PrologEpilogTimeout", "SchedulerParameters", "PreemptType", "PreemptMode", "PreemptExemptTime")
 START_DEADLINE_S = 120.0  # two loaded cores: slurmctld and a few slurmd take seconds each to come up
 
 
@@ -73,6 +74,11 @@ class SlurmCluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     # More slurm.conf lines, one of SETTINGS each (HealthCheckProgram=/path ...): what a test wires into Slurm itself.
     settings: dict[str, str] = field(default_factory=dict)
+    # More options of the default partition "all" ("PriorityTier=10 PreemptMode=OFF"), and more partitions, one
+    # "PartitionName=..." line each (the nodes are the live and dead ones: "Nodes=n1,n2"): a preemptible partition
+    # overlapping the default one.
+    all_options: str = ""
+    partitions: tuple[str, ...] = ()
 
     @property
     def conf(self) -> Path:
@@ -97,6 +103,10 @@ class SlurmCluster:
         if unknown:
             raise ValueError(f"slurm.conf settings {unknown}: not among {SETTINGS}")
         extra = "".join(f"{key}={value}\n" for key, value in self.settings.items())
+        if any(not line.startswith("PartitionName=") or "\n" in line for line in self.partitions):
+            raise ValueError(f"partitions {self.partitions}: each one line starting PartitionName=")
+        partitions = "".join(f"{line}\n" for line in self.partitions)
+        all_options = f" {self.all_options}" if self.all_options else ""
         b = self.base
         self.conf.write_text(f"""\
 ClusterName=gwtest
@@ -133,8 +143,8 @@ InactiveLimit=0
 KillWait=2
 MinJobAge=10
 {extra}{nodes}
-PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP
-""")
+PartitionName=all Nodes={all_nodes} Default=YES MaxTime=INFINITE State=UP{all_options}
+{partitions}""")
 
     def start(self) -> None:
         missing = [b for b in BINARIES if shutil.which(b) is None]
