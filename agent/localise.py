@@ -206,6 +206,7 @@ class _GroupSearch:
         self.pads = pads  # padding nodes a round can have
         self.cleared: set[str] = set()  # seen in a passing test: not a bad node
         self.left_out: set[str] = set()  # bad nodes and one end of each bad link: out of the remainder's test
+        self.ends: list[str] = []  # the ends of bad links left out, in the order found
 
     def ask(self, *reqs: _Req):
         """Run these tests (disjoint) in one round; their outcomes, or _Stop for the first undecided one."""
@@ -228,11 +229,42 @@ class _GroupSearch:
         self.grp.bad.append(node)
         self.left_out.add(node)
 
+    def blame_link(self, kept: str, out: str) -> None:
+        self.grp.links.append(frozenset((kept, out)))
+        if out not in self.left_out:
+            self.left_out.add(out)
+            self.ends.append(out)
+
+    def check_ends(self, rest: list[str]):
+        """`rest` passed without the link ends left out: test each end with it, less the end's known partners,
+        and find any further link from that end (every pair inside `rest` is clean, the end is no bad node)."""
+        for end in self.ends:
+            while True:
+                partners = {n for link in self.grp.links if end in link for n in link} - {end}
+                others = [n for n in rest if n not in partners]
+                if not others or not (yield from self.one(others + [end])):
+                    break
+                while len(others) > 1:
+                    part = others[:len(others) // 2]
+                    others = part if (yield from self.one([end] + part)) else others[len(part):]
+                self.grp.links.append(frozenset((end, others[0])))
+        # Pairs of left-out ends are in no test yet: all of them at once when none is a known link, else each.
+        ends = self.ends
+        pairs = [frozenset((a, b)) for i, a in enumerate(ends) for b in ends[i + 1:]]
+        unknown = [p for p in pairs if p not in self.grp.links]
+        if len(unknown) == len(pairs) > 1:
+            if not (yield from self.one(ends)):
+                return
+        for p in unknown:
+            if (yield from self.one(sorted(p, key=ends.index))):
+                self.grp.links.append(p)
+
     def run(self):
         g = self.grp.nodes
         confirm: str | None = None  # a suspect to test with padding, beside the remainder's test
         smallest_failing = list(g)
         stale, blamed = 0, -1
+        first = True
         while True:
             # Every other pass of this loop blames something, unless outcomes contradict each other (a flaky
             # collective): then stop rather than go round for ever.
@@ -243,7 +275,9 @@ class _GroupSearch:
             if not rest:
                 self.grp.finished = True
                 return
-            if confirm is None:
+            if first:
+                failed, first = True, False  # the sweep's first round saw the group fail
+            elif confirm is None:
                 failed = yield from self.one(rest)
             else:
                 suspect, confirm = confirm, None
@@ -252,6 +286,7 @@ class _GroupSearch:
                 if failed is None:
                     continue
             if not failed:
+                yield from self.check_ends(rest)
                 self.grp.finished = True
                 return
             smallest_failing = rest
@@ -325,8 +360,7 @@ class _GroupSearch:
             while len(b) > 1:
                 part = b[:len(b) // 2]
                 b = part if (yield from self.one([end] + part)) else b[len(part):]
-            self.grp.links.append(frozenset((end, b[0])))
-            self.left_out.add(b[0])
+            self.blame_link(end, b[0])
             return
         if len(s) == 1:
             if (yield from self.one(s)):
@@ -341,5 +375,4 @@ class _GroupSearch:
         if fy:
             self.blame_node(y)
         else:
-            self.grp.links.append(frozenset((x, y)))
-            self.left_out.add(y)
+            self.blame_link(x, y)
