@@ -207,6 +207,7 @@ class _GroupSearch:
         self.cleared: set[str] = set()  # seen in a passing test: not a bad node
         self.left_out: set[str] = set()  # bad nodes and one end of each bad link: out of the remainder's test
         self.ends: list[str] = []  # the ends of bad links left out, in the order found
+        self.failed: set[frozenset[str]] = set()  # tests seen to fail (padding left out)
 
     def ask(self, *reqs: _Req):
         """Run these tests (disjoint) in one round; their outcomes, or _Stop for the first undecided one."""
@@ -221,9 +222,17 @@ class _GroupSearch:
         out = yield from self.ask(req)
         if out[0] is None:
             raise _Stop
-        if not out[0]:
+        if out[0]:
+            self.failed.add(frozenset(nodes))
+        else:
             self.cleared.update(nodes)
         return out[0]
+
+    def pair_fails(self, a: str, b: str):
+        """Whether a and b fail together, seen directly: an end found by halving is inferred until then."""
+        if frozenset((a, b)) in self.failed:
+            return True
+        return (yield from self.one([a, b]))
 
     def blame_node(self, node: str) -> None:
         self.grp.bad.append(node)
@@ -247,6 +256,8 @@ class _GroupSearch:
                 while len(others) > 1:
                     part = others[:len(others) // 2]
                     others = part if (yield from self.one([end] + part)) else others[len(part):]
+                if not (yield from self.pair_fails(end, others[0])):
+                    raise _Stop  # the outcomes contradict each other: blame nothing more
                 self.grp.links.append(frozenset((end, others[0])))
         # Pairs of left-out ends are in no test yet: all of them at once when none is a known link, else each.
         ends = self.ends
@@ -314,7 +325,19 @@ class _GroupSearch:
         if not out[0]:
             self.cleared.add(suspect)
             if together is not None and out[1] is False:
+                # The remainder passes without it: the suspect is one end of a bad link, the other end in the
+                # smallest set seen to fail with it. Halve that with the suspect attached.
                 self.cleared.update(rest)
+                others = [n for n in failing if n != suspect and n in rest]
+                if not others:
+                    raise _Stop  # outcomes that contradict each other
+                while len(others) > 1:
+                    part = others[:len(others) // 2]
+                    others = part if (yield from self.one([suspect] + part)) else others[len(part):]
+                if not (yield from self.pair_fails(suspect, others[0])):
+                    raise _Stop
+                self.blame_link(others[0], suspect)
+                return False
             yield from self.link_search(failing)
             return None
         self.blame_node(suspect)
@@ -360,10 +383,12 @@ class _GroupSearch:
             while len(b) > 1:
                 part = b[:len(b) // 2]
                 b = part if (yield from self.one([end] + part)) else b[len(part):]
+            if not (yield from self.pair_fails(end, b[0])):
+                raise _Stop  # the failure that started this is not seen again: blame nothing
             self.blame_link(end, b[0])
             return
         if len(s) == 1:
-            if (yield from self.one(s)):
+            if s[0] not in self.cleared and (yield from self.one(s)):
                 self.blame_node(s[0])
             return
         x, y = s
