@@ -26,6 +26,16 @@ from gpuwarden.agent.localise import Localiser  # noqa: E402
 
 SIZES = (16, 72, 144, 288, 576, 1152)  # 16 racks x 72 GPUs' nodes at the top
 GOOD = ("good-0", "good-1")
+# The worst case of each row over 200 seeds at the last change of the search (bench/README.md has the table): a
+# fence the suite keeps for small N, where the allowance cannot be met (bench/README.md says why).
+RECORDED_WORST = {(n, k + 1): worst for n, row in {
+    16: (6, 12, 18, 22),
+    72: (9, 17, 25, 32),
+    144: (10, 19, 28, 37),
+    288: (11, 22, 30, 41),
+    576: (12, 23, 34, 45),
+    1152: (13, 26, 36, 49),
+}.items() for k, worst in enumerate(row)}
 
 
 def bound(n: int, k: int) -> int:
