@@ -9,32 +9,37 @@ The search, per failing group (independent groups share rounds):
 
 1. Narrow down on the assumption that only nodes are bad: halve the set known (or inferred) to hold a bad node,
    test one half; if it fails, keep it, if it passes, its nodes are cleared and the other half is kept. The
-   last split tests the suspect with padding, so a failing last split confirms the suspect at once.
-2. Confirm a suspect that was only inferred: the suspect with padding. Fails: a bad node. Passes: the node
-   model was wrong for this group (a bad link); go to 4.
-3. Test the group less every bad node found (and one end of each bad link). Passes: the group is done. Fails:
-   something is left; narrow down again over its nodes that no test has cleared (1), or, when none is left,
-   over the whole remainder (4).
-4. Without inference (a link): from the smallest set seen to fail, test one half, then the other; a failing
-   half is kept; when both pass, a link crosses them: find its end in the first half by halving it with the
-   second half attached, then its other end by halving the second half with that end attached. Two nodes seen
-   to fail together are told apart with padding: either failing alone is a bad node, neither is a link.
+   last split tests the suspect with padding, so a failing last split proves the suspect bad at once.
+2. Prove a suspect that was only inferred: the suspect with padding, and in the same round the rest of the group
+   without it (3). Fails: a bad node. Passes: the node model was wrong here, there is a bad link: when the rest
+   without the suspect passed, the suspect is one end, and the other is found by halving the smallest set seen
+   to fail with it, with the suspect attached; otherwise go to 4.
+3. Test the group less every bad node found (and one end of each bad link). Passes: every pair of those nodes
+   is clean; each left-out link end is then tested with them (less its known partners), a failure halved down to
+   a further link, and the left-out ends with each other; the group is done. Fails: something is left; narrow
+   down again over its nodes that no test has cleared (1), or, when none is left, over all of it (4).
+4. Without inference: from the smallest set seen to fail, test one half, then the other; a failing half is kept;
+   when both pass, a link crosses them: find its end in the first half by halving it with the second half
+   attached, then its other end by halving the second half with that end attached. Two nodes seen to fail
+   together are told apart with padding: either failing alone is a bad node, neither is a link.
 
 What it will not do:
-- Blame without evidence: a node is blamed only after failing with padding alone, a link only after its two
-  ends failed together with every other node of that test cleared; a group is cleared only by a pass of all of
-  it less what was blamed (the test of step 3).
+- Blame without evidence: a node is blamed only after failing with padding alone; a link only after its two
+  ends failed together, each of them having passed a test (so neither is a bad node). A group is cleared only
+  by a pass of all of it less what was blamed (step 3).
 - Make up an outcome: a test recorded as not decided (`None`: preempted, not started) stops its group; the
-  group's nodes not blamed are `unresolved`, as are those of a group stopped by `max_tests`. A pass of part of
-  a group clears those nodes as bad nodes but not links between them and the rest, so an unfinished group
+  group's nodes not blamed are `unresolved`, as are those of a group stopped by `max_tests`, or by outcomes that
+  no set of defects explains (a flaky collective: the search stops rather than blame on them). A pass of part of
+  a group clears those nodes as bad nodes but not the links between them and the rest, so an unfinished group
   leaves every node it has not blamed unresolved.
 - Localise without a node known to be good: when every group of the first round failed, the fault is as likely
   fleet-wide (a driver, the fabric's core, the test itself) as in any node, so nothing is tested or blamed:
   every failing node is unresolved.
 
-Not looked for: a second bad link at the end of a bad link that step 3 leaves out, and a bad link between a
-failing group's node and a padding node (padding is from groups that passed, so no test of the first round held
-both). The cost in tests, against the information-theoretic bound, is measured by bench/localise.py.
+Not seen by any test: a bad link with a bad node at one end (every test holding both fails for the node), and a
+bad link between nodes of different groups or between a group's node and a padding node (padding comes from
+groups that passed, so no test of the first round held both ends). The cost in tests and rounds, against the
+information-theoretic bound, is measured by bench/localise.py (bench/README.md).
 """
 from __future__ import annotations
 
@@ -173,9 +178,6 @@ class Localiser:
                 blamed = set(grp.bad).union(*grp.links) if grp.links else set(grp.bad)
                 unresolved.update(n for n in grp.nodes if n not in blamed)
         return Culprits(frozenset(nodes), frozenset(links), frozenset(unresolved), frozenset(finished))
-
-    def done(self) -> bool:
-        return not self._flight and not any(self._want.values())
 
     # -- internals -----------------------------------------------------------------------------------------
     def _advance(self, grp: _Group, search: _Search, outcomes: list | None) -> None:
