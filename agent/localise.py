@@ -119,7 +119,8 @@ class Localiser:
 
     # -- driving -------------------------------------------------------------------------------------------
     def next_round(self) -> list[tuple[str, ...]]:
-        """The tests to run now, disjoint; [] when the search is over. Record every one before asking again."""
+        """The tests to run now, disjoint; [] when the search is over. Record every one before asking again. A
+        padded test is (suspect, padding node)."""
         if self._flight:
             raise RuntimeError(f"{len(self._flight)} test(s) of round {self.rounds_run} not recorded yet")
         free = list(self.good)
