@@ -1,0 +1,271 @@
+"""The sweep's localisation (agent/localise.py): which node or link made a group fail, by further collectives on
+disjoint sets of nodes; and the bench's figures for small fleets (bench/localise.py)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from gpuwarden.agent.localise import Culprits, Localiser
+
+GOOD = ("good-a", "good-b")
+
+
+def outcome(test, bad, links) -> bool:
+    s = set(test)
+    return bool(s & set(bad)) or any(set(link) <= s for link in links)
+
+
+def drive(loc: Localiser, failing, good, bad=(), links=(), answer=None) -> list[list[tuple[str, ...]]]:
+    """Run the search against an oracle; every round is checked: tests of >= 2 nodes, disjoint (padding
+    included), nodes only from the failing groups and the good ones, and a good node only as the padding of one
+    suspect. `answer(test, outcome)` may replace an outcome (None: no verdict)."""
+    failing_nodes = {n for g in failing for n in g}
+    good = set(good) - failing_nodes
+    rounds = []
+    while tests := loc.next_round():
+        used: set[str] = set()
+        for t in tests:
+            assert len(t) >= 2, t
+            assert not used & set(t), f"round {len(rounds) + 1} not disjoint: {tests}"
+            used.update(t)
+            assert set(t) <= failing_nodes | good, t
+            pads = [n for n in t if n in good]
+            assert not pads or (len(pads) == 1 and len(t) == 2), f"padding beside more than one suspect: {t}"
+            # every test stays inside one failing group (plus padding)
+            assert sum(1 for g in failing if set(t) & set(g)) == 1, t
+        rounds.append(tests)
+        for t in tests:
+            result = outcome(t, bad, links)
+            loc.record(t, answer(t, result) if answer else result)
+    return rounds
+
+
+def nodes(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:02d}" for i in range(n)]
+
+
+def test_sweep_localise_one_bad_node():
+    g = nodes("n", 16)
+    loc = Localiser([g], GOOD)
+    drive(loc, [g], GOOD, bad={"n05"})
+    assert loc.result() == Culprits(frozenset({"n05"}), frozenset(), frozenset(), frozenset({0}))
+    # ceil(log2 16) halvings, the suspect with padding (or its last halving), the rest
+    assert loc.tests_run <= 6
+
+
+def test_sweep_localise_bad_link_is_not_a_bad_node():
+    g = nodes("n", 16)
+    link = frozenset({"n03", "n11"})
+    loc = Localiser([g], GOOD)
+    drive(loc, [g], GOOD, links=[link])
+    res = loc.result()
+    assert res.nodes == frozenset() and res.links == {link} and not res.unresolved
+
+
+def test_sweep_localise_several_defects_in_one_group_unknown_count():
+    g = nodes("n", 24)
+    bad = {"n02", "n17"}
+    links = [frozenset({"n05", "n20"})]
+    loc = Localiser([g], GOOD)  # how many there are is not said
+    drive(loc, [g], GOOD, bad=bad, links=links)
+    res = loc.result()
+    assert res.nodes == bad and res.links == set(links) and not res.unresolved
+
+
+def test_sweep_localise_groups_share_rounds():
+    groups = [nodes("a", 8), nodes("b", 8), nodes("c", 8)]
+    bad = {"a01", "c06"}
+    links = [frozenset({"b02", "b05"})]
+    loc = Localiser(groups, ["ok1", "ok2", "ok3"])
+    rounds = drive(loc, groups, ["ok1", "ok2", "ok3"], bad=bad, links=links)
+    res = loc.result()
+    assert res.nodes == bad and res.links == set(links) and not res.unresolved
+    assert res.finished == {0, 1, 2}
+    # each alone, in turn, would take the sum of their rounds; together they overlap
+    alone = 0
+    for g in groups:
+        one = Localiser([g], ["ok1", "ok2", "ok3"])
+        alone += len(drive(one, [g], ["ok1", "ok2", "ok3"], bad=bad, links=links))
+    assert len(rounds) < alone
+    assert any(len({t[0][0] for t in r}) > 1 for r in rounds), "no round held tests of two groups"
+
+
+def test_sweep_localise_padding_is_shared_out_by_rounds():
+    # one good node, three groups that each end on a single suspect: never two tests padded with it at once
+    groups = [nodes("a", 4), nodes("b", 4), nodes("c", 4)]
+    loc = Localiser(groups, ["ok"])
+    drive(loc, groups, ["ok"], bad={"a03", "b00", "c02"})
+    assert loc.result().nodes == {"a03", "b00", "c02"}
+
+
+def test_sweep_localise_no_good_node_blames_nothing():
+    # every group of the first round failed: a fleet-wide signal is no node's fault
+    groups = [nodes("a", 4), nodes("b", 4)]
+    loc = Localiser(groups, [])
+    assert loc.next_round() == []
+    res = loc.result()
+    assert res.nodes == frozenset() and res.links == frozenset()
+    assert res.unresolved == set(groups[0]) | set(groups[1])
+    # "good" nodes that are in a failing group are not good
+    loc = Localiser(groups, ["a00"])
+    assert loc.next_round() == [] and loc.result().unresolved == set(groups[0]) | set(groups[1])
+
+
+def test_sweep_localise_preempted_test_ends_unresolved_never_blamed():
+    g = nodes("n", 16)
+    bad = {"n09"}
+    full = Localiser([g], GOOD)
+    total = len(drive(full, [g], GOOD, bad=bad))
+    for stop_round in range(1, total + 1):
+        loc = Localiser([g], GOOD)
+
+        def answer(t, result, stop_round=stop_round, loc=loc):
+            return None if loc.rounds_run == stop_round else result
+
+        drive(loc, [g], GOOD, bad=bad, answer=answer)
+        res = loc.result()
+        assert res.links == frozenset()
+        assert res.nodes <= bad, f"blamed a good node when round {stop_round} was preempted"
+        assert not res.finished, f"round {stop_round} preempted, yet the group counts as cleared"
+        assert res.unresolved == set(g) - res.nodes
+        assert loc.rounds_run == stop_round, "rounds ran after the preempted one"
+
+
+def test_sweep_localise_preemption_keeps_other_groups_going():
+    groups = [nodes("a", 8), nodes("b", 8)]
+    bad = {"a02", "b07"}
+
+    def answer(t, result):
+        return None if t[0].startswith("a") else result
+
+    loc = Localiser(groups, GOOD)
+    drive(loc, groups, GOOD, bad=bad, answer=answer)
+    res = loc.result()
+    assert res.nodes == {"b07"} and res.finished == {1}
+    assert res.unresolved == set(groups[0])
+
+
+def test_sweep_localise_max_tests_stops_without_guessing():
+    g = nodes("n", 64)
+    bad = {"n10", "n40"}
+    for budget in range(0, 12):
+        loc = Localiser([g], GOOD, max_tests=budget)
+        drive(loc, [g], GOOD, bad=bad)
+        assert loc.tests_run <= budget
+        res = loc.result()
+        assert res.nodes <= bad and not res.links
+        assert res.unresolved == set(g) - res.nodes
+    loc = Localiser([g], GOOD, max_tests=100)
+    drive(loc, [g], GOOD, bad=bad)
+    assert loc.result().nodes == bad and not loc.result().unresolved
+
+
+def test_sweep_localise_flaky_first_failure_blames_nothing():
+    # the group failed in the first round, but no test fails again: nothing to blame
+    g = nodes("n", 12)
+    loc = Localiser([g], GOOD)
+    drive(loc, [g], GOOD)
+    res = loc.result()
+    assert res.nodes == frozenset() and res.links == frozenset()
+    assert res.unresolved == set(g)
+
+
+def test_sweep_localise_contradicting_outcomes_end():
+    # outcomes that fit no defect (each test fails at random) still end, within a bounded number of tests
+    import random
+    g = nodes("n", 20)
+    for seed in range(30):
+        rng = random.Random(seed)
+        loc = Localiser([g], GOOD)
+        drive(loc, [g], GOOD, answer=lambda t, r, rng=rng: rng.random() < 0.5)
+        assert loc.tests_run < 40 * len(g)
+
+
+def test_sweep_localise_is_deterministic():
+    groups = [nodes("a", 12), nodes("b", 9)]
+    bad = {"a04", "a07", "b01"}
+    links = [frozenset({"b03", "b08"})]
+    runs = []
+    for _ in range(2):
+        loc = Localiser(groups, GOOD)
+        runs.append((drive(loc, groups, GOOD, bad=bad, links=links), loc.result()))
+    assert runs[0] == runs[1]
+
+
+def test_sweep_localise_refuses_bad_input():
+    with pytest.raises(ValueError, match="shares nodes"):
+        Localiser([["a", "b"], ["b", "c"]], GOOD)
+    with pytest.raises(ValueError, match="max_tests"):
+        Localiser([["a", "b"]], GOOD, max_tests=-1)
+    loc = Localiser([["a", "b"]], GOOD)
+    tests = loc.next_round()
+    with pytest.raises(KeyError):
+        loc.record(("x", "y"), True)
+    with pytest.raises(RuntimeError, match="not recorded"):
+        loc.next_round()
+    loc.record(tests[0], True)
+    with pytest.raises(KeyError):
+        loc.record(tests[0], True)
+
+
+@st.composite
+def fleets(draw):
+    """Small fleets: groups of 1..9 nodes, some bad nodes and bad links inside groups (a link never touches a
+    bad node: such a link changes no outcome), the groups with a defect failing, the others good."""
+    sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4))
+    groups = [[f"g{i}n{j}" for j in range(s)] for i, s in enumerate(sizes)]
+    bad: set[str] = set()
+    links: set[frozenset[str]] = set()
+    for g in groups:
+        bad |= set(draw(st.lists(st.sampled_from(g), max_size=3)))
+        if len(g) >= 2:
+            pairs = [frozenset((a, b)) for i, a in enumerate(g) for b in g[i + 1:]]
+            links |= set(draw(st.lists(st.sampled_from(pairs), max_size=3)))
+    links = {x for x in links if not x & bad}
+    extra_good = draw(st.integers(1, 2))
+    return groups, bad, links, extra_good
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleets())
+def test_sweep_localise_finds_every_defect_when_every_test_is_decided(fleet):
+    groups, bad, links, extra_good = fleet
+    failing = [g for g in groups if outcome(g, bad, links)]
+    good = [n for g in groups if g not in failing for n in g] + [f"spare{i}" for i in range(extra_good)]
+    loc = Localiser(failing, good)
+    drive(loc, failing, good, bad=bad, links=links)
+    res = loc.result()
+    assert res.nodes == bad
+    assert res.links == links
+    assert res.unresolved == frozenset()
+    assert res.finished == set(range(len(failing)))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_localise", ROOT / "bench" / "localise.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sweep_localise_bench_small_fleets():
+    """The bench's figures for small N, fewer seeds: every run names exactly the bad nodes (the bench stops
+    otherwise), one bad node takes the fewest tests any search can (ceil(log2 N) + 2), and no worst case is over
+    the bench's recorded figure (or the allowance, where that is the larger)."""
+    bench = load_bench()
+    for n in (16, 72):
+        for k in (1, 2, 3, 4):
+            row = bench.measure(n, k, seeds=40)
+            worst = max(row.tests)
+            if k == 1:
+                assert worst == bench.floor_one(n) == math.ceil(math.log2(n)) + 2
+            assert worst <= max(bench.allowance(n, k), bench.RECORDED_WORST[(n, k)]), (n, k, worst)
+        link_row = bench.measure(n, 1, seeds=10, links=True)
+        assert max(link_row.tests) < math.comb(n, 2)
