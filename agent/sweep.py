@@ -115,13 +115,18 @@ def plan_phases(nodes: Sequence[NodeView], group_nodes: int, cross_domain: bool)
                      if d is not None for g in _chunks(names, group_nodes)]
     if domain_groups:
         phases.append(Phase("domain", tuple(domain_groups)))
-    # Across the fabric: deal the nodes out domain by domain, so consecutive names come from different domains;
-    # nodes with no domain are each their own.
-    columns = [names for d, names in sorted(by_domain.items(), key=lambda kv: _natural(kv[0] or "")) if d is not None]
-    columns += [[n] for n in by_domain.get(None, [])]
+    # Across the fabric: nodes dealt round-robin into the groups, the largest domain first and the deal carrying on
+    # across domains, with no more groups than nodes outside the largest domain: every group then holds nodes of at
+    # least two domains (its traffic crosses the fabric). Nodes with no domain are each a domain of their own.
+    columns = [names for d, names in by_domain.items() if d is not None] + [[n] for n in by_domain.get(None, [])]
+    columns.sort(key=lambda c: (-len(c), _natural(c[0])))
+    total = sum(len(c) for c in columns)
     if cross_domain and len(columns) >= 2:
-        dealt = [names[i] for i in range(max(len(c) for c in columns)) for names in columns if i < len(names)]
-        phases.append(Phase("fabric", tuple(_chunks(dealt, group_nodes))))
+        count = max(1, min(round(total / max(2, group_nodes)), total - len(columns[0]), total // 2))
+        groups: list[list[str]] = [[] for _ in range(count)]
+        for i, name in enumerate(n for c in columns for n in c):
+            groups[i % count].append(name)
+        phases.append(Phase("fabric", tuple(tuple(sorted(g, key=_natural)) for g in groups if len(g) >= 2)))
     return [p for p in phases if p.groups]
 
 
