@@ -1,11 +1,13 @@
-"""Tests and rounds the sweep's localisation (agent/localise.py) takes to find k bad nodes among N, on simulated
+"""Rounds and tests the sweep's localisation (agent/localise.py) takes to find k bad nodes among N, on simulated
 outcomes, against the information-theoretic lower bound ceil(log2 C(N, k)) and against naive pairwise testing.
 
-One group of N nodes is known to fail (the sweep's first round), two nodes outside it are known good (padding).
-A seeded oracle places k bad nodes at random and answers each test: it fails when it holds a bad node (or both
-ends of a bad link, for the link table). Every run must name exactly the bad nodes (links) placed, or the bench
-stops. Prints, per N and k: tests used (mean and worst over the seeds), rounds (mean, worst), the bound, the
-allowance 1.2 x bound + k, and naive pairwise testing; exits 1 when a worst case is over its allowance.
+A round is one step of wall-clock time: disjoint collectives at once, no node (padding included) in two. A test
+is one collective, one bit. One group of N nodes is known to fail (the sweep's first round, not counted), two
+nodes outside it are known good (padding). A seeded oracle places k bad nodes at random and answers each test:
+it fails when it holds a bad node (or both ends of a bad link, for the link table). Every round is checked
+disjoint, and every run must name exactly the bad nodes (links) placed, or the bench stops. Prints, per N and k:
+the bound, the allowance 1.2 x bound + k, rounds and tests (mean and worst over the seeds) and naive pairwise
+testing's; exits 1 when a row's worst case takes more rounds than its allowance.
 
     .venv/bin/python bench/localise.py [--seeds 200] [--n 16,72,144,288,576,1152] [--k 1,2,3,4] [--links 1,2]
 """
