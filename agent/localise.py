@@ -3,32 +3,37 @@ halving.
 
 Defect model. A *bad node* makes every test that contains it fail; a *bad link* (a, b) makes a test fail exactly
 when it holds both a and b. A test is one collective over a set of at least two nodes; a single suspect runs with
-a node known to be good (*padding*). Tests run in *rounds*: within a round no node, padding included, is in two
-tests (a node runs one collective at a time). A round is what an operator waits for, so the search spends tests
-to save rounds: its depth grows with log2 of the group's size, not with the number of defects.
+a node known to be good (*padding*: a node of a group that passed the first round, or, when those are all in
+use, a node of the suspect's own group that passed a test). Tests run in *rounds*: within a round no node,
+padding included, is in two tests (a node runs one collective at a time). A round is what an operator waits for,
+so the search spends tests to save rounds: its depth grows with log2 of the group's size, not with the number of
+defects.
 
 The search, per failing group; every failing set of every group advances one level a round:
 
-1. Split: a set seen to fail is halved and *both* halves are tested in the same round (a half of one node with
-   padding). A failing half is split again; a passing half's nodes are no bad nodes (and no link lies inside it).
-2. A node is blamed when it fails beside a node from outside the failing groups (a node of a group that passed
-   the first round: no link to it is in any failing group). When those are all in use, a node of the same group
-   that passed a test pads instead; that pair failing is a bad node or a bad link between the two, so the suspect
-   is tested again beside an outside node: failing, a bad node; passing, the link to its padding.
+1. Split: a set seen to fail is halved and *both* halves are tested in the same round (a half of one node beside
+   padding). A failing half is split again; a passing half's nodes are no bad nodes, and no link lies inside it.
+2. A single node that fails beside padding is a bad node or one end of a bad link to its padding. It is a
+   *suspect*: left out of the rest, and looked at once more beside another padding node (one from outside the
+   failing groups when the first was not). Failing again, it is a bad node; passing, the link to the first
+   padding is bad. A node that had passed a test before and fails beside padding is the end of such a link at
+   once.
 3. Both halves pass though their union failed: a link crosses them (a in A, b in B), or the failure was flaky.
    A and B are halved, A1 with B1 and A2 with B2 tested in one round, A1 with B2 and A2 with B1 in the next when
    neither failed; a failing union is searched the same way (its two parts each passed alone), down to two nodes
    that fail together and have each passed with others: a bad link. None of the four failing: the outcomes
    contradict each other and the group ends unresolved.
-4. Confirm: once no set is left to split, the group less every bad node and one end of each bad link is tested
-   (one round, whatever the number of defects). Passes: the rest is clean; each left-out link end is tested with
-   it (less its known partners), a failure halved down to a further link, and the left-out ends with each other.
-   Fails: something was hidden (a link inside a half that also held a bad node): search that remainder (1).
+4. Confirm: once no set is left to split, the group less its bad nodes, its suspects and one end of each bad
+   link is tested, in the same round as the suspects' second looks (whatever those say, a suspect stays out of
+   the rest: a bad node, or a link's end). Passes: the rest is clean; each left-out link end is tested with it
+   (less its known partners), a failure halved down to a further link, and the left-out ends with each other.
+   Fails: something was hidden (a link across two halves of which one failed for another defect): search that
+   remainder (1).
 
 What it will not do:
-- Blame without evidence: a node only after failing beside a node from outside the failing groups; a link only
-  after its two ends failed together, each of them having passed a test (so neither is a bad node). A group is
-  cleared only by a pass of all of it less what was blamed (step 4).
+- Blame without evidence: a node only after failing beside two different padding nodes, one of them from outside
+  the failing groups (or beside the only node outside them, when no other can pad it); a link only after its two ends failed together, each of them having passed a test (so
+  neither is a bad node). A group is cleared only by a pass of all of it less what was blamed (step 4).
 - Make up an outcome: a test recorded as not decided (`None`: preempted, not started) stops its group; the
   group's nodes not blamed are `unresolved`, as are those of a group stopped by `max_tests`, or by outcomes that
   no set of defects explains (a flaky collective: the search stops rather than blame on them). A pass of part of
@@ -38,11 +43,11 @@ What it will not do:
   fleet-wide (a driver, the fabric's core, the test itself) as in any node, so nothing is tested or blamed:
   every failing node is unresolved.
 
-When a round has more single suspects than padding nodes to give them, the rest wait for the next round. Not seen
-by any test: a bad link with a bad node at one end (every test holding both fails for the node), and a bad link
-between nodes of different groups or between a group's node and a padding node from outside (padding comes from
-groups that passed, so no test of the first round held both ends). The cost in rounds and tests, against the
-information-theoretic bound, is measured by bench/localise.py (bench/README.md).
+When a round has more single suspects than padding nodes to give them, the rest wait for the next round. Not
+told apart by any test here: a bad link with a bad node at one end (every test holding both fails for the node),
+and a node with bad links to both of the padding nodes it was tested beside (it is taken for a bad node). Not
+seen: a bad link between nodes of different failing groups, or between two nodes of groups that passed. The cost
+in rounds and tests, against the information-theoretic bound, is measured by bench/localise.py (bench/README.md).
 """
 from __future__ import annotations
 
@@ -52,8 +57,9 @@ from typing import Generator, Iterable, Iterator, Sequence
 
 @dataclass(frozen=True)
 class Culprits:
-    nodes: frozenset[str]  # bad nodes: each failed a test beside only a padding node from outside the groups
-    links: frozenset[frozenset[str]]  # bad links (two nodes each): together they fail, each passed a test
+    nodes: frozenset[str]  # bad nodes: each failed beside two padding nodes, one from outside the groups
+    links: frozenset[frozenset[str]]  # bad links (two nodes each): together they fail, each passed a test; one end
+    # may be a padding node from a group that passed
     unresolved: frozenset[str]  # nodes of a failing group not cleared when its search stopped (budget, preemption,
     # no node known good, contradicting outcomes)
     finished: frozenset[int] = frozenset()  # indexes of the failing groups whose remainder was seen to pass
@@ -65,9 +71,11 @@ ANY = "any"  # outside first, else a node of the same group that passed a test
 
 @dataclass(frozen=True)
 class _Req:
-    """One test a group asks for: `nodes`, plus a padding node when `pad` (then `nodes` is one suspect)."""
+    """One test a group asks for: `nodes`, plus a padding node when `pad` (then `nodes` is one suspect), not one
+    of `avoid`."""
     nodes: tuple[str, ...]
     pad: str = ""
+    avoid: frozenset[str] = frozenset()
 
 
 # A test as run (padding included) and its outcome (True failed, False passed, None not decided).
@@ -180,10 +188,11 @@ class Localiser:
                 continue
             pad = None
             if r.pad:
-                if free:
-                    pad = free.pop(0)
+                pad = next((n for n in free if n not in r.avoid), None)
+                if pad is not None:
+                    free.remove(pad)
                 elif r.pad == ANY:
-                    pad = next((n for n in state.paddable(r.nodes[0]) if n not in used), None)
+                    pad = next((n for n in state.paddable(r.nodes[0]) if n not in used and n not in r.avoid), None)
                 if pad is None:
                     continue
             placed[i] = r.nodes + (pad,) if pad is not None else r.nodes
@@ -260,18 +269,24 @@ class _GroupSearch:
         self.failed: set[frozenset[str]] = set()  # tests seen to fail (padding included)
         self.passed: list[frozenset[str]] = []  # tests seen to pass: no link inside any of them
         self.blames = 0
+        self.suspects: dict[str, str] = {}  # node -> the padding it failed beside; looked at again (step 2)
+        self.last_test: tuple[str, ...] = ()  # the remainder's test as run
         self._spawned: list[_Task] = []
 
     # -- tests -------------------------------------------------------------------------------------------
     def paddable(self, suspect: str) -> Iterator[str]:
         """Nodes of this group that may pad `suspect` when the outside ones are all in use: seen to pass, and no
         known link to it."""
-        partners = {n for link in self.grp.links if suspect in link for n in link}
-        return (n for n in self.grp.nodes if n in self.cleared and n not in self.bad and n not in partners)
+        partners = self.partners(suspect)
+        return (n for n in self.grp.nodes
+                if n in self.cleared and n != suspect and n not in self.bad and n not in partners)
 
-    @staticmethod
-    def req(nodes: Sequence[str], pad: str = ANY) -> _Req:
-        return _Req((nodes[0],), pad) if len(nodes) == 1 else _Req(tuple(nodes))
+    def partners(self, node: str) -> frozenset[str]:
+        return frozenset(n for link in self.grp.links if node in link for n in link if n != node)
+
+    def req(self, nodes: Sequence[str], pad: str = ANY) -> _Req:
+        """A test of `nodes`; a single node with padding, never one of its known link partners."""
+        return _Req((nodes[0],), pad, self.partners(nodes[0])) if len(nodes) == 1 else _Req(tuple(nodes))
 
     def note(self, ran: _Ran) -> _Ran:
         test, out = ran
@@ -383,29 +398,40 @@ class _GroupSearch:
             self.spawn(self.cross(halves[0], halves[1]))
 
     def suspect(self, node: str, test: tuple[str, ...]) -> None:
-        """`node` failed beside one padding node."""
+        """`node` failed beside one padding node: a bad node, or a link between the two. It is left out of the
+        remainder's test, and looked at once more beside another padding node in the same round (step 2)."""
         pad = next(n for n in test if n != node)
-        if pad in self.outside:
-            self.blame_node(node)
+        if node in self.cleared:
+            self.blame_link(pad, node)  # it passed a test before, so it is no bad node, nor is its padding
         else:
-            self.spawn(self.prove(node, pad))
+            self.suspects[node] = pad
 
     def single(self, node: str) -> _Task:
-        """A group of one node failed: with padding from outside it is bad; passing, the first failure was not
-        seen again."""
-        out = yield [_Req((node,), OUT)]
-        if not out[0][1]:
+        """A group (or remainder) of one node seen to fail: beside padding it is a suspect; passing, the failure
+        was not seen again."""
+        ran = yield [self.req([node], OUT)]
+        (test, failed), = ran
+        if not failed:
             raise _Stop
-        self.blame_node(node)
+        self.suspect(node, test)
 
-    def prove(self, node: str, pad: str) -> _Task:
-        """`node` failed beside `pad`, a node of the group that passed a test: a bad node, or a link between the
-        two. Beside a node from outside the groups it fails only if it is bad."""
-        out = yield [_Req((node,), OUT)]
-        if out[0][1]:
+    def second_look(self, node: str, first: str) -> _Task:
+        """`node` failed beside `first`: beside another padding node (one from outside the groups when `first`
+        was not), failing again it is a bad node; passing, the link to `first` is bad."""
+        avoid = self.partners(node) | {first}
+        pad = ANY if first in self.outside else OUT
+        if self.outside <= avoid and (pad == OUT or not any(n not in avoid for n in self.paddable(node))):
+            # No other node to pad it with: beside one from outside it is a bad node unless that very link is
+            # bad, which no test here can tell; beside one of its own group, it cannot be told.
+            if pad == OUT:
+                raise _Stop
+            self.blame_node(node)
+            return
+        ran = yield [_Req((node,), pad, avoid)]
+        if ran[0][1]:
             self.blame_node(node)
         else:
-            self.blame_link(pad, node)
+            self.blame_link(first, node)
 
     def cross(self, a: list[str], b: list[str]) -> _Task:
         """`a` and `b` each passed alone (no bad node, no link inside either) and together failed: a link crosses
@@ -438,18 +464,35 @@ class _GroupSearch:
         while failing:
             before = self.blames
             yield from self.parallel(self.search(failing))
+            # The suspects are left out of the remainder whatever their second look says: a bad node is left out,
+            # and so is the end of a bad link. So the remainder's test runs beside the second looks.
+            rest = [n for n in group if n not in self.left_out and n not in self.suspects]
+            looks = [self.second_look(n, pad) for n, pad in self.suspects.items()]
+            self.suspects = {}
+            failed = yield from self.parallel(self.confirm(rest), *looks)
             if self.blames == before:
                 raise _Stop  # a set seen to fail, and nothing in it to blame
-            rest = [n for n in group if n not in self.left_out]
-            failing = []
-            if rest and (yield from self.one(rest, OUT)):
-                if len(rest) == 1:
-                    self.blame_node(rest[0])
-                    rest = []
-                else:
-                    failing = rest
+            failing = rest if failed else []
+            if len(failing) == 1:
+                # alone beside padding it failed: a suspect, looked at again beside another padding node
+                self.suspect(rest[0], self.last_test)
+                failing, rest = [], []
+                yield from self.parallel(*(self.second_look(n, pad) for n, pad in self.suspects.items()))
+                self.suspects = {}
         yield from self.check_ends(rest)
         self.grp.finished = True
+
+    def confirm(self, rest: list[str]) -> _Task:
+        """The group less what was blamed or is suspect: whether it failed."""
+        if not rest:
+            return False
+        ran = yield [self.req(rest, OUT)]
+        (self.last_test, failed), = ran
+        return failed
+
+    def seen_pass(self, nodes: Sequence[str]) -> bool:
+        s = frozenset(nodes)
+        return any(s <= p for p in self.passed)
 
     def pair_fails(self, a: str, b: str):
         """Whether a and b fail together, seen directly: an end found by halving is inferred until then."""
@@ -462,9 +505,9 @@ class _GroupSearch:
         and find any further link from that end (every pair inside `rest` is clean, the end is no bad node)."""
         for end in self.ends:
             while True:
-                partners = {n for link in self.grp.links if end in link for n in link} - {end}
+                partners = self.partners(end)
                 others = [n for n in rest if n not in partners]
-                if not others or not (yield from self.one(others + [end])):
+                if not others or self.seen_pass(others + [end]) or not (yield from self.one(others + [end])):
                     break
                 while len(others) > 1:
                     part = others[:len(others) // 2]

@@ -55,16 +55,16 @@ def test_sweep_localise_one_bad_node():
     loc = Localiser([g], GOOD)
     rounds = drive(loc, [g], GOOD, bad={"n05"})
     assert loc.result() == Culprits(frozenset({"n05"}), frozenset(), frozenset(), frozenset({0}))
-    # both halves of each failing set in the same round: 8+8, 4+4, 2+2, then n05 and n04 each beside a node from
-    # outside (n05 blamed there), then the group less n05
+    # both halves of each failing set in the same round: 8+8, 4+4, 2+2, then n04 and n05 each beside a node from
+    # outside; n05 fails, so the group less n05 is tested beside n05's second look, with the other outside node
     assert rounds == [
         [tuple(g[:8]), tuple(g[8:])],
         [tuple(g[:4]), tuple(g[4:8])],
         [("n04", "n05"), ("n06", "n07")],
         [("n04", "good-a"), ("n05", "good-b")],
-        [tuple(n for n in g if n != "n05")],
+        [tuple(n for n in g if n != "n05"), ("n05", "good-a")],
     ]
-    assert loc.rounds_run == 5 and loc.tests_run == 9
+    assert loc.rounds_run == 5 and loc.tests_run == 10
 
 
 def test_sweep_localise_rounds_do_not_grow_with_bad_nodes():
@@ -84,19 +84,33 @@ def test_sweep_localise_rounds_do_not_grow_with_bad_nodes():
 
 def test_sweep_localise_padding_from_the_group_is_proven_with_an_outside_node():
     # one outside node: in round 2, n02 gets it and n03 is padded with n00, which passed in round 1. n03 fails
-    # beside n00 (a link, not a bad node): beside the outside node it passes, so the link is blamed, not n03
+    # beside n00 (a link, not a bad node): beside the outside node it passes (round 3, beside the rest's test),
+    # so the link is blamed, not n03; then n03 is tested with the rest, which finds its link to n02
     g = nodes("n", 4)
     links = [frozenset({"n00", "n03"}), frozenset({"n02", "n03"})]
     loc = Localiser([g], ["ok"])
     rounds = drive(loc, [g], ["ok"], links=links)
-    assert rounds[:3] == [[("n00", "n01"), ("n02", "n03")], [("n02", "ok"), ("n03", "n00")], [("n03", "ok")]]
+    assert rounds[:3] == [[("n00", "n01"), ("n02", "n03")], [("n02", "ok"), ("n03", "n00")],
+                          [("n00", "n01", "n02"), ("n03", "ok")]]
     res = loc.result()
     assert res.nodes == frozenset() and res.links == set(links) and not res.unresolved
-    # the same with n03 bad: blamed only after failing beside the outside node
+    # the same with n03 bad: blamed only once it failed beside the outside node too
     loc = Localiser([g], ["ok"])
     rounds = drive(loc, [g], ["ok"], bad={"n03"})
-    assert rounds[2] == [("n03", "ok")]
+    assert rounds[2] == [("n00", "n01", "n02"), ("n03", "ok")] and len(rounds) == 3
     assert loc.result().nodes == {"n03"} and not loc.result().links
+
+
+def test_sweep_localise_link_to_a_padding_node_is_not_a_bad_node():
+    # a link between a failing group's node and a node of a group that passed (n4 of one rack, n1 of the other):
+    # n4 fails beside n1, passes beside n2; the link is named, not n4, and n5 is a bad node (it failed beside
+    # two different padding nodes)
+    good = ["n1", "n2", "n3"]
+    g = ["n4", "n5", "n6"]
+    loc = Localiser([g], good)
+    drive(loc, [g], good, bad={"n5"}, links=[frozenset({"n1", "n4"})])
+    res = loc.result()
+    assert res.nodes == {"n5"} and res.links == {frozenset({"n1", "n4"})} and not res.unresolved
 
 
 def test_sweep_localise_bad_link_is_not_a_bad_node():
