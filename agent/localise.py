@@ -32,8 +32,9 @@ The search, per failing group; every failing set of every group advances one lev
 
 What it will not do:
 - Blame without evidence: a node only after failing beside two different padding nodes, one of them from outside
-  the failing groups (or beside the only node outside them, when no other can pad it); a link only after its two ends failed together, each of them having passed a test (so
-  neither is a bad node). A group is cleared only by a pass of all of it less what was blamed (step 4).
+  the failing groups (or beside the only node outside them, when no other can pad it); a link only after its two
+  ends failed together, each of them having passed a test (so neither is a bad node). A group is cleared only by
+  a pass of all of it less what was blamed (step 4).
 - Make up an outcome: a test recorded as not decided (`None`: preempted, not started) stops its group; the
   group's nodes not blamed are `unresolved`, as are those of a group stopped by `max_tests`, or by outcomes that
   no set of defects explains (a flaky collective: the search stops rather than blame on them). A pass of part of
@@ -345,7 +346,7 @@ class _GroupSearch:
                 return returned
             wanted = [(k, i) for k, (_, reqs, ran) in enumerate(live) for i in range(len(reqs)) if ran[i] is None]
             answers = yield [live[k][1][i] for k, i in wanted]
-            for (k, i), answer in zip(wanted, answers):
+            for (k, i), answer in zip(wanted, answers, strict=True):
                 if answer is not None:
                     live[k][2][i] = self.note(answer)
             done = [entry for entry in live if all(r is not None for r in entry[2])]
@@ -387,7 +388,7 @@ class _GroupSearch:
         """`s` was seen to fail: test both halves at once."""
         halves = [s[:len(s) // 2], s[len(s) // 2:]]
         out = yield [self.req(h) for h in halves]
-        for half, (test, failed) in zip(halves, out):
+        for half, (test, failed) in zip(halves, out, strict=True):
             if not failed:
                 continue
             if len(half) > 1:
@@ -448,7 +449,7 @@ class _GroupSearch:
         for pairs in rounds:
             out = yield [_Req(tuple(ha[i] + hb[j])) for i, j in pairs]
             found = False
-            for (i, j), (_, failed) in zip(pairs, out):
+            for (i, j), (_, failed) in zip(pairs, out, strict=True):
                 if failed:
                     self.spawn(self.cross(ha[i], hb[j]))
                     found = True

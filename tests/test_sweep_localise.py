@@ -1,5 +1,6 @@
 """The sweep's localisation (agent/localise.py): which node or link made a group fail, by further collectives on
-disjoint sets of nodes; and the bench's figures for small fleets (bench/localise.py)."""
+disjoint sets of nodes, every round checked disjoint (padding included); and the bench's rounds criterion for
+fleets up to 144 nodes (bench/localise.py)."""
 from __future__ import annotations
 
 import importlib.util
