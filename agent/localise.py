@@ -1,32 +1,40 @@
-"""Which node or link made a sweep's group fail: adaptive group testing over further collectives.
+"""Which node or link made a sweep's group fail: adaptive group testing over further collectives, by parallel
+halving.
 
 Defect model. A *bad node* makes every test that contains it fail; a *bad link* (a, b) makes a test fail exactly
 when it holds both a and b. A test is one collective over a set of at least two nodes; a single suspect runs with
-a node known to be good (*padding*: a node of a group that passed the first round). Tests run in *rounds*:
-within a round no node, padding included, is in two tests (a node runs one collective at a time).
+a node known to be good (*padding*: a node of a group that passed the first round, or, when those are all in
+use, a node of the suspect's own group that passed a test). Tests run in *rounds*: within a round no node,
+padding included, is in two tests (a node runs one collective at a time). A round is what an operator waits for,
+so the search spends tests to save rounds: its depth grows with log2 of the group's size, not with the number of
+defects.
 
-The search, per failing group (independent groups share rounds):
+The search, per failing group; every failing set of every group advances one level a round:
 
-1. Narrow down on the assumption that only nodes are bad: halve the set known (or inferred) to hold a bad node,
-   test one half; if it fails, keep it, if it passes, its nodes are cleared and the other half is kept. The
-   last split tests the suspect with padding, so a failing last split proves the suspect bad at once.
-2. Prove a suspect that was only inferred: the suspect with padding, and in the same round the rest of the group
-   without it (3). Fails: a bad node. Passes: the node model was wrong here, there is a bad link: when the rest
-   without the suspect passed, the suspect is one end, and the other is found by halving the smallest set seen
-   to fail with it, with the suspect attached; otherwise go to 4.
-3. Test the group less every bad node found (and one end of each bad link). Passes: every pair of those nodes
-   is clean; each left-out link end is then tested with them (less its known partners), a failure halved down to
-   a further link, and the left-out ends with each other; the group is done. Fails: something is left; narrow
-   down again over its nodes that no test has cleared (1), or, when none is left, over all of it (4).
-4. Without inference: from the smallest set seen to fail, test one half, then the other; a failing half is kept;
-   when both pass, a link crosses them: find its end in the first half by halving it with the second half
-   attached, then its other end by halving the second half with that end attached. Two nodes seen to fail
-   together are told apart with padding: either failing alone is a bad node, neither is a link.
+1. Split: a set seen to fail is halved and *both* halves are tested in the same round (a half of one node beside
+   padding). A failing half is split again; a passing half's nodes are no bad nodes, and no link lies inside it.
+2. A single node that fails beside padding is a bad node or one end of a bad link to its padding. It is a
+   *suspect*: left out of the rest, and looked at once more beside another padding node (one from outside the
+   failing groups when the first was not). Failing again, it is a bad node; passing, the link to the first
+   padding is bad. A node that had passed a test before and fails beside padding is the end of such a link at
+   once.
+3. Both halves pass though their union failed: a link crosses them (a in A, b in B), or the failure was flaky.
+   A and B are halved, A1 with B1 and A2 with B2 tested in one round, A1 with B2 and A2 with B1 in the next when
+   neither failed; a failing union is searched the same way (its two parts each passed alone), down to two nodes
+   that fail together and have each passed with others: a bad link. None of the four failing: the outcomes
+   contradict each other and the group ends unresolved.
+4. Confirm: once no set is left to split, the group less its bad nodes, its suspects and one end of each bad
+   link is tested, in the same round as the suspects' second looks (whatever those say, a suspect stays out of
+   the rest: a bad node, or a link's end). Passes: the rest is clean; each left-out link end is tested with it
+   (less its known partners), a failure halved down to a further link, and the left-out ends with each other.
+   Fails: something was hidden (a link across two halves of which one failed for another defect): search that
+   remainder (1).
 
 What it will not do:
-- Blame without evidence: a node is blamed only after failing with padding alone; a link only after its two
-  ends failed together, each of them having passed a test (so neither is a bad node). A group is cleared only
-  by a pass of all of it less what was blamed (step 3).
+- Blame without evidence: a node only after failing beside two different padding nodes, one of them from outside
+  the failing groups (or beside the only node outside them, when no other can pad it); a link only after its two
+  ends failed together, each of them having passed a test (so neither is a bad node). A group is cleared only by
+  a pass of all of it less what was blamed (step 4).
 - Make up an outcome: a test recorded as not decided (`None`: preempted, not started) stops its group; the
   group's nodes not blamed are `unresolved`, as are those of a group stopped by `max_tests`, or by outcomes that
   no set of defects explains (a flaky collective: the search stops rather than blame on them). A pass of part of
@@ -36,36 +44,46 @@ What it will not do:
   fleet-wide (a driver, the fabric's core, the test itself) as in any node, so nothing is tested or blamed:
   every failing node is unresolved.
 
-Not seen by any test: a bad link with a bad node at one end (every test holding both fails for the node), and a
-bad link between nodes of different groups or between a group's node and a padding node (padding comes from
-groups that passed, so no test of the first round held both ends). The cost in tests and rounds, against the
-information-theoretic bound, is measured by bench/localise.py (bench/README.md).
+When a round has more single suspects than padding nodes to give them, the rest wait for the next round. Not
+told apart by any test here: a bad link with a bad node at one end (every test holding both fails for the node),
+and a node with bad links to both of the padding nodes it was tested beside (it is taken for a bad node). Not
+seen: a bad link between nodes of different failing groups, or between two nodes of groups that passed. The cost
+in rounds and tests, against the information-theoretic bound, is measured by bench/localise.py (bench/README.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generator, Iterable, Sequence
+from typing import Generator, Iterable, Iterator, Sequence
 
 
 @dataclass(frozen=True)
 class Culprits:
-    nodes: frozenset[str]  # bad nodes: each failed a test with only padding beside it
-    links: frozenset[frozenset[str]]  # bad links (two nodes each): together they fail, each with padding passes
+    nodes: frozenset[str]  # bad nodes: each failed beside two padding nodes, one from outside the groups
+    links: frozenset[frozenset[str]]  # bad links (two nodes each): together they fail, each passed a test; one end
+    # may be a padding node from a group that passed
     unresolved: frozenset[str]  # nodes of a failing group not cleared when its search stopped (budget, preemption,
-    # no node known good)
+    # no node known good, contradicting outcomes)
     finished: frozenset[int] = frozenset()  # indexes of the failing groups whose remainder was seen to pass
+
+
+OUT = "out"  # padding from outside the failing groups only
+ANY = "any"  # outside first, else a node of the same group that passed a test
 
 
 @dataclass(frozen=True)
 class _Req:
-    """One test a group asks for: `nodes`, plus a padding node when `pad` (then `nodes` is one suspect)."""
+    """One test a group asks for: `nodes`, plus a padding node when `pad` (then `nodes` is one suspect), not one
+    of `avoid`."""
     nodes: tuple[str, ...]
-    pad: bool = False
+    pad: str = ""
+    avoid: frozenset[str] = frozenset()
 
 
-# A group's search: yields the tests of its next round (disjoint), receives their outcomes in the same order
-# (True failed, False passed, None not decided).
-_Search = Generator[list[_Req], list, None]
+# A test as run (padding included) and its outcome (True failed, False passed, None not decided).
+_Ran = tuple[tuple[str, ...], "bool | None"]
+# A group's search yields the tests it wants run next and receives, for each, how it ran, or None when it did not
+# run this round (no padding to spare: it waits for the next).
+_Search = Generator[list[_Req], list["_Ran | None"], None]
 
 
 @dataclass
@@ -75,11 +93,11 @@ class _Group:
     bad: list[str] = field(default_factory=list)
     links: list[frozenset[str]] = field(default_factory=list)
     finished: bool = False
-    stopped: bool = False  # ended without finishing (no verdict, budget)
+    stopped: bool = False  # ended without finishing (no verdict, budget, contradiction)
 
 
 class _Stop(Exception):
-    """A test of this group was not decided: its search ends."""
+    """This group's search ends unfinished: a test not decided, or outcomes that contradict each other."""
 
 
 class Localiser:
@@ -104,18 +122,21 @@ class Localiser:
         self.tests_run = 0
         self.rounds_run = 0
         self._groups = groups
+        self._state: dict[int, _GroupSearch] = {}
         self._searches: dict[int, _Search] = {}
-        self._want: dict[int, list[_Req]] = {}  # the requests each active group waits to have run
-        self._flight: dict[frozenset[str], tuple[int, int]] = {}  # test -> (group, position in its request)
-        self._outcomes: dict[int, list] = {}
+        self._want: dict[int, list[_Req]] = {}  # each active group's tests, waiting to run
+        self._flight: dict[frozenset[str], tuple[int, int]] = {}  # test -> (group, position in its requests)
+        self._answers: dict[int, list] = {}
         if not self.good:
             for grp in groups:
                 grp.stopped = True
             return
+        outside = frozenset(self.good)
         for grp in groups:
-            search = self._search(grp)
-            self._searches[grp.index] = search
-            self._advance(grp, search, None)
+            state = _GroupSearch(grp, outside)
+            self._state[grp.index] = state
+            self._searches[grp.index] = self._search(grp, state)
+            self._advance(grp, None)
 
     # -- driving -------------------------------------------------------------------------------------------
     def next_round(self) -> list[tuple[str, ...]]:
@@ -124,32 +145,60 @@ class Localiser:
         if self._flight:
             raise RuntimeError(f"{len(self._flight)} test(s) of round {self.rounds_run} not recorded yet")
         free = list(self.good)
+        used: set[str] = set()
         tests: list[tuple[str, ...]] = []
         for grp in self._groups:
             reqs = self._want.get(grp.index)
             if not reqs:
                 continue
-            if self.max_tests is not None and self.tests_run + len(tests) + len(reqs) > self.max_tests:
+            g_used, g_free = set(used), list(free)
+            placed = self._place(self._state[grp.index], reqs, g_used, g_free)
+            count = sum(p is not None for p in placed)
+            if not count:
+                continue  # waits for a round with padding to spare
+            if self.max_tests is not None and self.tests_run + len(tests) + count > self.max_tests:
                 self._end(grp)
                 continue
-            pads = sum(r.pad for r in reqs)
-            if pads > len(free):
-                continue  # waits for a round with padding to spare
-            self._outcomes[grp.index] = [None] * len(reqs)
-            for pos, r in enumerate(reqs):
-                test = r.nodes + (free.pop(0),) if r.pad else r.nodes
-                self._flight[frozenset(test)] = (grp.index, pos)
-                tests.append(test)
+            used, free = g_used, g_free
+            self._answers[grp.index] = [None if p is None else (p, None) for p in placed]
+            for pos, test in enumerate(placed):
+                if test is not None:
+                    self._flight[frozenset(test)] = (grp.index, pos)
+                    tests.append(test)
         if tests:
             self.tests_run += len(tests)
             self.rounds_run += 1
         elif any(self._want.values()):
-            # Every waiting group needs more padding than there is: cannot happen with one pad per request
-            # and at least one good node, but never spin.
+            # Nothing could be placed though requests wait: cannot happen with at least one good node (a round
+            # with nothing else in it has padding for any request), but never spin.
             for grp in self._groups:
                 if self._want.get(grp.index):
                     self._end(grp)
         return tests
+
+    @staticmethod
+    def _place(state: "_GroupSearch", reqs: list[_Req], used: set[str],
+               free: list[str]) -> list[tuple[str, ...] | None]:
+        """Which of a group's tests run this round, and with which padding: those without padding first (so a
+        node of the group taken as padding is not one a test of its own needs), then the padded ones while
+        padding lasts; the others wait. Updates `used` and `free`."""
+        placed: list[tuple[str, ...] | None] = [None] * len(reqs)
+        for i in sorted(range(len(reqs)), key=lambda i: bool(reqs[i].pad)):
+            r = reqs[i]
+            if used.intersection(r.nodes):
+                continue
+            pad = None
+            if r.pad:
+                pad = next((n for n in free if n not in r.avoid), None)
+                if pad is not None:
+                    free.remove(pad)
+                elif r.pad == ANY:
+                    pad = next((n for n in state.paddable(r.nodes[0]) if n not in used and n not in r.avoid), None)
+                if pad is None:
+                    continue
+            placed[i] = r.nodes + (pad,) if pad is not None else r.nodes
+            used.update(placed[i])
+        return placed
 
     def record(self, test: Sequence[str], failed: bool | None) -> None:
         """The outcome of a test of the current round: True failed, False passed, None no verdict."""
@@ -157,13 +206,13 @@ class Localiser:
         if key not in self._flight:
             raise KeyError(f"not a test of this round, or recorded already: {tuple(test)}")
         gi, pos = self._flight.pop(key)
-        out = self._outcomes[gi]
-        out[pos] = None if failed is None else bool(failed)
+        answers = self._answers[gi]
+        answers[pos] = (answers[pos][0], None if failed is None else bool(failed))
         if any(g == gi for g, _ in self._flight.values()):
             return
-        # The round's last outcome for this group: undecided ones are None.
+        # The round's last outcome for this group.
         grp = next(g for g in self._groups if g.index == gi)
-        self._advance(grp, self._searches[gi], out)
+        self._advance(grp, answers)
 
     def result(self) -> Culprits:
         nodes: set[str] = set()
@@ -181,10 +230,11 @@ class Localiser:
         return Culprits(frozenset(nodes), frozenset(links), frozenset(unresolved), frozenset(finished))
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _advance(self, grp: _Group, search: _Search, outcomes: list | None) -> None:
+    def _advance(self, grp: _Group, answers: list | None) -> None:
         self._want[grp.index] = []
+        search = self._searches[grp.index]
         try:
-            reqs = search.send(outcomes) if outcomes is not None else next(search)
+            reqs = search.send(answers) if answers is not None else next(search)
         except StopIteration:
             return
         self._want[grp.index] = reqs
@@ -194,42 +244,256 @@ class Localiser:
         grp.stopped = True
         self._searches[grp.index].close()
 
-    def _search(self, grp: _Group) -> _Search:
+    @staticmethod
+    def _search(grp: _Group, state: "_GroupSearch") -> _Search:
         try:
-            yield from _GroupSearch(grp, len(self.good)).run()
+            yield from state.run()
         except _Stop:
             grp.stopped = True
 
 
-class _GroupSearch:
-    """The search over one failing group; a generator of its rounds' requests (see the module docstring)."""
+# A task of one group's search: yields the tests it wants run together (one round), receives them as run.
+_Task = Generator[list[_Req], list[_Ran], object]
 
-    def __init__(self, grp: _Group, pads: int):
+
+class _GroupSearch:
+    """The search over one failing group (see the module docstring): a generator of its rounds' requests, many
+    tasks (one per failing set, crossing pair of sets, suspect to prove) advancing side by side."""
+
+    def __init__(self, grp: _Group, outside: frozenset[str]):
         self.grp = grp
-        self.pads = pads  # padding nodes a round can have
+        self.outside = outside  # padding nodes from outside the failing groups
         self.cleared: set[str] = set()  # seen in a passing test: not a bad node
+        self.bad: set[str] = set()
         self.left_out: set[str] = set()  # bad nodes and one end of each bad link: out of the remainder's test
         self.ends: list[str] = []  # the ends of bad links left out, in the order found
-        self.failed: set[frozenset[str]] = set()  # tests seen to fail (padding left out)
+        self.failed: set[frozenset[str]] = set()  # tests seen to fail (padding included)
+        self.passed: list[frozenset[str]] = []  # tests seen to pass: no link inside any of them
+        self.blames = 0
+        self.suspects: dict[str, str] = {}  # node -> the padding it failed beside; looked at again (step 2)
+        self.last_test: tuple[str, ...] = ()  # the remainder's test as run
+        self._spawned: list[_Task] = []
+
+    # -- tests -------------------------------------------------------------------------------------------
+    def paddable(self, suspect: str) -> Iterator[str]:
+        """Nodes of this group that may pad `suspect` when the outside ones are all in use: seen to pass, and no
+        known link to it."""
+        partners = self.partners(suspect)
+        return (n for n in self.grp.nodes
+                if n in self.cleared and n != suspect and n not in self.bad and n not in partners)
+
+    def partners(self, node: str) -> frozenset[str]:
+        return frozenset(n for link in self.grp.links if node in link for n in link if n != node)
+
+    def req(self, nodes: Sequence[str], pad: str = ANY) -> _Req:
+        """A test of `nodes`; a single node with padding, never one of its known link partners."""
+        return _Req((nodes[0],), pad, self.partners(nodes[0])) if len(nodes) == 1 else _Req(tuple(nodes))
+
+    def note(self, ran: _Ran) -> _Ran:
+        test, out = ran
+        if out is None:
+            raise _Stop
+        if out:
+            self.failed.add(frozenset(test))
+        else:
+            self.cleared.update(n for n in test if n not in self.outside)
+            self.passed.append(frozenset(test))
+        return ran
 
     def ask(self, *reqs: _Req):
-        """Run these tests (disjoint) in one round; their outcomes, or _Stop for the first undecided one."""
-        out = yield list(reqs)
-        if out is None or len(out) != len(reqs):
-            raise _Stop
-        return out
+        """Run these tests, alone in this group (each in the first round with padding for it); how they ran."""
+        task = self._gather(list(reqs))
+        return (yield from self.parallel(task))
 
-    def one(self, nodes: Sequence[str]):
+    def one(self, nodes: Sequence[str], pad: str = ANY):
         """One test of `nodes` (padded when it is a single node); True when it failed."""
-        req = _Req((nodes[0],), pad=True) if len(nodes) == 1 else _Req(tuple(nodes))
-        out = yield from self.ask(req)
-        if out[0] is None:
-            raise _Stop
-        if out[0]:
-            self.failed.add(frozenset(nodes))
+        ran = yield from self.ask(self.req(nodes, pad))
+        return ran[0][1]
+
+    @staticmethod
+    def _gather(reqs: list[_Req]) -> _Task:
+        ran = yield reqs
+        return ran
+
+    def parallel(self, *tasks: _Task):
+        """Run tasks side by side, until none is left (tasks add tasks through spawn). A task yields the tests it
+        wants next and gets them back, as run, once every one has run: each runs in the first round that has
+        padding for it. Returns what the first task returned."""
+        queue = list(tasks)
+        first = tasks[0] if tasks else None
+        returned = None
+        # each live task: itself, the tests it asked for, how those ran so far (None: not yet)
+        live: list[tuple[_Task, list[_Req], list[_Ran | None]]] = []
+
+        def send(task: _Task, value) -> None:
+            nonlocal returned
+            try:
+                reqs = task.send(value)
+            except StopIteration as stop:
+                if task is first:
+                    returned = stop.value
+                return
+            live.append((task, reqs, [None] * len(reqs)))
+
+        while True:
+            queue += self._spawned
+            self._spawned = []
+            while queue:
+                send(queue.pop(0), None)
+                queue += self._spawned
+                self._spawned = []
+            if not live:
+                return returned
+            wanted = [(k, i) for k, (_, reqs, ran) in enumerate(live) for i in range(len(reqs)) if ran[i] is None]
+            answers = yield [live[k][1][i] for k, i in wanted]
+            for (k, i), answer in zip(wanted, answers, strict=True):
+                if answer is not None:
+                    live[k][2][i] = self.note(answer)
+            done = [entry for entry in live if all(r is not None for r in entry[2])]
+            live = [entry for entry in live if any(r is None for r in entry[2])]
+            for task, _, ran in done:
+                send(task, ran)
+
+    def spawn(self, task: _Task) -> None:
+        self._spawned.append(task)
+
+    # -- blame -------------------------------------------------------------------------------------------
+    def blame_node(self, node: str) -> None:
+        if node in self.cleared:
+            raise _Stop  # it passed a test before: the outcomes contradict each other
+        if node in self.bad:
+            return
+        self.grp.bad.append(node)
+        self.bad.add(node)
+        self.left_out.add(node)
+        self.blames += 1
+
+    def blame_link(self, kept: str, out: str) -> None:
+        link = frozenset((kept, out))
+        if link in self.grp.links:
+            return
+        if any(link <= p for p in self.passed):
+            raise _Stop  # the two passed a test together
+        self.grp.links.append(link)
+        self.blames += 1
+        if out not in self.left_out:
+            self.left_out.add(out)
+            self.ends.append(out)
+
+    # -- tasks -------------------------------------------------------------------------------------------
+    def search(self, failing: Sequence[str]) -> _Task:
+        return self.split(list(failing)) if len(failing) > 1 else self.single(failing[0])
+
+    def split(self, s: list[str]) -> _Task:
+        """`s` was seen to fail: test both halves at once."""
+        halves = [s[:len(s) // 2], s[len(s) // 2:]]
+        out = yield [self.req(h) for h in halves]
+        for half, (test, failed) in zip(halves, out, strict=True):
+            if not failed:
+                continue
+            if len(half) > 1:
+                self.spawn(self.split(half))
+            else:
+                self.suspect(half[0], test)
+        if not any(failed for _, failed in out):
+            self.spawn(self.cross(halves[0], halves[1]))
+
+    def suspect(self, node: str, test: tuple[str, ...]) -> None:
+        """`node` failed beside one padding node: a bad node, or a link between the two. It is left out of the
+        remainder's test, and looked at once more beside another padding node in the same round (step 2)."""
+        pad = next(n for n in test if n != node)
+        if node in self.cleared:
+            self.blame_link(pad, node)  # it passed a test before, so it is no bad node, nor is its padding
         else:
-            self.cleared.update(nodes)
-        return out[0]
+            self.suspects[node] = pad
+
+    def single(self, node: str) -> _Task:
+        """A group (or remainder) of one node seen to fail: beside padding it is a suspect; passing, the failure
+        was not seen again."""
+        ran = yield [self.req([node], OUT)]
+        (test, failed), = ran
+        if not failed:
+            raise _Stop
+        self.suspect(node, test)
+
+    def second_look(self, node: str, first: str) -> _Task:
+        """`node` failed beside `first`: beside another padding node (one from outside the groups when `first`
+        was not), failing again it is a bad node; passing, the link to `first` is bad."""
+        avoid = self.partners(node) | {first}
+        pad = ANY if first in self.outside else OUT
+        if self.outside <= avoid and (pad == OUT or not any(n not in avoid for n in self.paddable(node))):
+            # No other node to pad it with: beside one from outside it is a bad node unless that very link is
+            # bad, which no test here can tell; beside one of its own group, it cannot be told.
+            if pad == OUT:
+                raise _Stop
+            self.blame_node(node)
+            return
+        ran = yield [_Req((node,), pad, avoid)]
+        if ran[0][1]:
+            self.blame_node(node)
+        else:
+            self.blame_link(first, node)
+
+    def cross(self, a: list[str], b: list[str]) -> _Task:
+        """`a` and `b` each passed alone (no bad node, no link inside either) and together failed: a link crosses
+        them. Halve both; the unions of halves, two diagonals of two disjoint tests."""
+        if len(a) == 1 and len(b) == 1:
+            self.blame_link(a[0], b[0])
+            return
+        ha = [a[:len(a) // 2], a[len(a) // 2:]] if len(a) > 1 else [a]
+        hb = [b[:len(b) // 2], b[len(b) // 2:]] if len(b) > 1 else [b]
+        if len(ha) == 2 and len(hb) == 2:
+            rounds = [[(0, 0), (1, 1)], [(0, 1), (1, 0)]]
+        else:
+            rounds = [[(i, j)] for i in range(len(ha)) for j in range(len(hb))]
+        for pairs in rounds:
+            out = yield [_Req(tuple(ha[i] + hb[j])) for i, j in pairs]
+            found = False
+            for (i, j), (_, failed) in zip(pairs, out, strict=True):
+                if failed:
+                    self.spawn(self.cross(ha[i], hb[j]))
+                    found = True
+            if found:
+                return  # a link missed in the other unions shows in the remainder's test (step 4)
+        raise _Stop  # no union failed again: the failure that started this was not seen again
+
+    # -- the whole group -----------------------------------------------------------------------------------
+    def run(self):
+        group = list(self.grp.nodes)
+        failing = group  # seen to fail in the sweep's first round
+        rest: list[str] = []
+        while failing:
+            before = self.blames
+            yield from self.parallel(self.search(failing))
+            # The suspects are left out of the remainder whatever their second look says: a bad node is left out,
+            # and so is the end of a bad link. So the remainder's test runs beside the second looks.
+            rest = [n for n in group if n not in self.left_out and n not in self.suspects]
+            looks = [self.second_look(n, pad) for n, pad in self.suspects.items()]
+            self.suspects = {}
+            failed = yield from self.parallel(self.confirm(rest), *looks)
+            if self.blames == before:
+                raise _Stop  # a set seen to fail, and nothing in it to blame
+            failing = rest if failed else []
+            if len(failing) == 1:
+                # alone beside padding it failed: a suspect, looked at again beside another padding node
+                self.suspect(rest[0], self.last_test)
+                failing, rest = [], []
+                yield from self.parallel(*(self.second_look(n, pad) for n, pad in self.suspects.items()))
+                self.suspects = {}
+        yield from self.check_ends(rest)
+        self.grp.finished = True
+
+    def confirm(self, rest: list[str]) -> _Task:
+        """The group less what was blamed or is suspect: whether it failed."""
+        if not rest:
+            return False
+        ran = yield [self.req(rest, OUT)]
+        (self.last_test, failed), = ran
+        return failed
+
+    def seen_pass(self, nodes: Sequence[str]) -> bool:
+        s = frozenset(nodes)
+        return any(s <= p for p in self.passed)
 
     def pair_fails(self, a: str, b: str):
         """Whether a and b fail together, seen directly: an end found by halving is inferred until then."""
@@ -237,31 +501,21 @@ class _GroupSearch:
             return True
         return (yield from self.one([a, b]))
 
-    def blame_node(self, node: str) -> None:
-        self.grp.bad.append(node)
-        self.left_out.add(node)
-
-    def blame_link(self, kept: str, out: str) -> None:
-        self.grp.links.append(frozenset((kept, out)))
-        if out not in self.left_out:
-            self.left_out.add(out)
-            self.ends.append(out)
-
     def check_ends(self, rest: list[str]):
         """`rest` passed without the link ends left out: test each end with it, less the end's known partners,
         and find any further link from that end (every pair inside `rest` is clean, the end is no bad node)."""
         for end in self.ends:
             while True:
-                partners = {n for link in self.grp.links if end in link for n in link} - {end}
+                partners = self.partners(end)
                 others = [n for n in rest if n not in partners]
-                if not others or not (yield from self.one(others + [end])):
+                if not others or self.seen_pass(others + [end]) or not (yield from self.one(others + [end])):
                     break
                 while len(others) > 1:
                     part = others[:len(others) // 2]
                     others = part if (yield from self.one([end] + part)) else others[len(part):]
                 if not (yield from self.pair_fails(end, others[0])):
                     raise _Stop  # the outcomes contradict each other: blame nothing more
-                self.grp.links.append(frozenset((end, others[0])))
+                self.blame_link(others[0], end)
         # Pairs of left-out ends are in no test yet: all of them at once when none is a known link, else each.
         ends = self.ends
         pairs = [frozenset((a, b)) for i, a in enumerate(ends) for b in ends[i + 1:]]
@@ -271,136 +525,5 @@ class _GroupSearch:
                 return
         for p in unknown:
             if (yield from self.one(sorted(p, key=ends.index))):
-                self.grp.links.append(p)
-
-    def run(self):
-        g = self.grp.nodes
-        confirm: str | None = None  # a suspect to test with padding, beside the remainder's test
-        smallest_failing = list(g)
-        stale, blamed = 0, -1
-        first = True
-        while True:
-            # Every other pass of this loop blames something, unless outcomes contradict each other (a flaky
-            # collective): then stop rather than go round for ever.
-            stale, blamed = (0 if len(self.left_out) > blamed else stale + 1), len(self.left_out)
-            if stale > 2:
-                raise _Stop
-            rest = [n for n in g if n not in self.left_out]
-            if not rest:
-                self.grp.finished = True
-                return
-            if first:
-                failed, first = True, False  # the sweep's first round saw the group fail
-            elif confirm is None:
-                failed = yield from self.one(rest)
-            else:
-                suspect, confirm = confirm, None
-                rest.remove(suspect)
-                failed = yield from self.confirm(suspect, rest, smallest_failing)
-                if failed is None:
-                    continue
-            if not failed:
-                yield from self.check_ends(rest)
-                self.grp.finished = True
-                return
-            smallest_failing = rest
-            pool = [n for n in rest if n not in self.cleared]
-            if not pool:
-                yield from self.link_search(rest)
-            else:
-                suspect, sure, smallest_failing = yield from self.narrow(pool, rest)
-                if sure:
-                    self.blame_node(suspect)
-                else:
-                    confirm = suspect
-
-    def confirm(self, suspect: str, rest: list[str], failing: list[str]):
-        """The suspect alone with padding and, in the same round when padding allows, the remainder without it:
-        both are needed whatever the first says. Returns whether the remainder failed, or None when the suspect
-        is no bad node (the node model was wrong: a link was searched for instead)."""
-        alone = _Req((suspect,), pad=True)
-        together = (_Req((rest[0],), pad=True) if len(rest) == 1 else _Req(tuple(rest))) if rest else None
-        if together is not None and together.pad + 1 > self.pads:
-            together = None
-        out = yield from self.ask(*([alone] + ([together] if together else [])))
-        if out[0] is None:
-            raise _Stop
-        if not out[0]:
-            self.cleared.add(suspect)
-            if together is not None and out[1] is False:
-                # The remainder passes without it: the suspect is one end of a bad link, the other end in the
-                # smallest set seen to fail with it. Halve that with the suspect attached.
-                self.cleared.update(rest)
-                others = [n for n in failing if n != suspect and n in rest]
-                if not others:
-                    raise _Stop  # outcomes that contradict each other
-                while len(others) > 1:
-                    part = others[:len(others) // 2]
-                    others = part if (yield from self.one([suspect] + part)) else others[len(part):]
-                if not (yield from self.pair_fails(suspect, others[0])):
-                    raise _Stop
-                self.blame_link(others[0], suspect)
-                return False
-            yield from self.link_search(failing)
-            return None
-        self.blame_node(suspect)
-        if not rest:
-            return False
-        if together is None:
-            return (yield from self.one(rest))
-        if out[1] is None:
-            raise _Stop
-        if not out[1]:
-            self.cleared.update(rest)
-        return out[1]
-
-    def narrow(self, pool: list[str], failing: list[str]):
-        """Halve `pool` (inferred to hold a bad node) down to one suspect; (suspect, confirmed, smallest failing
-        set seen). The node model's inference: a passing half leaves the bad node in the other."""
-        while len(pool) > 1:
-            half = pool[:len(pool) // 2]
-            if (yield from self.one(half)):
-                if len(half) == 1:
-                    return half[0], True, half
-                pool = failing = half
-            else:
-                pool = pool[len(half):]
-        return pool[0], False, failing
-
-    def link_search(self, failing: list[str]):
-        """`failing` was seen to fail; find one defect in it without inference, and blame it."""
-        s = list(failing)
-        while len(s) > 2:
-            a, b = s[:len(s) // 2], s[len(s) // 2:]
-            if (yield from self.one(a)):
-                s = a
-                continue
-            if (yield from self.one(b)):
-                s = b
-                continue
-            # No bad node in a or b and no link inside either: a link crosses them.
-            while len(a) > 1:
-                part = a[:len(a) // 2]
-                a = part if (yield from self.one(part + b)) else a[len(part):]
-            end = a[0]
-            while len(b) > 1:
-                part = b[:len(b) // 2]
-                b = part if (yield from self.one([end] + part)) else b[len(part):]
-            if not (yield from self.pair_fails(end, b[0])):
-                raise _Stop  # the failure that started this is not seen again: blame nothing
-            self.blame_link(end, b[0])
-            return
-        if len(s) == 1:
-            if s[0] not in self.cleared and (yield from self.one(s)):
-                self.blame_node(s[0])
-            return
-        x, y = s
-        fx = yield from self.one([x])
-        if fx:
-            self.blame_node(x)
-            return
-        fy = yield from self.one([y])
-        if fy:
-            self.blame_node(y)
-        else:
-            self.blame_link(x, y)
+                a, b = sorted(p, key=ends.index)
+                self.blame_link(a, b)
