@@ -89,7 +89,7 @@ SWEEP_DEFAULTS: dict[str, Any] = {
     "sku": "",  # the nodes' SKU, for the SKU baselines (thresholds/nccl_sweep.toml); "" = none
     "timeout_s": 900.0,  # one collective past this is hung: its job is ended
     "start_timeout_s": 60.0,  # no nodes within this (busy with real work): the group is not run
-    "max_tests": 64,  # collectives the localisation may run after the first rounds
+    "max_tests": 256,  # collectives the localisation may run after the first rounds (a bad node in 8: ~8)
     "partition": "",  # srun: the low-priority preemptible partition the sweep runs in ("" = the default one)
     "qos": "",  # srun: its QOS ("" = none)
     "job_name": "gpuwarden-sweep",  # srun: job name (real work can preempt it, squeue shows it)
