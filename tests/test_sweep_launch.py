@@ -168,7 +168,8 @@ def test_sweep_srun_slow_link_and_wrong_values_show_in_the_output(cluster, tmp_p
 
     assert at(p_slow, 8).out_of_place.time_us > 1.8 * at(p_ok, 8).out_of_place.time_us
     assert at(p_slow, 128 << 20).busbw_gbps < 0.6 * at(p_ok, 128 << 20).busbw_gbps
-    assert (wrong.ended, wrong.returncode) == (EXITED, 1)
+    # Rank 0 exits 1; srun's status is 1 or 143 as --kill-on-bad-exit's SIGTERM reaches the other rank first or not
+    assert wrong.ended == EXITED and wrong.returncode not in (0, None)
     p_wrong = parse_nccl_tests(wrong.output, "wrong")
     assert p_wrong.out_of_bounds > 0 and any(row.wrong for row in p_wrong.rows)
     assert "Out of bounds values" in wrong.output and "FAILED" in wrong.output
@@ -234,9 +235,11 @@ def test_sweep_srun_a_job_cancelled_by_someone_else_is_preempted(cluster, tmp_pa
 def test_sweep_srun_busy_nodes_are_not_started_and_the_users_job_goes_on(cluster, tmp_path):
     user = sbatch(cluster, "--partition=all", "-w", "n2", "--output=/dev/null", "--wrap=sleep 300")
     poll(lambda: job_state(cluster, user) == "RUNNING", "the user's job running on n2")
-    s = Standin(cluster, tmp_path, {}, start_timeout_s=2)
+    # A job pending for its nodes holds the jobs that reach the controller after it in the same partition until the
+    # next scheduling pass (about 2 s on 22.05 here): the start timeout covers that, so the free group still runs.
+    s = Standin(cluster, tmp_path, {}, start_timeout_s=8)
     runs = s.launcher.run_groups([["n1", "n2"], ["n3", "n4"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=60)
-    assert [(r.ended, r.returncode != 0) for r in runs] == [(NOT_STARTED, True), (EXITED, False)]
+    assert [(r.ended, r.returncode != 0) for r in runs] == [(NOT_STARTED, True), (EXITED, False)], runs
     assert "Requested nodes are busy" in runs[0].detail and runs[0].job_id
     assert job_state(cluster, user) == "RUNNING"
     assert cluster.jobs().split() == [user]
@@ -281,7 +284,10 @@ def mpirun_launcher(tmp_path):
         (tmp_path / "scenario.json").write_text(json.dumps(scenario))
         log = tmp_path / "standin.log"
         env = {"GW_SWEEP_SCENARIO": str(tmp_path / "scenario.json"), "GW_SWEEP_STANDIN_LOG": str(log),
-               "OMPI_MCA_plm_rsh_agent": str(agent)}
+               "OMPI_MCA_plm_rsh_agent": str(agent),
+               # Several orteds on one host (each "node" here) race to share hwloc's topology in the same shared
+               # memory and one may crash (Open MPI 4.1.4): no sharing, as on separate hosts.
+               "OMPI_MCA_rtc_hwloc_vmhole": "none"}
         return MpirunLauncher(workdir=tmp_path / "hostfiles", env=env), log
 
     return make
@@ -289,8 +295,8 @@ def mpirun_launcher(tmp_path):
 
 def test_sweep_mpirun_groups_run_at_once_and_a_hang_is_ended(mpirun_launcher, tmp_path):
     launcher, log = mpirun_launcher({"barrier_groups": 2, "hang_nodes": ["hc"], "slow_nodes": ["ha"]})
-    runs = launcher.run_groups([["ha", "hb"], ["hc", "hd"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=20)
-    assert [(r.ended, r.returncode) for r in runs] == [(EXITED, 0), (TIMEOUT, None)]
+    runs = launcher.run_groups([["ha", "hb"], ["hc", "hd"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=8)
+    assert [(r.ended, r.returncode) for r in runs] == [(EXITED, 0), (TIMEOUT, None)], runs
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert not [e for e in events if e["event"] == "barrier-timeout"], events
     assert sorted(tuple(e["nodes"]) for e in events if e["event"] == "start") == [("ha", "hb"), ("hc", "hd")]
