@@ -256,7 +256,7 @@ class SrunLauncher:
         self.env = {**os.environ, **env} if env is not None else None
         self.sweep_id = f"{os.getpid()}-{secrets.token_hex(3)}"
         self._runs: list[_Run] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups
         self._cancelled = False
         self._batches = 0
 
@@ -309,9 +309,9 @@ class SrunLauncher:
                 if now > limit and r.ended is None:
                     late.append(r)
             if late:
+                states = self._lookup_ids(late)
                 for r in late:
-                    r.ended = TIMEOUT
-                    r.detail = f"ran past its time limit of {timeout_s:g} s; the job was cancelled"
+                    r.ended, r.detail = self._late(r, states, timeout_s)
                 self._end(late)
             elif now >= next_lookup and any(r.job_id is None for r in live):
                 self._lookup_ids(live)
@@ -325,18 +325,35 @@ class SrunLauncher:
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    def _lookup_ids(self, runs: Sequence[_Run]) -> None:
-        """The job ids of `runs` from squeue, by their job names (unique to this launcher and batch)."""
+    def _lookup_ids(self, runs: Sequence[_Run]) -> dict[str, str] | None:
+        """The job ids of `runs` from squeue, by their job names (unique to this launcher and batch); returns each
+        found job's state by name (None: squeue did not answer)."""
         names = {r.name: r for r in runs}
-        proc = self._tool([self.squeue, "-h", f"--name={','.join(names)}", "-o", "%j %i"])
+        if not names:
+            return {}
+        proc = self._tool([self.squeue, "-h", f"--name={','.join(names)}", "-o", "%j %i %T"])
         if proc is None or proc.returncode != 0:
-            return
+            return None
+        states = {}
         for line in proc.stdout.splitlines()[:len(names) * 4]:
-            name, _, job = line.strip().partition(" ")
+            name, job, state = (line.split() + ["", "", ""])[:3]
             r = names.get(name)
             if r is not None and job.isdigit() and len(job) <= 12:
+                states[name] = state[:32]
                 with r.lock:
                     r.job_id = r.job_id or job
+        return states
+
+    def _late(self, run: _Run, states: dict[str, str] | None, timeout_s: float) -> tuple[str, str]:
+        """How a run past its time ends: hung if its job ran (the controller says so, or it printed something);
+        else it never got its nodes, or the controller could not be asked: neither says anything of the nodes."""
+        state = (states or {}).get(run.name, "")
+        if state in ("RUNNING", "COMPLETING", "SUSPENDED") or run.out.head:
+            return TIMEOUT, f"ran past its time limit of {timeout_s:g} s; the job was cancelled"
+        if states is None:
+            return LAUNCH_ERROR, f"no output in {timeout_s:g} s and squeue did not answer; the job was cancelled"
+        return NOT_STARTED, (f"not running after {timeout_s:g} s (job state {state or 'unknown to squeue'}); "
+                             f"the job was cancelled")
 
     def _end(self, runs: Sequence[_Run]) -> None:
         """Cancel the jobs of `runs` (scancel by id), then end each srun: its own abort (SIGINT twice), then
@@ -385,7 +402,7 @@ class MpirunLauncher:
         self.workdir = Path(workdir)
         self.env = {**os.environ, **env} if env is not None else None
         self._runs: list[_Run] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups
         self._cancelled = False
         self._batches = 0
 

@@ -317,3 +317,19 @@ def test_sweep_mpirun_groups_run_at_once_and_a_hang_is_ended(mpirun_launcher, tm
         return found
 
     poll(lambda: not left(), "no mpirun, orted or rank of the test left", timeout_s=30)
+
+
+def test_sweep_srun_a_controller_that_stops_answering_is_no_verdict(cluster, tmp_path):
+    """srun waits for an allocation the controller never answers: past the time limit the run ends with no verdict
+    on its nodes (not a hang of theirs), and srun is ended."""
+    s = Standin(cluster, tmp_path, {})
+    cluster.hang_ctld()
+    try:
+        (run,) = s.launcher.run_groups([["n1", "n2"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=3)
+    finally:
+        cluster.wake_ctld()
+    # srun gives up by itself after MessageTimeout ("Unable to allocate resources: Socket timed out on send/recv
+    # operation"), or the sweep ends it first when squeue cannot say the job ran: no verdict either way
+    assert (run.ended, run.output) == (LAUNCH_ERROR, ""), run
+    assert "Socket timed out" in run.detail or "squeue did not answer" in run.detail
+    poll(lambda: not s.processes(), "srun ended", timeout_s=60)
