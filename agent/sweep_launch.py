@@ -450,10 +450,9 @@ class MpirunLauncher:
         results = []
         for r in runs:
             result = _finish(r)
-            if result.ended == EXITED and result.returncode not in (0, None) and not result.output.strip() \
-                    and r.proc is not None:
+            if result.ended == EXITED and result.returncode not in (0, None) and not _ranks_ran(result):
                 result = GroupRun(result.nodes, result.output, result.stderr, result.returncode, LAUNCH_ERROR,
-                                  result.duration_s, None, _last_line(result.stderr))
+                                  result.duration_s, None, _launch_detail(result.stderr, result.output))
             results.append(result)
             (self.workdir / f"hostfile-{os.getpid()}-{r.name}").unlink(missing_ok=True)
         return results
@@ -478,6 +477,17 @@ class MpirunLauncher:
             self._end(runs)
 
 
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1][:MAX_LINE] if lines else "mpirun exited before any rank printed"
+_TAGGED = re.compile(r"^\[[0-9]{1,9},[0-9]{1,9}\]<std(?:out|err)>:", re.MULTILINE)
+
+
+def _ranks_ran(run: GroupRun) -> bool:
+    """Some rank printed (mpirun --tag-output's label): the program ran; else mpirun failed to start it."""
+    return _TAGGED.search(run.output) is not None or _TAGGED.search(run.stderr) is not None
+
+
+def _launch_detail(stderr: str, output: str) -> str:
+    """mpirun's own message: the first line of words in its stderr (its boxes are drawn with dashes)."""
+    for line in (stderr + "\n" + output).splitlines():
+        if line.strip() and not line.startswith("---"):
+            return line.strip()[:MAX_LINE]
+    return "mpirun exited before any rank ran"

@@ -104,7 +104,7 @@ def rendezvous_dir(scenario_path: str | None) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # not matched by the "rank-*" count
     tmp.write_text(text)
     os.replace(tmp, path)
 

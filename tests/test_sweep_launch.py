@@ -263,11 +263,30 @@ def test_sweep_srun_cancel_all_ends_every_job_it_started(cluster, tmp_path):
     assert after.ended == PREEMPTED and not cluster.jobs()
 
 
+def test_sweep_srun_a_controller_that_stops_answering_is_no_verdict(cluster, tmp_path):
+    """srun waits for an allocation the controller never answers: past the time limit the run ends with no verdict
+    on its nodes (not a hang of theirs), and srun is ended."""
+    s = Standin(cluster, tmp_path, {})
+    cluster.hang_ctld()
+    try:
+        (run,) = s.launcher.run_groups([["n1", "n2"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=3)
+    finally:
+        cluster.wake_ctld()
+    # srun gives up by itself after MessageTimeout ("Unable to allocate resources: Socket timed out on send/recv
+    # operation"), or the sweep ends it first when squeue cannot say the job ran: no verdict either way
+    assert (run.ended, run.output) == (LAUNCH_ERROR, ""), run
+    assert "Socket timed out" in run.detail or "squeue did not answer" in run.detail
+    poll(lambda: not s.processes(), "srun ended", timeout_s=60)
+
+
 # -- mpirun: Open MPI (Debian openmpi-bin) on this host; each "node" is a name the rsh agent exports ----------------
 RSH_AGENT = """#!/bin/sh
-# Open MPI's rsh agent: "run this command on host $1"; here every host is this one, named by GW_STANDIN_NODE.
+# Open MPI's rsh agent: "run this command on host $1"; here every host is this one, named by GW_STANDIN_NODE, and
+# each has a session folder of its own (the orteds of one job on one host would race to create the same one).
 host=$1; shift
 export GW_STANDIN_NODE="$host"
+mkdir -p "$GW_RSH_TMP/$host"
+export OMPI_MCA_orte_tmpdir_base="$GW_RSH_TMP/$host"
 exec /bin/sh -c "$*"
 """
 
@@ -287,7 +306,7 @@ def mpirun_launcher(tmp_path):
                "OMPI_MCA_plm_rsh_agent": str(agent),
                # Several orteds on one host (each "node" here) race to share hwloc's topology in the same shared
                # memory and one may crash (Open MPI 4.1.4): no sharing, as on separate hosts.
-               "OMPI_MCA_rtc_hwloc_vmhole": "none"}
+               "OMPI_MCA_rtc_hwloc_vmhole": "none", "GW_RSH_TMP": str(tmp_path / "hosts")}
         return MpirunLauncher(workdir=tmp_path / "hostfiles", env=env), log
 
     return make
@@ -319,17 +338,9 @@ def test_sweep_mpirun_groups_run_at_once_and_a_hang_is_ended(mpirun_launcher, tm
     poll(lambda: not left(), "no mpirun, orted or rank of the test left", timeout_s=30)
 
 
-def test_sweep_srun_a_controller_that_stops_answering_is_no_verdict(cluster, tmp_path):
-    """srun waits for an allocation the controller never answers: past the time limit the run ends with no verdict
-    on its nodes (not a hang of theirs), and srun is ended."""
-    s = Standin(cluster, tmp_path, {})
-    cluster.hang_ctld()
-    try:
-        (run,) = s.launcher.run_groups([["n1", "n2"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=3)
-    finally:
-        cluster.wake_ctld()
-    # srun gives up by itself after MessageTimeout ("Unable to allocate resources: Socket timed out on send/recv
-    # operation"), or the sweep ends it first when squeue cannot say the job ran: no verdict either way
-    assert (run.ended, run.output) == (LAUNCH_ERROR, ""), run
-    assert "Socket timed out" in run.detail or "squeue did not answer" in run.detail
-    poll(lambda: not s.processes(), "srun ended", timeout_s=60)
+def test_sweep_mpirun_a_program_it_cannot_start_is_a_launch_error(mpirun_launcher, tmp_path):
+    launcher, log = mpirun_launcher({})
+    (run,) = launcher.run_groups([["ha", "hb"]], [str(tmp_path / "no-such-all_reduce_perf")], timeout_s=30)
+    assert run.ended == LAUNCH_ERROR and run.returncode not in (0, None), run
+    assert "unable to launch the specified application" in run.detail  # mpirun's own words, not a rank's
+    assert not log.exists()
