@@ -36,6 +36,7 @@ STDERR_KEEP = 64 << 10  # the last 64 KiB of a launcher's stderr
 OUTPUT_HEAD = 1 << 20  # stdout: the first MiB (banner, devices, the first rows) ...
 OUTPUT_TAIL = 7 << 20  # ... and the last 7 MiB (the summary); a cut between them is marked as nccl-tests' "..."
 MAX_LINE = 4096  # srun's lines read for their meaning: longer ones are cut there
+MAX_SRUN_LINES = 4096  # srun's error and slurmstepd's cancel lines kept to classify the ending (one per node or so)
 POLL_S = 0.1
 CANCEL_GRACE_S = 10.0  # after scancel: slurmstepd signals the tasks (KillWait later SIGKILL) and srun returns
 INT_GRACE_S = 5.0  # after srun's double SIGINT (its own abort: it cancels the step and waits for it)
@@ -53,7 +54,8 @@ _CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) [0-9.]{1,30}+ ON \S{1,256}+ CANCEL
 _TASK_FAILED = re.compile(r"^srun: error: [^\s:]{1,256}+: tasks? [0-9,-]{1,64}+: (?!Terminated$|Killed$)")
 _TASK_LINE = re.compile(r"^srun: error: [^\s:]{1,256}+: tasks? [0-9,-]{1,64}+: ")
 _NOT_STARTED = ("Requested nodes are busy", "Required node not available", "Nodes required for job are DOWN",
-                "job has been revoked", "Job violates accounting/QOS policy")
+                "job has been revoked", "Job violates accounting/QOS policy",
+                "Job/step already completing or completed")  # the last: cancelled while it waited for its nodes
 
 
 class _Tail:
@@ -110,7 +112,7 @@ class _Run:
         self.exited_at: float | None = None
         self.ended: str | None = None  # set when the sweep ended it (TIMEOUT, PREEMPTED by cancel_all)
         self.detail = ""
-        self.lines: list[str] = []  # srun's stderr lines that tell how it ended (bounded)
+        self.lines: list[str] = []  # the stderr lines that tell how it ended (bounded)
         self.lock = threading.Lock()
 
     def on_stderr_line(self, line: str) -> None:
@@ -122,7 +124,8 @@ class _Run:
                 self.allocated_at, self.job_id = time.monotonic(), m.group(1)
             elif self.job_id is None and (m := _STEP_ID.search(line)) is not None:
                 self.job_id = m.group(1)
-            if len(self.lines) < 200 and ("srun: " in line or "slurmstepd" in line):
+            if len(self.lines) < MAX_SRUN_LINES and (line.startswith("srun: error: ") or "CANCELLED AT" in line
+                                                      or "execve(): " in line):
                 self.lines.append(line)
 
     def running_since(self) -> float | None:
@@ -362,9 +365,9 @@ class SrunLauncher:
         ids = sorted({r.job_id for r in runs if r.job_id})
         if ids:
             self._tool([self.scancel, *ids])
-        names = [r.name for r in runs if not r.job_id]
-        if names:  # not seen in the queue (yet): a job by that name that appears now is still ours to end
-            self._tool([self.scancel, f"--name={','.join(names)}"])
+        for r in runs:  # not seen in the queue (yet): a job by that name that appears now is still ours to end
+            if not r.job_id:
+                self._tool([self.scancel, f"--name={r.name}"])  # one name a call: scancel takes no list here
         _wait_all(runs, CANCEL_GRACE_S)
         left = [r for r in runs if r.proc is not None and r.proc.poll() is None]
         for r in left:
