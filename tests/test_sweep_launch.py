@@ -63,16 +63,7 @@ class Standin:
         return [e for e in map(json.loads, lines) if event is None or e["event"] == event]
 
     def processes(self) -> list[int]:
-        """Processes of this test's runs still alive (srun, its tasks): they carry this scenario in their
-        environment."""
-        mark, found = f"GW_SWEEP_SCENARIO={self.scenario}".encode(), []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-        return found
+        return processes_of(self.scenario)
 
     def in_background(self, groups, timeout_s: float, argv=None):
         """run_groups in a thread; returns (thread, results list filled when it ends)."""
@@ -81,6 +72,19 @@ class Standin:
             self.launcher.run_groups(groups, argv or [sys.executable, str(STANDIN), *SIZES], timeout_s)))
         thread.start()
         return thread, results
+
+
+def processes_of(scenario: Path) -> list[int]:
+    """Processes of a test's runs still alive (srun or mpirun, its daemons, the ranks): they carry the test's
+    scenario in their environment."""
+    mark, found = f"GW_SWEEP_SCENARIO={scenario}".encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def sbatch(cluster: SlurmCluster, *args: str) -> str:
@@ -323,19 +327,8 @@ def test_sweep_mpirun_groups_run_at_once_and_a_hang_is_ended(mpirun_launcher, tm
     assert parsed.complete and parsed.hosts == ["ha", "hb"]
     assert runs[0].output.startswith("[1,0]<stdout>:")  # --tag-output labels
     assert not list((tmp_path / "hostfiles").iterdir())  # the hostfiles are removed
-    mark = f"GW_SWEEP_SCENARIO={tmp_path / 'scenario.json'}".encode()
-
-    def left() -> list[str]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(entry.name)
-            except OSError:
-                continue
-        return found
-
-    poll(lambda: not left(), "no mpirun, orted or rank of the test left", timeout_s=30)
+    poll(lambda: not processes_of(tmp_path / "scenario.json"), "no mpirun, orted or rank of the test left",
+         timeout_s=30)
 
 
 def test_sweep_mpirun_a_program_it_cannot_start_is_a_launch_error(mpirun_launcher, tmp_path):
@@ -344,3 +337,21 @@ def test_sweep_mpirun_a_program_it_cannot_start_is_a_launch_error(mpirun_launche
     assert run.ended == LAUNCH_ERROR and run.returncode not in (0, None), run
     assert "unable to launch the specified application" in run.detail  # mpirun's own words, not a rank's
     assert not log.exists()
+
+
+def test_sweep_mpirun_cancel_all_ends_every_group(mpirun_launcher, tmp_path):
+    launcher, log = mpirun_launcher({"duration_s": 600})
+    results: list = []
+    thread = threading.Thread(target=lambda: results.extend(launcher.run_groups(
+        [["ha", "hb"], ["hc"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=300)))
+    thread.start()
+    try:
+        poll(lambda: log.exists() and len(log.read_text().splitlines()) == 2, "both groups running")
+    finally:
+        launcher.cancel_all()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert [(r.ended, r.returncode) for r in results] == [(PREEMPTED, None)] * 2
+    assert all("sweep was stopped" in r.detail for r in results)
+    poll(lambda: not processes_of(tmp_path / "scenario.json"), "no mpirun, orted or rank of the test left",
+         timeout_s=30)
