@@ -44,6 +44,11 @@ KILL_WAIT_S = 5.0
 TOOL_TIMEOUT_S = 30.0  # squeue / scancel: a hung slurmctld must not hold the sweep for ever
 JOB_ID_LOOKUP_EVERY_S = 2.0
 
+# Slurm variables of this process passed on to srun: the client's settings. The others describe a job this process
+# may run in (SLURM_JOB_ID, SLURM_NTASKS, ... set by sbatch/salloc): srun would read them as its own options and
+# start a step of that job instead of a job per group.
+SLURM_KEEP = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_ACCOUNT", "SLURM_WCKEY", "SLURM_TIME_FORMAT"})
+
 # Linear patterns over single bounded lines.
 _RANK_LABEL = re.compile(r"^[0-9]{1,6}: ")
 _QUEUED = re.compile(r"^srun: job ([0-9]{1,12}) queued and waiting for resources")
@@ -249,14 +254,16 @@ class SrunLauncher:
                  extra_args: Sequence[str] = (), job_name: str = "gpuwarden-sweep", srun: str = "srun",
                  scancel: str = "scancel", squeue: str = "squeue", start_timeout_s: float = 60.0,
                  env: Mapping[str, str] | None = None) -> None:
-        """`env`: variables set for srun (and so for the tasks, srun's --export=ALL) over this process's own."""
+        """`env`: variables set for srun (and so for the tasks, srun's --export=ALL) over this process's own, less
+        the Slurm job's own (a sweep started inside a job still runs each group as a job of its own)."""
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node {ranks_per_node}: at least 1")
         self.partition, self.qos, self.ranks_per_node = partition, qos, ranks_per_node
         self.extra_args, self.job_name = list(extra_args), job_name
         self.srun, self.scancel, self.squeue = srun, scancel, squeue
         self.start_timeout_s = start_timeout_s
-        self.env = {**os.environ, **env} if env is not None else None
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k in SLURM_KEEP},
+                    **(env or {})}
         self.sweep_id = f"{os.getpid()}-{secrets.token_hex(3)}"
         self._runs: list[_Run] = []
         self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups

@@ -136,7 +136,10 @@ def test_sweep_srun_endings_from_slurm_2205_messages():
     assert classify_srun(0, []) == (EXITED, "")
 
 
-def test_sweep_srun_groups_run_at_once_on_exactly_their_nodes(cluster, tmp_path):
+def test_sweep_srun_groups_run_at_once_on_exactly_their_nodes(cluster, tmp_path, monkeypatch):
+    for name, value in (("SLURM_JOB_ID", "424242"), ("SLURM_JOBID", "424242"), ("SLURM_NTASKS", "1"),
+                        ("SLURM_NODELIST", "n9")):
+        monkeypatch.setenv(name, value)  # started inside a job: each group is still a job of its own
     # Each group's rank 0 waits until both groups have started: both "start" lines come before either "end" only
     # if the two jobs ran at the same time (the wait gives up after a minute and logs it).
     s = Standin(cluster, tmp_path, {"barrier_groups": 2, "seed": 7})
