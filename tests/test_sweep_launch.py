@@ -221,7 +221,8 @@ def test_sweep_srun_a_users_job_preempts_the_sweep(cluster, tmp_path):
     assert (preempted.ended, preempted.returncode is not None) == (PREEMPTED, True)
     assert "DUE TO PREEMPTION" in preempted.detail and preempted.job_id
     poll(marker.exists, "the user's job to run on n1")
-    assert job_state(cluster, user) in ("COMPLETED", "")  # gone from the controller once MinJobAge passed
+    # it ends as it should (then leaves the controller once MinJobAge passed)
+    poll(lambda: job_state(cluster, user) in ("COMPLETED", ""), "the user's job completed")
 
 
 def test_sweep_srun_a_job_cancelled_by_someone_else_is_preempted(cluster, tmp_path):
