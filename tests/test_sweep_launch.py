@@ -158,7 +158,6 @@ def test_sweep_srun_groups_run_at_once_on_exactly_their_nodes(cluster, tmp_path,
         assert len(parsed.rows) == 3 * len(sizes)  # -N 3: every size once per cycle
         small = [row.out_of_place.time_us for row in parsed.rows if row.size_bytes == 8]
         assert len(set(small)) > 1  # cycles differ: a p95 over them means something
-        assert run.job_id is not None or run.ended == EXITED
     assert not cluster.jobs()
 
 
@@ -193,7 +192,7 @@ def test_sweep_srun_a_crashed_rank_is_an_nccl_error_not_a_preemption(cluster, tm
 
 def test_sweep_srun_a_hung_collective_is_cancelled_and_ended_timeout(cluster, tmp_path):
     s = Standin(cluster, tmp_path, {"hang_nodes": ["n3"]})
-    runs = s.launcher.run_groups([["n1", "n2"], ["n3", "n4"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=5)
+    runs = s.launcher.run_groups([["n1", "n2"], ["n3", "n4"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=7)
     assert [(r.ended, r.returncode) for r in runs] == [(EXITED, 0), (TIMEOUT, None)]
     hung = runs[1]
     assert hung.job_id and "time limit" in hung.detail
@@ -245,7 +244,7 @@ def test_sweep_srun_busy_nodes_are_not_started_and_the_users_job_goes_on(cluster
     poll(lambda: job_state(cluster, user) == "RUNNING", "the user's job running on n2")
     # A job pending for its nodes holds the jobs that reach the controller after it in the same partition until the
     # next scheduling pass (about 2 s on 22.05 here): the start timeout covers that, so the free group still runs.
-    s = Standin(cluster, tmp_path, {}, start_timeout_s=8)
+    s = Standin(cluster, tmp_path, {}, start_timeout_s=6)
     runs = s.launcher.run_groups([["n1", "n2"], ["n3", "n4"]], [sys.executable, str(STANDIN), *SIZES], timeout_s=60)
     assert [(r.ended, r.returncode != 0) for r in runs] == [(NOT_STARTED, True), (EXITED, False)], runs
     assert "Requested nodes are busy" in runs[0].detail and runs[0].job_id
