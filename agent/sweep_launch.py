@@ -36,12 +36,18 @@ STDERR_KEEP = 64 << 10  # the last 64 KiB of a launcher's stderr
 OUTPUT_HEAD = 1 << 20  # stdout: the first MiB (banner, devices, the first rows) ...
 OUTPUT_TAIL = 7 << 20  # ... and the last 7 MiB (the summary); a cut between them is marked as nccl-tests' "..."
 MAX_LINE = 4096  # srun's lines read for their meaning: longer ones are cut there
+MAX_SRUN_LINES = 4096  # srun's error and slurmstepd's cancel lines kept to classify the ending (one per node or so)
 POLL_S = 0.1
 CANCEL_GRACE_S = 10.0  # after scancel: slurmstepd signals the tasks (KillWait later SIGKILL) and srun returns
 INT_GRACE_S = 5.0  # after srun's double SIGINT (its own abort: it cancels the step and waits for it)
 KILL_WAIT_S = 5.0
 TOOL_TIMEOUT_S = 30.0  # squeue / scancel: a hung slurmctld must not hold the sweep for ever
 JOB_ID_LOOKUP_EVERY_S = 2.0
+
+# Slurm variables of this process passed on to srun: the client's settings. The others describe a job this process
+# may run in (SLURM_JOB_ID, SLURM_NTASKS, ... set by sbatch/salloc): srun would read them as its own options and
+# start a step of that job instead of a job per group.
+SLURM_KEEP = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_ACCOUNT", "SLURM_WCKEY", "SLURM_TIME_FORMAT"})
 
 # Linear patterns over single bounded lines.
 _RANK_LABEL = re.compile(r"^[0-9]{1,6}: ")
@@ -53,7 +59,8 @@ _CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) [0-9.]{1,30}+ ON \S{1,256}+ CANCEL
 _TASK_FAILED = re.compile(r"^srun: error: [^\s:]{1,256}+: tasks? [0-9,-]{1,64}+: (?!Terminated$|Killed$)")
 _TASK_LINE = re.compile(r"^srun: error: [^\s:]{1,256}+: tasks? [0-9,-]{1,64}+: ")
 _NOT_STARTED = ("Requested nodes are busy", "Required node not available", "Nodes required for job are DOWN",
-                "job has been revoked", "Job violates accounting/QOS policy")
+                "job has been revoked", "Job violates accounting/QOS policy",
+                "Job/step already completing or completed")  # the last: cancelled while it waited for its nodes
 
 
 class _Tail:
@@ -110,7 +117,7 @@ class _Run:
         self.exited_at: float | None = None
         self.ended: str | None = None  # set when the sweep ended it (TIMEOUT, PREEMPTED by cancel_all)
         self.detail = ""
-        self.lines: list[str] = []  # srun's stderr lines that tell how it ended (bounded)
+        self.lines: list[str] = []  # the stderr lines that tell how it ended (bounded)
         self.lock = threading.Lock()
 
     def on_stderr_line(self, line: str) -> None:
@@ -122,7 +129,8 @@ class _Run:
                 self.allocated_at, self.job_id = time.monotonic(), m.group(1)
             elif self.job_id is None and (m := _STEP_ID.search(line)) is not None:
                 self.job_id = m.group(1)
-            if len(self.lines) < 200 and ("srun: " in line or "slurmstepd" in line):
+            if len(self.lines) < MAX_SRUN_LINES and (line.startswith("srun: error: ") or "CANCELLED AT" in line
+                                                      or "execve(): " in line):
                 self.lines.append(line)
 
     def running_since(self) -> float | None:
@@ -246,17 +254,19 @@ class SrunLauncher:
                  extra_args: Sequence[str] = (), job_name: str = "gpuwarden-sweep", srun: str = "srun",
                  scancel: str = "scancel", squeue: str = "squeue", start_timeout_s: float = 60.0,
                  env: Mapping[str, str] | None = None) -> None:
-        """`env`: variables set for srun (and so for the tasks, srun's --export=ALL) over this process's own."""
+        """`env`: variables set for srun (and so for the tasks, srun's --export=ALL) over this process's own, less
+        the Slurm job's own (a sweep started inside a job still runs each group as a job of its own)."""
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node {ranks_per_node}: at least 1")
         self.partition, self.qos, self.ranks_per_node = partition, qos, ranks_per_node
         self.extra_args, self.job_name = list(extra_args), job_name
         self.srun, self.scancel, self.squeue = srun, scancel, squeue
         self.start_timeout_s = start_timeout_s
-        self.env = {**os.environ, **env} if env is not None else None
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k in SLURM_KEEP},
+                    **(env or {})}
         self.sweep_id = f"{os.getpid()}-{secrets.token_hex(3)}"
         self._runs: list[_Run] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups
         self._cancelled = False
         self._batches = 0
 
@@ -309,9 +319,9 @@ class SrunLauncher:
                 if now > limit and r.ended is None:
                     late.append(r)
             if late:
+                states = self._lookup_ids(late)
                 for r in late:
-                    r.ended = TIMEOUT
-                    r.detail = f"ran past its time limit of {timeout_s:g} s; the job was cancelled"
+                    r.ended, r.detail = self._late(r, states, timeout_s)
                 self._end(late)
             elif now >= next_lookup and any(r.job_id is None for r in live):
                 self._lookup_ids(live)
@@ -325,18 +335,35 @@ class SrunLauncher:
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    def _lookup_ids(self, runs: Sequence[_Run]) -> None:
-        """The job ids of `runs` from squeue, by their job names (unique to this launcher and batch)."""
+    def _lookup_ids(self, runs: Sequence[_Run]) -> dict[str, str] | None:
+        """The job ids of `runs` from squeue, by their job names (unique to this launcher and batch); returns each
+        found job's state by name (None: squeue did not answer)."""
         names = {r.name: r for r in runs}
-        proc = self._tool([self.squeue, "-h", f"--name={','.join(names)}", "-o", "%j %i"])
+        if not names:
+            return {}
+        proc = self._tool([self.squeue, "-h", f"--name={','.join(names)}", "-o", "%j %i %T"])
         if proc is None or proc.returncode != 0:
-            return
+            return None
+        states = {}
         for line in proc.stdout.splitlines()[:len(names) * 4]:
-            name, _, job = line.strip().partition(" ")
+            name, job, state = (line.split() + ["", "", ""])[:3]
             r = names.get(name)
             if r is not None and job.isdigit() and len(job) <= 12:
+                states[name] = state[:32]
                 with r.lock:
                     r.job_id = r.job_id or job
+        return states
+
+    def _late(self, run: _Run, states: dict[str, str] | None, timeout_s: float) -> tuple[str, str]:
+        """How a run past its time ends: hung if its job ran (the controller says so, or it printed something);
+        else it never got its nodes, or the controller could not be asked: neither says anything of the nodes."""
+        state = (states or {}).get(run.name, "")
+        if state in ("RUNNING", "COMPLETING", "SUSPENDED") or run.out.head:
+            return TIMEOUT, f"ran past its time limit of {timeout_s:g} s; the job was cancelled"
+        if states is None:
+            return LAUNCH_ERROR, f"no output in {timeout_s:g} s and squeue did not answer; the job was cancelled"
+        return NOT_STARTED, (f"not running after {timeout_s:g} s (job state {state or 'unknown to squeue'}); "
+                             f"the job was cancelled")
 
     def _end(self, runs: Sequence[_Run]) -> None:
         """Cancel the jobs of `runs` (scancel by id), then end each srun: its own abort (SIGINT twice), then
@@ -345,9 +372,9 @@ class SrunLauncher:
         ids = sorted({r.job_id for r in runs if r.job_id})
         if ids:
             self._tool([self.scancel, *ids])
-        names = [r.name for r in runs if not r.job_id]
-        if names:  # not seen in the queue (yet): a job by that name that appears now is still ours to end
-            self._tool([self.scancel, f"--name={','.join(names)}"])
+        for r in runs:  # not seen in the queue (yet): a job by that name that appears now is still ours to end
+            if not r.job_id:
+                self._tool([self.scancel, f"--name={r.name}"])  # one name a call: scancel takes no list here
         _wait_all(runs, CANCEL_GRACE_S)
         left = [r for r in runs if r.proc is not None and r.proc.poll() is None]
         for r in left:
@@ -385,7 +412,7 @@ class MpirunLauncher:
         self.workdir = Path(workdir)
         self.env = {**os.environ, **env} if env is not None else None
         self._runs: list[_Run] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups
         self._cancelled = False
         self._batches = 0
 
@@ -433,10 +460,9 @@ class MpirunLauncher:
         results = []
         for r in runs:
             result = _finish(r)
-            if result.ended == EXITED and result.returncode not in (0, None) and not result.output.strip() \
-                    and r.proc is not None:
+            if result.ended == EXITED and result.returncode not in (0, None) and not _ranks_ran(result):
                 result = GroupRun(result.nodes, result.output, result.stderr, result.returncode, LAUNCH_ERROR,
-                                  result.duration_s, None, _last_line(result.stderr))
+                                  result.duration_s, None, _launch_detail(result.stderr, result.output))
             results.append(result)
             (self.workdir / f"hostfile-{os.getpid()}-{r.name}").unlink(missing_ok=True)
         return results
@@ -461,6 +487,17 @@ class MpirunLauncher:
             self._end(runs)
 
 
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1][:MAX_LINE] if lines else "mpirun exited before any rank printed"
+_TAGGED = re.compile(r"^\[[0-9]{1,9},[0-9]{1,9}\]<std(?:out|err)>:", re.MULTILINE)
+
+
+def _ranks_ran(run: GroupRun) -> bool:
+    """Some rank printed (mpirun --tag-output's label): the program ran; else mpirun failed to start it."""
+    return _TAGGED.search(run.output) is not None or _TAGGED.search(run.stderr) is not None
+
+
+def _launch_detail(stderr: str, output: str) -> str:
+    """mpirun's own message: the first line of words in its stderr (its boxes are drawn with dashes)."""
+    for line in (stderr + "\n" + output).splitlines():
+        if line.strip() and not line.startswith("---"):
+            return line.strip()[:MAX_LINE]
+    return "mpirun exited before any rank ran"
