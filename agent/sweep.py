@@ -242,7 +242,7 @@ class Sweep:
                     f"{phase.name}: every group that ran failed ({len(failing)}): a fleet-wide signal (the fabric, the "
                     "baseline, the software) blames no node; look at the report's reasons")
                 continue
-            self._localise(Localiser(failing, good, max_tests=int(s["max_tests"])), phase.name)
+            self._localise(Localiser(failing, good, max_tests=int(s["max_tests"])), phase.name, failing)
         if self.stop.is_set() and self.report.partial is None:
             self.report.partial = "stopped by a signal"
         self.report.passed -= set(self.report.culprit_nodes) | self.report.unresolved
@@ -250,7 +250,7 @@ class Sweep:
         self.report.ended = self.clock()
         return self.report
 
-    def _localise(self, localiser: Any, phase: str) -> None:
+    def _localise(self, localiser: Any, phase: str, failing: Sequence[tuple[str, ...]]) -> None:
         by_nodes: dict[tuple[str, ...], Collective] = {}
         while not self.stop.is_set():
             tests = localiser.next_round()
@@ -270,6 +270,9 @@ class Sweep:
             self.report.culprit_links.append(link)  # type: ignore[arg-type]
         self.report.unresolved |= set(found.unresolved) - set(found.nodes)
         self.report.passed -= set(found.unresolved)
+        # The rest of a failing group was cleared by the search (seen to run clean without the culprits).
+        named = set(found.nodes) | set(found.unresolved) | {n for link in found.links for n in link}
+        self.report.passed |= {n for g in failing for n in g} - named
 
     @staticmethod
     def _worst(node: str, culprits: Iterable[str], failing: Sequence[Collective]) -> Outcome:

@@ -141,20 +141,21 @@ def test_sweep_runs_only_on_idle_nodes_and_a_healthy_cluster_passes(fresh, tmp_p
     s = Sweeper(fresh, tmp_path)
     busy = user_job(fresh, "n2")
     poll(lambda: job_state(fresh, busy) == "RUNNING", "the user's job on n2 to run")
+    SlurmAdapter(slurm_conf=str(fresh.conf)).return_to_pool("n6", "rackB")  # a spare: drained, never swept
     code, report = s.run({})
     assert code == 0, report
     ran = s.groups_run()
-    assert ran and all("n2" not in g for g in ran)  # the busy node is never swept ...
-    assert job_state(fresh, busy) == "RUNNING"  # ... and its work is untouched
+    assert ran and all("n2" not in g and "n6" not in g for g in ran)  # the busy node and the spare never swept ...
+    assert job_state(fresh, busy) == "RUNNING"  # ... and the work on n2 is untouched
     assert {t["phase"] for t in report["tests"]} == {"domain", "fabric"}
     domain = [tuple(t["nodes"]) for t in report["tests"] if t["phase"] == "domain"]
     assert all(len({DOMAINS[n] for n in g}) == 1 for g in domain)  # within one NVLink domain
     fabric = [tuple(t["nodes"]) for t in report["tests"] if t["phase"] == "fabric"]
     assert all(len({DOMAINS[n] for n in g}) == 2 for g in fabric)  # across the fabric
-    assert sorted(report["passed"]) == ["n1", "n3", "n4", "n5", "n6"]
+    assert sorted(report["passed"]) == ["n1", "n3", "n4", "n5"]
     for node in report["passed"]:
         assert s.verdict(node)["findings"] == []
-    assert not (s.results / "nodes" / "n2.json").exists()
+    assert not (s.results / "nodes" / "n2.json").exists() and not (s.results / "nodes" / "n6.json").exists()
     assert not sweep_jobs(fresh)
 
 
@@ -187,7 +188,8 @@ def test_sweep_names_a_node_returning_wrong_values(fresh, tmp_path):
 
 def test_sweep_kills_a_hung_collective_and_names_the_node(fresh, tmp_path):
     s = Sweeper(fresh, tmp_path)
-    code, report = s.run({"hang_nodes": ["n6"]}, timeout_s=8.0)
+    # Four nodes: every hung collective waits out its limit, so the fewer it takes to corner n6, the shorter the test.
+    code, report = s.run({"hang_nodes": ["n6"]}, "--nodes", "n1,n2,n4,n6", timeout_s=8.0)
     assert code == 1, report
     assert report["culprit_nodes"] == {"n6": "sweep-hang"}
     hung = [t for t in report["tests"] if t["outcome"] == "hung"]
