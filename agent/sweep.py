@@ -251,17 +251,14 @@ class Sweep:
         return self.report
 
     def _localise(self, localiser: Any, phase: str, failing: Sequence[tuple[str, ...]]) -> None:
-        by_nodes: dict[tuple[str, ...], Collective] = {}
+        # Stopped midway, what the tester still wanted to know stays open (unresolved): nothing is blamed on a test
+        # that did not run.
         while not self.stop.is_set():
             tests = localiser.next_round()
             if not tests:
                 break
             for t in self._round_of(phase, "localise", [tuple(x) for x in tests]):
-                by_nodes[t.nodes] = t
                 localiser.record(t.nodes, t.outcome.bad if t.outcome.decided else None)
-        if self.stop.is_set():
-            # What the tester still wanted to know stays open: nothing is blamed on a test that did not run.
-            pass
         found = localiser.result()
         failing_tests = [t for t in self.report.tests if t.phase == phase and t.outcome.bad]
         for node in sorted(found.nodes, key=_natural):

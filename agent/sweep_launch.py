@@ -27,7 +27,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .sweep_model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT, GroupRun
@@ -246,9 +246,56 @@ def classify_srun(returncode: int | None, lines: Sequence[str]) -> tuple[str, st
     return EXITED, ""
 
 
-class SrunLauncher:
+class _Launcher:
+    """What both launchers share: the runs in flight (for cancel_all, which may come from a signal handler of the
+    thread in run_groups), one batch of runs per run_groups, and what is ended how when the sweep stops."""
+    stopped_detail = "the sweep was stopped"
+
+    def __init__(self) -> None:
+        self._runs: list[_Run] = []
+        self._lock = threading.RLock()
+        self._cancelled = False
+        self._batches = 0
+
+    def _batch(self, groups: Sequence[Sequence[str]], name: Callable[[int, int], str]) -> list[_Run]:
+        """The runs of one run_groups call, registered; those that must not start (the sweep stopped, an empty
+        group) already ended. `name(batch, index)` names each run."""
+        with self._lock:
+            self._batches += 1
+            runs = [_Run(tuple(g), name(self._batches, i)) for i, g in enumerate(groups)]
+            self._runs += runs
+            cancelled = self._cancelled
+        for r in runs:
+            if cancelled:
+                r.ended, r.detail = PREEMPTED, "the sweep was stopped before this group started"
+            elif not r.nodes:
+                r.ended, r.detail = LAUNCH_ERROR, "an empty group"
+        return runs
+
+    def _done(self, runs: Sequence[_Run]) -> None:
+        with self._lock:
+            self._runs = [r for r in self._runs if r not in runs]
+
+    def _end(self, runs: Sequence[_Run]) -> None:
+        raise NotImplementedError
+
+    def cancel_all(self) -> None:
+        """End every run this launcher started and has not seen end (the sweep is being stopped): those groups end
+        PREEMPTED (no verdict); no later run_groups starts anything."""
+        with self._lock:
+            self._cancelled = True
+            runs = [r for r in self._runs if r.proc is not None and r.proc.poll() is None]
+        for r in runs:
+            if r.ended is None:
+                r.ended, r.detail = PREEMPTED, self.stopped_detail
+        if runs:
+            self._end(runs)
+
+
+class SrunLauncher(_Launcher):
     """Each group as a Slurm job of its own: srun --nodelist=<group> in `partition`, started together."""
     name = "slurm"
+    stopped_detail = "the sweep was stopped; its job was cancelled"
 
     def __init__(self, *, partition: str | None = None, qos: str | None = None, ranks_per_node: int = 1,
                  extra_args: Sequence[str] = (), job_name: str = "gpuwarden-sweep", srun: str = "srun",
@@ -265,10 +312,7 @@ class SrunLauncher:
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k in SLURM_KEEP},
                     **(env or {})}
         self.sweep_id = f"{os.getpid()}-{secrets.token_hex(3)}"
-        self._runs: list[_Run] = []
-        self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups
-        self._cancelled = False
-        self._batches = 0
+        super().__init__()
 
     def argv(self, nodes: Sequence[str], name: str, argv: Sequence[str]) -> list[str]:
         cmd = [self.srun, f"--job-name={name}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
@@ -284,24 +328,14 @@ class SrunLauncher:
     def run_groups(self, groups: Sequence[Sequence[str]], argv: Sequence[str], timeout_s: float) -> list[GroupRun]:
         """One srun per group, all at once (groups are disjoint), in group order; returns when every one ended.
         A group's time limit counts from when its nodes were allocated."""
-        with self._lock:
-            self._batches += 1
-            batch = self._batches
-            runs = [_Run(tuple(g), f"{self.job_name}-{self.sweep_id}-{batch}.{i}") for i, g in enumerate(groups)]
-            self._runs += runs
-            cancelled = self._cancelled
+        runs = self._batch(groups, lambda batch, i: f"{self.job_name}-{self.sweep_id}-{batch}.{i}")
         for r in runs:
-            if cancelled:
-                r.ended, r.detail = PREEMPTED, "the sweep was stopped before this group started"
-            elif not r.nodes:
-                r.ended, r.detail = LAUNCH_ERROR, "an empty group"
-            else:
+            if r.ended is None:
                 _start(r, self.argv(r.nodes, r.name, argv), self.env, srun_lines=True)
         try:
             self._watch(runs, timeout_s)
         finally:
-            with self._lock:
-                self._runs = [r for r in self._runs if r not in runs]
+            self._done(runs)
         return [_finish(r) for r in runs]
 
     def _watch(self, runs: list[_Run], timeout_s: float) -> None:
@@ -387,22 +421,12 @@ class SrunLauncher:
             _signal_group(r, signal.SIGKILL)
         _wait_all(left, KILL_WAIT_S)
 
-    def cancel_all(self) -> None:
-        """End every job this launcher started and has not seen end (the sweep is being stopped): those groups end
-        PREEMPTED (no verdict); no later run_groups starts anything."""
-        with self._lock:
-            self._cancelled = True
-            runs = [r for r in self._runs if r.proc is not None and r.proc.poll() is None]
-        for r in runs:
-            if r.ended is None:
-                r.ended, r.detail = PREEMPTED, "the sweep was stopped; its job was cancelled"
-        if runs:
-            self._end(runs)
 
 
-class MpirunLauncher:
+class MpirunLauncher(_Launcher):
     """Each group as one mpirun over a hostfile of its nodes (no scheduler): `host slots=R` lines."""
     name = "mpirun"
+    stopped_detail = "the sweep was stopped; mpirun was ended"
 
     def __init__(self, *, ranks_per_node: int = 1, extra_args: Sequence[str] = (), mpirun: str = "mpirun",
                  workdir: Path, env: Mapping[str, str] | None = None) -> None:
@@ -411,10 +435,7 @@ class MpirunLauncher:
         self.ranks_per_node, self.extra_args, self.mpirun = ranks_per_node, list(extra_args), mpirun
         self.workdir = Path(workdir)
         self.env = {**os.environ, **env} if env is not None else None
-        self._runs: list[_Run] = []
-        self._lock = threading.RLock()  # cancel_all may run in a signal handler of the thread in run_groups
-        self._cancelled = False
-        self._batches = 0
+        super().__init__()
 
     def argv(self, hostfile: Path, nodes: Sequence[str], argv: Sequence[str]) -> list[str]:
         cmd = [self.mpirun, "--hostfile", str(hostfile), "-np", str(len(nodes) * self.ranks_per_node),
@@ -426,18 +447,9 @@ class MpirunLauncher:
     def run_groups(self, groups: Sequence[Sequence[str]], argv: Sequence[str], timeout_s: float) -> list[GroupRun]:
         """One mpirun per group, all at once, in group order; returns when every one ended."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._batches += 1
-            batch = self._batches
-            runs = [_Run(tuple(g), f"{batch}.{i}") for i, g in enumerate(groups)]
-            self._runs += runs
-            cancelled = self._cancelled
+        runs = self._batch(groups, lambda batch, i: f"{batch}.{i}")
         for r in runs:
-            if cancelled:
-                r.ended, r.detail = PREEMPTED, "the sweep was stopped before this group started"
-                continue
-            if not r.nodes:
-                r.ended, r.detail = LAUNCH_ERROR, "an empty group"
+            if r.ended is not None:
                 continue
             hostfile = self.workdir / f"hostfile-{os.getpid()}-{r.name}"
             hostfile.write_text("".join(f"{n} slots={self.ranks_per_node}\n" for n in r.nodes))
@@ -455,8 +467,7 @@ class MpirunLauncher:
                     self._end(late)
                 time.sleep(POLL_S)
         finally:
-            with self._lock:
-                self._runs = [r for r in self._runs if r not in runs]
+            self._done(runs)
         results = []
         for r in runs:
             result = _finish(r)
@@ -475,16 +486,6 @@ class MpirunLauncher:
         for r in runs:
             _signal_group(r, signal.SIGKILL)
         _wait_all(runs, KILL_WAIT_S)
-
-    def cancel_all(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            runs = [r for r in self._runs if r.proc is not None and r.proc.poll() is None]
-        for r in runs:
-            if r.ended is None:
-                r.ended, r.detail = PREEMPTED, "the sweep was stopped; mpirun was ended"
-        if runs:
-            self._end(runs)
 
 
 _TAGGED = re.compile(r"^\[[0-9]{1,9},[0-9]{1,9}\]<std(?:out|err)>:", re.MULTILINE)
