@@ -298,22 +298,27 @@ exec /bin/sh -c "$*"
 """
 
 
-@pytest.fixture
-def mpirun_launcher(tmp_path):
+def open_mpi_hosts(tmp_path: Path) -> dict[str, str]:
+    """The environment under which mpirun runs its "hosts" on this machine, each named by the rsh agent."""
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun not installed (Debian package: openmpi-bin)", pytrace=False)
     agent = tmp_path / "rsh-agent"
     agent.write_text(RSH_AGENT)
     agent.chmod(0o755)
+    # Several orteds on one host (each "node" here) race to share hwloc's topology in the same shared memory and one
+    # may crash (Open MPI 4.1.4): no sharing, as on separate hosts.
+    return {"OMPI_MCA_plm_rsh_agent": str(agent), "OMPI_MCA_rtc_hwloc_vmhole": "none",
+            "GW_RSH_TMP": str(tmp_path / "hosts")}
+
+
+@pytest.fixture
+def mpirun_launcher(tmp_path):
+    hosts = open_mpi_hosts(tmp_path)
 
     def make(scenario: dict) -> tuple[MpirunLauncher, Path]:
         (tmp_path / "scenario.json").write_text(json.dumps(scenario))
         log = tmp_path / "standin.log"
-        env = {"GW_SWEEP_SCENARIO": str(tmp_path / "scenario.json"), "GW_SWEEP_STANDIN_LOG": str(log),
-               "OMPI_MCA_plm_rsh_agent": str(agent),
-               # Several orteds on one host (each "node" here) race to share hwloc's topology in the same shared
-               # memory and one may crash (Open MPI 4.1.4): no sharing, as on separate hosts.
-               "OMPI_MCA_rtc_hwloc_vmhole": "none", "GW_RSH_TMP": str(tmp_path / "hosts")}
+        env = {"GW_SWEEP_SCENARIO": str(tmp_path / "scenario.json"), "GW_SWEEP_STANDIN_LOG": str(log), **hosts}
         return MpirunLauncher(workdir=tmp_path / "hostfiles", env=env), log
 
     return make

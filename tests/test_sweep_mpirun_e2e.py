@@ -4,24 +4,17 @@ and the sweep names the slow host from the groups' outputs alone."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
-import pytest
-
 from conftest import ROOT
-from test_sweep_launch import RSH_AGENT
+from test_sweep_launch import open_mpi_hosts
 
 STANDIN = ROOT / "tests" / "standin_all_reduce_perf.py"
 
 
 def test_sweep_over_hosts_with_mpirun_names_the_slow_host(tmp_path):
-    if shutil.which("mpirun") is None:
-        pytest.fail("mpirun not installed (Debian package: openmpi-bin)", pytrace=False)
-    agent = tmp_path / "rsh-agent"
-    agent.write_text(RSH_AGENT)
-    agent.chmod(0o755)
+    hosts = open_mpi_hosts(tmp_path)
     (tmp_path / "scenario.json").write_text(json.dumps({"slow_nodes": ["hc"], "seed": 5}))
     command = [sys.executable, str(STANDIN), "-b", "8", "-e", "2G", "-f", "2", "-g", "1", "-N", "5"]
     config = tmp_path / "gpuwarden.toml"
@@ -37,8 +30,7 @@ results_dir = "{tmp_path / 'results'}"
 """)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GW_SWEEP_SCENARIO": str(tmp_path / "scenario.json"),
            "GW_SWEEP_STANDIN_LOG": str(tmp_path / "standin.log"), "GW_STANDIN_DIR": str(tmp_path / "rendezvous"),
-           "OMPI_MCA_plm_rsh_agent": str(agent), "OMPI_MCA_rtc_hwloc_vmhole": "none",
-           "GW_RSH_TMP": str(tmp_path / "hosts")}
+           **hosts}
     proc = subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", "sweep", "--config", str(config),
                            "--hosts", "ha,hb,hc,hd", "--json"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip(), proc.stderr[-3000:]
