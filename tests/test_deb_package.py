@@ -138,6 +138,12 @@ def test_daemon_unit_is_enabled_and_verifies(installed):
         pytest.fail("systemd-analyze not installed (apt install systemd)")
     verify = sh("systemd-analyze", "verify", *units)
     assert verify.returncode == 0 and verify.stderr == "", verify.stderr
+    for unit in units:  # `systemctl help UNIT` opens these: each is a file of the package
+        for line in unit.read_text().splitlines():
+            if line.startswith("Documentation="):
+                for doc in line.split("=", 1)[1].split():
+                    if doc.startswith("file://"):
+                        assert Path(doc[len("file://"):]) in installed["files"], (unit.name, doc)
 
 
 def test_man_page_renders_without_warnings(installed):

@@ -1,5 +1,5 @@
-"""systemd integration: the units verify with nothing on stderr; `systemd-analyze security --offline=true` rates
-the daemon and the preflight at most 3.0, every item still exposed justified in a comment of the unit; sd_notify
+"""systemd integration: the units verify with nothing on stderr (the sweep's service and timer too);
+`systemd-analyze security --offline=true` rates the daemon and the preflight at most 3.0, every item still exposed justified in a comment of the unit; sd_notify
 speaks the socket protocol to a real datagram socket the test owns."""
 import json
 import os
@@ -13,7 +13,8 @@ from conftest import ROOT
 from gpuwarden.agent import systemd
 
 
-UNITS = ("gpuwarden.service", "gpuwarden-preflight.service", "gpuwarden.slice")
+UNITS = ("gpuwarden.service", "gpuwarden-preflight.service", "gpuwarden.slice", "gpuwarden-sweep.service",
+         "gpuwarden-sweep.timer")
 MAX_EXPOSURE = 3.0
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 
