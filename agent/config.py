@@ -134,13 +134,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "checks.clock_events.sw_thermal_warn_ratio": (0.0, 1.0),
     "remediation.breaker.cluster_share": (0.0, 1.0),
     "remediation.breaker.domain_share": (0.0, 1.0),
-    "sweep.latency_factor": (1.0, 100.0),
-    "sweep.busbw_fraction": (0.01, 1.0),
-    "sweep.small_max_bytes": (1, 1 << 40),
-    "sweep.large_min_bytes": (2, 1 << 40),
-    "sweep.min_cycles": (2, 10_000),
-    "sweep.history_min_samples": (1, 10_000),
-    "sweep.history_keep": (1, 10_000),
+    # (the [sweep] criteria's own ranges are agent/sweep_criteria.py CRITERIA_RANGES, checked by apply())
     "sweep.group_nodes": (2, 100_000),
     "sweep.ranks_per_node": (1, 1024),
     "sweep.max_tests": (0, 100_000),
@@ -270,6 +264,10 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
         else:
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], "
                               "[topology] and [checks.<name>])")
+    if "sweep" in data:  # the criteria's keys, against their own ranges (and small below large)
+        from .sweep_criteria import check_policy
+
+        check_policy(cfg.sweep, f"{origin}: [sweep]")
     unknown_checks = [c for c in cfg.agent["checks"] if c not in check_names]
     if unknown_checks:
         raise ConfigError(f"{origin}: agent.checks names unknown check '{unknown_checks[0]}'")

@@ -191,3 +191,20 @@ def test_sweep_verdict_drains_the_node_through_its_own_daemon_and_a_passing_swee
     finally:
         d.stop()
         store.close()
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("latency_factor = 0.5", "latency_factor"),  # under 1: a group at its own baseline would be slow
+    ("busbw_fraction = 1.5", "busbw_fraction"),
+    ("small_max_bytes = 2147483648", "small_max_bytes"),  # not below large_min_bytes
+    ("group_nodes = 1", "sweep.group_nodes"),
+    ("launcher = \"ssh\"", "sweep.launcher"),
+])
+def test_sweep_config_out_of_range_is_an_error_naming_the_key_and_file(tmp_path, line, needle):
+    from gpuwarden.agent.errors import ConfigError
+
+    path = tmp_path / "g.toml"
+    path.write_text(f"[sweep]\n{line}\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(all_specs(), path, explicit=True)
+    assert needle in str(err.value) and str(path) in str(err.value)

@@ -1,6 +1,6 @@
 """systemd integration: the units verify with nothing on stderr (the sweep's service and timer too);
-`systemd-analyze security --offline=true` rates the daemon and the preflight at most 3.0, every item still exposed justified in a comment of the unit; sd_notify
-speaks the socket protocol to a real datagram socket the test owns."""
+`systemd-analyze security --offline=true` rates the daemon and the preflight at most 3.0, every item still exposed
+justified in a comment of the unit; sd_notify speaks the socket protocol to a real datagram socket the test owns."""
 import json
 import os
 import shutil
