@@ -240,6 +240,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sweep_command.add_parser(sub, raw, _CONFIG_HELP, _log_flags)
 
+    from . import plan_command
+
+    plan_command.add_parser(sub, raw, _log_flags)
+
     return p
 
 
@@ -417,6 +421,12 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan_command import run
+
+    return run(args)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep_command import run
 
@@ -427,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
                "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology,
-               "slurm": cmd_slurm, "sweep": cmd_sweep}
+               "slurm": cmd_slurm, "sweep": cmd_sweep, "plan": cmd_plan}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

@@ -1,0 +1,61 @@
+"""`gpuwarden plan`: fleet planning from numbers, nothing on this machine read and nothing acted on.
+
+  plan capacity   usable nodes per slice size as node unavailability grows (agent/plan_capacity.py)
+  plan risk       rack MTBI from node MTBI, P(at least one failure) for a job (agent/plan_risk.py)
+  plan simulate   a fleet through simulated days, the real state machine and spare policy (agent/plan_simulate.py)
+  plan defrag     the least disruptive preemptible jobs to move so one rack has a free slice (agent/plan_defrag.py)
+
+Each part's module has `add_arguments(parser)` and `run(args) -> int`; this module only wires them under one
+command, each imported when its subcommand is built."""
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+PARTS = (
+    ("capacity", "plan_capacity", "usable nodes per slice size as node unavailability grows (table, --json, --plot)"),
+    ("risk", "plan_risk", "rack MTBI from node MTBI; the chance a job of N GPUs over T days meets a failure"),
+    ("simulate", "plan_simulate", "simulate a fleet through days: failures, repairs, spares, slices, the breaker"),
+    ("defrag", "plan_defrag", "the least disruptive preemptible jobs to move so one rack has a free slice"),
+)
+
+
+def available() -> list[tuple[str, Any, str]]:
+    """The parts whose module is installed, with the module."""
+    out = []
+    for name, module, summary in PARTS:
+        try:
+            out.append((name, importlib.import_module(f"gpuwarden.agent.{module}"), summary))
+        except ModuleNotFoundError as exc:
+            if exc.name != f"gpuwarden.agent.{module}":
+                raise
+    return out
+
+
+def add_parser(sub: Any, formatter: Any, log_flags: Any) -> None:
+    parts = available()
+    if not parts:
+        return
+    p = sub.add_parser("plan", help="fleet planning: slice-size capacity, failure risk, simulation, defrag",
+                       formatter_class=formatter,
+                       description="Fleet planning from numbers: what slice size and how many spares per rack, "
+                                   "what a policy does over simulated weeks, which jobs to move to free a rack. "
+                                   "Reads nothing on this machine and acts on nothing.")
+    plan = p.add_subparsers(dest="plan_command", required=True, title="parts", metavar="PART")
+    for name, module, summary in parts:
+        part = plan.add_parser(name, help=summary, formatter_class=formatter,
+                               description=(module.__doc__ or summary).strip().split("\n\n")[0])
+        module.add_arguments(part)
+        if "--json" not in part._option_string_actions:
+            part.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        if "--log-format" not in part._option_string_actions:
+            log_flags(part)
+        part.set_defaults(plan_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import logs
+
+    logs.setup(getattr(args, "log_format", None) or "auto", getattr(args, "log_level", None) or "info")
+    return args.plan_run(args)
