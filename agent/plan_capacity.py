@@ -66,7 +66,8 @@ def parse_float(text: str, flag: str, lo: float, hi: float, *, hi_open: bool = F
     return value
 
 
-def _items(text: str, flag: str) -> list[str]:
+def split_list(text: str, flag: str) -> list[str]:
+    """The comma-separated values of a flag, each non-empty; the whole bounded in length."""
     s = str(text)
     if len(s) > MAX_LIST_CHARS:
         raise ConfigError(f"{flag}: {len(s):,} characters; at most {MAX_LIST_CHARS:,}")
@@ -78,7 +79,7 @@ def _items(text: str, flag: str) -> list[str]:
 
 def parse_slices(text: str, nodes_per_rack: int, flag: str = "--slice") -> tuple[int, ...]:
     """Slice sizes 'S[,S…]', each in [1, nodes per rack]; ascending, without repeats."""
-    items = _items(text, flag)
+    items = split_list(text, flag)
     if len(items) > MAX_SLICE_SIZES:
         raise ConfigError(f"{flag}: {len(items)} slice sizes; at most {MAX_SLICE_SIZES}")
     sizes = {parse_int(i, flag, 1, MAX_NODES_PER_RACK) for i in items}
@@ -93,7 +94,7 @@ def parse_unavailable(text: str, flag: str = "--unavailable") -> tuple[float, ..
     """Unavailability in percent: a comma list of values 'P' and ranges 'A..B' (every DEFAULT_STEP points from A
     through B) or 'A..B:STEP'; each value in [0, 100). Ascending, without repeats, at most MAX_POINTS values."""
     points: set[float] = set()
-    for item in _items(text, flag):
+    for item in split_list(text, flag):
         lo_text, dots, rest = item.partition("..")
         if not dots:
             points.add(parse_float(item, flag, 0.0, 100.0, hi_open=True, unit="%"))
