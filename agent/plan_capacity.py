@@ -35,12 +35,18 @@ JSON_VERSION = 1
 
 
 # -- flags: every number is hostile until it is finite, bounded and named -----------------------------------------
+def shown(text: object) -> str:
+    """A flag's value as an error message quotes it: cut short, so a hostile value is not echoed back whole."""
+    s = str(text)
+    return repr(s if len(s) <= 40 else s[:40] + "…")
+
+
 def parse_int(text: str, flag: str, lo: int, hi: int) -> int:
     """A whole number in [lo, hi]; anything else is a ConfigError naming the flag."""
     s = str(text).strip()
     digits = s[1:] if s[:1] in ("+", "-") else s
     if not s or len(s) > MAX_NUMBER_CHARS or not s.isascii() or not digits.isdigit():
-        raise ConfigError(f"{flag} {text!r}: expected a whole number in [{lo:,}, {hi:,}]")
+        raise ConfigError(f"{flag} {shown(text)}: expected a whole number in [{lo:,}, {hi:,}]")
     value = int(s)
     if not lo <= value <= hi:
         raise ConfigError(f"{flag} {value:,}: expected a whole number in [{lo:,}, {hi:,}]")
@@ -56,13 +62,13 @@ def parse_float(text: str, flag: str, lo: float, hi: float, *, hi_open: bool = F
     left, right = ("(" if lo_open else "["), (")" if hi_open else "]")
     want = f"a finite number in {left}{lo:g}, {hi:g}{right}{unit}"
     if not s or len(s) > MAX_NUMBER_CHARS or not s.isascii():
-        raise ConfigError(f"{flag} {text!r}: expected {want}")
+        raise ConfigError(f"{flag} {shown(text)}: expected {want}")
     try:
         value = float(s)
     except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected {want}") from None
+        raise ConfigError(f"{flag} {shown(text)}: expected {want}") from None
     if not math.isfinite(value) or value < lo or value > hi or (hi_open and value == hi) or (lo_open and value == lo):
-        raise ConfigError(f"{flag} {text!r}: expected {want}")
+        raise ConfigError(f"{flag} {shown(text)}: expected {want}")
     return value
 
 
@@ -73,7 +79,7 @@ def split_list(text: str, flag: str) -> list[str]:
         raise ConfigError(f"{flag}: {len(s):,} characters; at most {MAX_LIST_CHARS:,}")
     items = [i.strip() for i in s.split(",")]
     if not items or any(not i for i in items):
-        raise ConfigError(f"{flag} {text!r}: an empty value in the list")
+        raise ConfigError(f"{flag} {shown(text)}: an empty value in the list")
     return items
 
 
@@ -104,11 +110,11 @@ def parse_unavailable(text: str, flag: str = "--unavailable") -> tuple[float, ..
             hi = parse_float(hi_text, flag, 0.0, 100.0, hi_open=True, unit="%")
             step = parse_float(step_text, f"{flag} step", 0.0, 100.0, lo_open=True) if colon else DEFAULT_STEP
             if hi < lo:
-                raise ConfigError(f"{flag} {item!r}: the range ends below where it starts")
+                raise ConfigError(f"{flag} {shown(item)}: the range ends below where it starts")
             # Counted before any is made, so a step of 1e-9 is refused rather than looped over.
             count = math.floor((hi - lo) / step + 1e-9) + 1
             if count + len(points) > MAX_POINTS:
-                raise ConfigError(f"{flag} {item!r}: more than {MAX_POINTS:,} values; use a larger step")
+                raise ConfigError(f"{flag} {shown(item)}: more than {MAX_POINTS:,} values; use a larger step")
             # round(): 0.1 * 3 is 0.30000000000000004; the table and the JSON show the value that was meant.
             points.update(min(round(lo + i * step, 9), hi) for i in range(count))
         if len(points) > MAX_POINTS:
@@ -229,7 +235,7 @@ def monte_carlo_usable_per_rack(nodes_per_rack: int, slice_nodes: int, unavailab
 def format_table(result: Capacity) -> str:
     head = (f"{result.racks:,} racks x {result.nodes_per_rack:,} nodes = {result.fleet_nodes:,} nodes; "
             "expected usable nodes (share of the fleet) by slice size")
-    cells = {s: [f"{round_nodes(u):,} ({u / result.fleet_nodes:6.1%})" for u in result.usable[s]]
+    cells = {s: [f"{round_nodes(u):,} ({u / result.fleet_nodes:.1%})" for u in result.usable[s]]
              for s in result.slices}
     widths = {s: max(len(f"{s}-node slices"), *(len(c) for c in cells[s])) for s in result.slices}
     pct = [f"{p:g}%" for p in result.unavailable_percent]
