@@ -111,12 +111,13 @@ def parse_unavailable(text: str, flag: str = "--unavailable") -> tuple[float, ..
             step = parse_float(step_text, f"{flag} step", 0.0, 100.0, lo_open=True) if colon else DEFAULT_STEP
             if hi < lo:
                 raise ConfigError(f"{flag} {shown(item)}: the range ends below where it starts")
-            # Counted before any is made, so a step of 1e-9 is refused rather than looped over.
-            count = math.floor((hi - lo) / step + 1e-9) + 1
-            if count + len(points) > MAX_POINTS:
+            # Counted before any is made, so a step of 1e-9 is refused rather than looped over (and one of 5e-324,
+            # whose count is infinite, before floor() sees it).
+            span = (hi - lo) / step
+            if span >= MAX_POINTS or math.floor(span + 1e-9) + 1 + len(points) > MAX_POINTS:
                 raise ConfigError(f"{flag} {shown(item)}: more than {MAX_POINTS:,} values; use a larger step")
             # round(): 0.1 * 3 is 0.30000000000000004; the table and the JSON show the value that was meant.
-            points.update(min(round(lo + i * step, 9), hi) for i in range(count))
+            points.update(min(round(lo + i * step, 9), hi) for i in range(math.floor(span + 1e-9) + 1))
         if len(points) > MAX_POINTS:
             raise ConfigError(f"{flag}: more than {MAX_POINTS:,} values")
     return tuple(sorted(points))

@@ -11,6 +11,8 @@ from fractions import Fraction
 from math import comb
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuwarden.agent import plan_capacity as cap
 from gpuwarden.agent.errors import ConfigError
@@ -154,6 +156,19 @@ def test_unavailable_values_ranges_and_steps(text: str, values: tuple[float, ...
     assert cap.parse_unavailable(text) == values
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789.,:%-+e naif\u0661", max_size=40))
+def test_any_unavailable_text_is_values_in_range_or_a_config_error(text: str) -> None:
+    try:
+        values = cap.parse_unavailable(text)
+    except ConfigError as err:
+        assert "--unavailable" in str(err)
+        return
+    assert 0 < len(values) <= cap.MAX_POINTS
+    assert all(math.isfinite(v) and 0 <= v < 100 for v in values)
+    assert list(values) == sorted(set(values))
+
+
 def test_slice_sizes_are_sorted_without_repeats() -> None:
     assert cap.parse_slices("18, 8,16,8", 18) == (8, 16, 18)
 
@@ -166,7 +181,8 @@ def test_slice_sizes_are_sorted_without_repeats() -> None:
     ("--slice", "-8"), ("--slice", ",".join(str(i) for i in range(1, 19)) + ",1" * 100),
     ("--unavailable", "nan"), ("--unavailable", "inf"), ("--unavailable", "-1"), ("--unavailable", "100"),
     ("--unavailable", "1e309"), ("--unavailable", "5..1"), ("--unavailable", "0..10:0"),
-    ("--unavailable", "0..10:1e-9"), ("--unavailable", "0..10:nan"), ("--unavailable", "0..10:-1"),
+    ("--unavailable", "0..10:1e-9"), ("--unavailable", "0..10:5e-324"), ("--unavailable", "0..10:nan"),
+    ("--unavailable", "0..10:-1"),
     ("--unavailable", "1..2..3"), ("--unavailable", "..5"), ("--unavailable", "9" * 5000),
     ("--unavailable", "0..99:0.01"), ("--unavailable", "1," * 3000),
 ])
