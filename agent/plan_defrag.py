@@ -229,7 +229,8 @@ def _usable(node: Node, policy: Policy) -> tuple[bool, str]:
     return False, node.service.value + (f" ({node.reason})" if node.reason else "")
 
 
-def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy) -> RackPlan:
+def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy,
+              search_limit: int = MAX_SEARCH) -> RackPlan:
     """The least disruptive set of jobs to move so that `size` of this rack's `nodes` are healthy and free."""
     usable, held = [], []
     for n in nodes:
@@ -267,7 +268,7 @@ def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, 
     index = {j.id: i for i, j in enumerate(candidates)}
     # node -> the candidate jobs that must all move to free it
     needs = [frozenset(index[j.id] for j in on[n]) for n in freeable]
-    best, exact = _search(candidates, needs, need)
+    best, exact = _search(candidates, needs, need, search_limit)
     freed = sorted(n for n, req in zip(freeable, needs, strict=True) if req <= set(best))
     slice_nodes = tuple(free_now + freed[: size - len(free_now)])
     moves = tuple(Move(candidates[i], "requeue" if candidates[i].requeue else "cancel")
@@ -283,16 +284,17 @@ def _hours(jobs: Sequence[Job], chosen: Iterable[int]) -> float:
     return sum(jobs[i].elapsed_s * len(jobs[i].nodes) for i in chosen)
 
 
-def _search(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int) -> tuple[tuple[int, ...], bool]:
+def _search(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int,
+            limit: int) -> tuple[tuple[int, ...], bool]:
     """The job set (indices) that frees `need` nodes with the fewest jobs, then the least node-hours: every set of k
-    jobs for k = 1, 2, ... until one frees enough, at most MAX_SEARCH sets in all; past that a greedy set (each step
+    jobs for k = 1, 2, ... until one frees enough, at most `limit` sets in all; past that a greedy set (each step
     the job that frees the most nodes per node-hour), reported as not exact."""
     tried = 0
     for k in range(1, len(jobs) + 1):
         found: tuple[int, ...] | None = None
         for combo in itertools.combinations(range(len(jobs)), k):
             tried += 1
-            if tried > MAX_SEARCH:
+            if tried > limit:
                 return _greedy(jobs, needs, need), False
             chosen = set(combo)
             if sum(1 for req in needs if req <= chosen) >= need and (
@@ -315,7 +317,8 @@ def _greedy(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int) -> 
     return tuple(sorted(chosen))
 
 
-def plan(nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy) -> Plan:
+def plan(nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy,
+         search_limit: int = MAX_SEARCH) -> Plan:
     """The plan for a slice of `size` nodes: each rack's least disruptive way to free it, and the rack whose way moves
     the fewest jobs, then loses the fewest node-hours, then comes first by name."""
     if not 1 <= size <= MAX_SLICE:
@@ -329,7 +332,7 @@ def plan(nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy) 
             no_domain.append(n.name)
     held_nodes = {n.name for n in nodes}
     live = [j for j in jobs if j.state not in _ENDED and any(n in held_nodes for n in j.nodes)]
-    plans = [plan_rack(r, racks[r], live, size, policy) for r in sorted(racks)]
+    plans = [plan_rack(r, racks[r], live, size, policy, search_limit) for r in sorted(racks)]
     feasible = sorted((p for p in plans if p.feasible), key=lambda p: (p.cost, p.rack))
     chosen = feasible[0] if feasible else None
     out = []
@@ -413,7 +416,9 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
         qos = entry.get("qos", "")
         start = _number(entry.get("start_time"))
         elapsed = 0.0
-        if start is not None and ("RUNNING" in states or "SUSPENDED" in states):
+        if "RUNNING" in states or "SUSPENDED" in states:
+            if start is None:
+                raise ConfigError(f"{where}: job {jid_s} is {states[0].lower()} with no start_time (a number)")
             elapsed = max(0.0, now - start)
             if elapsed > MAX_ELAPSED_S:
                 raise ConfigError(f"{where}: job {jid_s}: start_time {start:.0f} is more than ten years before now")
