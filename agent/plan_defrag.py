@@ -455,6 +455,8 @@ def parse_partitions(text: str, source: str) -> dict[str, set[str]]:
 
 
 def nodes_from_sinfo(text: str, source: str) -> list[Node]:
+    """The nodes of `sinfo --json` (agent/adapters/slurm.py's reading: state, spare, NVLink domain); a ConfigError
+    that starts with `source` otherwise."""
     try:
         parsed = parse_sinfo_json(text)
     except (Transient, Refused) as exc:
@@ -544,7 +546,7 @@ def gather(args: argparse.Namespace, now: float) -> tuple[list[Node], list[Job],
         return nodes, jobs, modes
     adapter = SlurmAdapter(slurm_conf=str(args.slurm_conf) if args.slurm_conf else None)
     try:
-        nodes = nodes_from_sinfo(adapter._run("sinfo", ["--json"]), "sinfo --json")
+        nodes = nodes_from_sinfo(adapter._run("sinfo", ["--json"]), "Slurm could not be asked")
         jobs = parse_squeue_json(adapter._run("squeue", ["--json"]), "squeue --json", now)
         modes = (parse_partitions(adapter._run("scontrol", ["show", "partition", "-o"]), "scontrol show partition")
                  if args.partitions is None else

@@ -393,7 +393,7 @@ NODES = ("n1", "n2", "n3", "n4", "n5", "n6")
 @pytest.fixture(scope="module")
 def defrag_slurm(tmp_path_factory):
     """n1..n3 in rackA, n4..n6 in rackB; partitions `batch` (PreemptMode=REQUEUE) and `debug` (OFF) besides `all`;
-    jobs: 6-like batch on n1, batch across n2 and n4, debug on n5, an interactive allocation on n3."""
+    n6 a spare; jobs: batch on n1, batch across n2 and n4, debug on n5, an interactive allocation on n3."""
     cluster = SlurmCluster(
         tmp_path_factory.mktemp("slurm"), live=NODES, dead=(),
         settings={"PreemptType": "preempt/partition_prio", "PreemptMode": "REQUEUE"},
@@ -405,6 +405,7 @@ def defrag_slurm(tmp_path_factory):
         adapter = SlurmAdapter(slurm_conf=str(cluster.conf), timeout_s=30)
         for n in NODES:
             adapter.publish_domain(n, "rackA" if n in ("n1", "n2", "n3") else "rackB")
+        adapter.return_to_pool("n6", "rackB")
         ids = {}
         for key, argv in (("n1", ["sbatch", "-p", "batch", "-w", "n1"]),
                           ("n2n4", ["sbatch", "-p", "batch", "-N2", "-w", "n2,n4"]),
@@ -441,8 +442,13 @@ def test_plan_defrag_slurm_live_plan_names_the_preemptible_jobs(defrag_slurm, ca
     assert code == 1
     assert f"n3 job {ids['n3']} interactive (no batch script)" in out
     assert f"n5 job {ids['n5']} not preemptible (partition debug)" in out
-    # the debug partition preemptible too: rackB, never the interactive job on n3
-    code, out = run(capsys, "--slice", "3", *conf, "--preemptible-partitions", "batch,debug", "--json")
+    code, out = run(capsys, "--slice", "2", *conf, "--use-spares", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["rack"] == "rackB" and doc["nodes"] == ["n6", "n4"]
+    assert [m["job"] for m in doc["moves"]] == [ids["n2n4"]]
+    # the debug partition preemptible too: rackB with its spare, never the interactive job on n3
+    code, out = run(capsys, "--slice", "3", *conf, "--preemptible-partitions", "batch,debug", "--use-spares",
+                    "--json")
     doc = json.loads(out)
     assert code == 0 and doc["rack"] == "rackB" and doc["nodes"] == ["n6", "n4", "n5"]
     assert {m["job"] for m in doc["moves"]} == {ids["n2n4"], ids["n5"]}
