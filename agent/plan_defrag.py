@@ -34,7 +34,10 @@ MAX_JOBS = 500_000
 MAX_HOSTS = 100_000  # names one hostlist may stand for (a job on more nodes than this is not one)
 MAX_HOSTLIST = 1 << 20  # characters of one hostlist
 MAX_SLICE = 10_000
-MAX_SEARCH = 200_000  # job sets tried per rack by the exact search; past it, a greedy plan (marked not exact)
+MAX_SEARCH = 2_000_000  # node checks per rack by the exact search (about a second); past it a greedy plan, marked
+# not exact. An 18-node rack with 18 one-node jobs needing all 18 freed takes ~2^18 x 18 checks: greedy past that
+MAX_RACK_NODES = 1024  # a domain with more nodes than this is not an NVLink domain (NVL576: 144 trays); not planned
+MAX_CANDIDATES = 4096  # jobs on one rack's nodes that could be moved; past it the rack is not planned
 MAX_ELAPSED_S = 10 * 366 * 86400.0  # a start time further back than this is not believed
 MAX_PARTITIONS = 10_000
 
@@ -232,6 +235,9 @@ def _usable(node: Node, policy: Policy) -> tuple[bool, str]:
 def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy,
               search_limit: int = MAX_SEARCH) -> RackPlan:
     """The least disruptive set of jobs to move so that `size` of this rack's `nodes` are healthy and free."""
+    if len(nodes) > MAX_RACK_NODES:
+        return RackPlan(rack, False, why=f"{len(nodes)} nodes: more than an NVLink domain holds ({MAX_RACK_NODES}); "
+                                         "not planned")
     usable, held = [], []
     for n in nodes:
         ok, why = _usable(n, policy)
@@ -265,6 +271,9 @@ def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, 
     if need <= 0:
         return RackPlan(rack, True, tuple(free_now[:size]), tuple(free_now))
     candidates = sorted({j for n in freeable for j in on[n]}, key=lambda j: _job_key(j))
+    if len(candidates) > MAX_CANDIDATES:
+        return RackPlan(rack, False, free_now=tuple(free_now),
+                        why=f"{len(candidates)} jobs could be moved: more than {MAX_CANDIDATES}; not planned")
     index = {j.id: i for i, j in enumerate(candidates)}
     # node -> the candidate jobs that must all move to free it
     needs = [frozenset(index[j.id] for j in on[n]) for n in freeable]
@@ -287,14 +296,19 @@ def _hours(jobs: Sequence[Job], chosen: Iterable[int]) -> float:
 def _search(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int,
             limit: int) -> tuple[tuple[int, ...], bool]:
     """The job set (indices) that frees `need` nodes with the fewest jobs, then the least node-hours: every set of k
-    jobs for k = 1, 2, ... until one frees enough, at most `limit` sets in all; past that a greedy set (each step
-    the job that frees the most nodes per node-hour), reported as not exact."""
-    tried = 0
+    jobs for k = 1, 2, ... until one frees enough, within `limit` node checks in all (a set costs one check per
+    node); past that a greedy set, reported as not exact."""
+    work = 0
+    # k jobs free at most the nodes the k most widespread of them are on: smaller sets are not tried
+    spread = sorted((sum(1 for req in needs if i in req) for i in range(len(jobs))), reverse=True)
+    reach = list(itertools.accumulate(spread))
     for k in range(1, len(jobs) + 1):
+        if reach[k - 1] < need:
+            continue
         found: tuple[int, ...] | None = None
         for combo in itertools.combinations(range(len(jobs)), k):
-            tried += 1
-            if tried > limit:
+            work += len(needs)
+            if work > limit:
                 return _greedy(jobs, needs, need), False
             chosen = set(combo)
             if sum(1 for req in needs if req <= chosen) >= need and (
@@ -306,14 +320,26 @@ def _search(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int,
 
 
 def _greedy(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int) -> tuple[int, ...]:
+    """Each step the job that alone frees the most nodes, then touches the most, then has run the least: one pass
+    over the node/job pairs a step, at most one step a job."""
+    remaining = [set(req) for req in needs]
+    freed = sum(1 for r in remaining if not r)
     chosen: set[int] = set()
-    while sum(1 for req in needs if req <= chosen) < need:
-        def gain(i: int) -> tuple:
-            after = chosen | {i}
-            freed = sum(1 for req in needs if req <= after) - sum(1 for req in needs if req <= chosen)
-            touched = sum(1 for req in needs if i in req and not req <= chosen)
-            return (-freed, -touched, jobs[i].elapsed_s * len(jobs[i].nodes), i)
-        chosen.add(min((i for i in range(len(jobs)) if i not in chosen), key=gain))
+    while freed < need:
+        sole: dict[int, int] = {}
+        touch: dict[int, int] = {}
+        for r in remaining:
+            for i in r:
+                touch[i] = touch.get(i, 0) + 1
+            if len(r) == 1:
+                (i,) = r
+                sole[i] = sole.get(i, 0) + 1
+        best = min(touch, key=lambda i: (-sole.get(i, 0), -touch[i], jobs[i].elapsed_s * len(jobs[i].nodes), i))
+        chosen.add(best)
+        for r in remaining:
+            if best in r:
+                r.discard(best)
+                freed += not r
     return tuple(sorted(chosen))
 
 
@@ -425,7 +451,8 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
             suspended = _number(entry.get("suspend_time"))
             if "SUSPENDED" in states and suspended is not None and suspended >= start:
                 elapsed = max(0.0, suspended - start)  # its work stopped growing when it was suspended
-        jobs[jid_s] = Job(jid_s, partition, nodes, states[0], _flag(entry.get("batch_flag"), False),
+        state = "COMPLETING" if "COMPLETING" in states else states[0]
+        jobs[jid_s] = Job(jid_s, partition, nodes, state, _flag(entry.get("batch_flag"), False),
                           _flag(entry.get("requeue"), False), qos[:256] if isinstance(qos, str) else "", elapsed)
     return list(jobs.values())
 

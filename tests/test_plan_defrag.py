@@ -251,11 +251,27 @@ def test_plan_defrag_matches_brute_force_on_random_fleets():
 def test_plan_defrag_search_bound_gives_a_valid_plan_marked_not_exact():
     nodes = rack("a", 30)
     jobs = [job(i, f"a-{i}", hours=i) for i in range(1, 31)]
-    p = pd.plan(nodes, jobs, 12, BATCH, search_limit=1000)
+    p = pd.plan(nodes, jobs, 12, BATCH, search_limit=20_000)
     assert not p.chosen.exact
     assert [m.job.id for m in p.chosen.moves] == [str(i) for i in range(1, 13)]  # the 12 cheapest
-    exact = pd.plan(nodes, jobs, 2, BATCH, search_limit=1000)
+    exact = pd.plan(nodes, jobs, 2, BATCH, search_limit=20_000)
     assert exact.chosen.exact and [m.job.id for m in exact.chosen.moves] == ["1", "2"]
+
+
+def test_plan_defrag_full_rack_of_one_node_jobs_is_exact():
+    nodes = rack("a", 18)
+    jobs = [job(i, f"a-{i}", hours=(i * 7) % 18 + 1) for i in range(1, 19)]
+    p = pd.plan(nodes, jobs, 16, BATCH)
+    assert p.chosen.exact and len(p.chosen.moves) == 16
+    moved = {m.job.id for m in p.chosen.moves}
+    assert {j.id for j in jobs if j.id not in moved} == {"5", "10"}  # the two that ran longest (18 h, 17 h) stay
+
+
+def test_plan_defrag_oversized_domain_not_planned():
+    nodes = rack("huge", pd.MAX_RACK_NODES + 1) + rack("a", 2)
+    p = pd.plan(nodes, [], 2, BATCH)
+    assert p.chosen.rack == "a"
+    assert next(r for r in p.racks if r.rack == "huge").why.startswith(f"{pd.MAX_RACK_NODES + 1} nodes: more than")
 
 
 def test_plan_defrag_actions_and_commands():
