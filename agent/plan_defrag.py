@@ -248,20 +248,20 @@ def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, 
         for n in job.nodes:
             if n in on:
                 on[n].append(job)
-    free_now = sorted(n for n in names if not on[n])
+    free_now = sorted((n for n in names if not on[n]), key=_natural)
     blocked: dict[str, str] = {}
-    for n in sorted(names):
+    for n in sorted(names, key=_natural):
         for job in on[n]:
             ok, why = policy.movable(job)
             if not ok:
                 blocked[n] = f"job {job.id} {why}"
                 break
-    freeable = sorted(n for n in names if on[n] and n not in blocked)
+    freeable = sorted((n for n in names if on[n] and n not in blocked), key=_natural)
     need = size - len(free_now)
     if len(free_now) + len(freeable) < size:
         parts = [f"{len(nodes)} nodes", f"{len(names)} healthy"]
         if held:
-            parts.append("held out: " + ", ".join(f"{n} {w}" for n, w in sorted(held)[:8])
+            parts.append("held out: " + ", ".join(f"{n} {w}" for n, w in sorted(held, key=lambda h: _natural(h[0]))[:8])
                          + (" ..." if len(held) > 8 else ""))
         if blocked:
             parts.append("not to be moved: " + ", ".join(f"{n} {w}" for n, w in list(blocked.items())[:8])
@@ -278,11 +278,23 @@ def plan_rack(rack: str, nodes: Sequence[Node], jobs: Sequence[Job], size: int, 
     # node -> the candidate jobs that must all move to free it
     needs = [frozenset(index[j.id] for j in on[n]) for n in freeable]
     best, exact = _search(candidates, needs, need, search_limit)
-    freed = sorted(n for n, req in zip(freeable, needs, strict=True) if req <= set(best))
+    freed = [n for n, req in zip(freeable, needs, strict=True) if req <= set(best)]
     slice_nodes = tuple(free_now + freed[: size - len(free_now)])
     moves = tuple(Move(candidates[i], "requeue" if candidates[i].requeue else "cancel")
                   for i in sorted(best, key=lambda i: _job_key(candidates[i])))
     return RackPlan(rack, True, slice_nodes, tuple(free_now), tuple(freed), moves, exact)
+
+
+def _natural(name: str) -> tuple:
+    """A node name's sort key: n2 before n10."""
+    parts, digits, run = [], False, ""
+    for c in name:
+        if (c.isascii() and c.isdigit()) != digits:
+            parts.append(int(run) if digits else run)
+            digits, run = not digits, ""
+        run += c
+    parts.append(int(run) if digits else run)
+    return tuple(parts)
 
 
 def _job_key(job: Job) -> tuple:
@@ -298,6 +310,10 @@ def _search(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int,
     """The job set (indices) that frees `need` nodes with the fewest jobs, then the least node-hours: every set of k
     jobs for k = 1, 2, ... until one frees enough, within `limit` node checks in all (a set costs one check per
     node); past that a greedy set, reported as not exact."""
+    if all(len(req) == 1 for req in needs):
+        exclusive = _exclusive(jobs, needs, need, limit)
+        if exclusive is not None:
+            return exclusive, True
     work = 0
     # k jobs free at most the nodes the k most widespread of them are on: smaller sets are not tried
     spread = sorted((sum(1 for req in needs if i in req) for i in range(len(jobs))), reverse=True)
@@ -317,6 +333,38 @@ def _search(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int,
         if found is not None:
             return found, True
     raise AssertionError("the freeable nodes were counted as enough")  # every job moved frees them all
+
+
+def _exclusive(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int,
+               limit: int) -> tuple[int, ...] | None:
+    """The search when each node holds one job (the usual case on GPU racks: whole nodes to a job): the fewest jobs is
+    the k largest by node count, and the least node-hours among k-job sets freeing `need` nodes is a knapsack over
+    (jobs taken, nodes freed), one pass a job. None past `limit` steps."""
+    weight = [0] * len(jobs)
+    for req in needs:
+        (i,) = req
+        weight[i] += 1
+    reach = list(itertools.accumulate(sorted(weight, reverse=True)))
+    k = next(j + 1 for j, r in enumerate(reach) if r >= need)
+    if len(jobs) * k * (need + 1) > limit:
+        return None
+    # best[j][n]: (node-hours x 3600, the job indices) of the cheapest j jobs freeing n nodes (n capped at need)
+    best: list[list[tuple[float, tuple[int, ...]] | None]] = [[None] * (need + 1) for _ in range(k + 1)]
+    best[0][0] = (0.0, ())
+    for i, w in enumerate(weight):
+        cost = jobs[i].elapsed_s * len(jobs[i].nodes)
+        for j in range(min(k, i + 1), 0, -1):
+            for n in range(need, -1, -1):
+                prev = best[j - 1][n]
+                if prev is None:
+                    continue
+                m = min(need, n + w)
+                cand = (prev[0] + cost, prev[1] + (i,))
+                if best[j][m] is None or cand < best[j][m]:
+                    best[j][m] = cand
+    found = best[k][need]
+    assert found is not None  # the k largest reach `need`
+    return found[1]
 
 
 def _greedy(jobs: Sequence[Job], needs: Sequence[frozenset[int]], need: int) -> tuple[int, ...]:
