@@ -34,8 +34,9 @@ MAX_JOBS = 500_000
 MAX_HOSTS = 100_000  # names one hostlist may stand for (a job on more nodes than this is not one)
 MAX_HOSTLIST = 1 << 20  # characters of one hostlist
 MAX_SLICE = 10_000
-MAX_SEARCH = 2_000_000  # node checks per rack by the exact search (about a second); past it a greedy plan, marked
-# not exact. An 18-node rack with 18 one-node jobs needing all 18 freed takes ~2^18 x 18 checks: greedy past that
+# Node checks per rack by the exact search of shared nodes (about a second; whole-node racks take a knapsack of
+# jobs x k x S steps under the same bound); past it a greedy plan, marked not exact.
+MAX_SEARCH = 2_000_000
 MAX_RACK_NODES = 1024  # a domain with more nodes than this is not an NVLink domain (NVL576: 144 trays); not planned
 MAX_CANDIDATES = 4096  # jobs on one rack's nodes that could be moved; past it the rack is not planned
 MAX_ELAPSED_S = 10 * 366 * 86400.0  # a start time further back than this is not believed
@@ -404,9 +405,13 @@ def plan(nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy,
             racks.setdefault(n.domain, []).append(n)
         else:
             no_domain.append(n.name)
-    held_nodes = {n.name for n in nodes}
-    live = [j for j in jobs if j.state not in _ENDED and any(n in held_nodes for n in j.nodes)]
-    plans = [plan_rack(r, racks[r], live, size, policy, search_limit) for r in sorted(racks)]
+    rack_of = {n.name: n.domain for n in nodes if n.domain}
+    on_rack: dict[str, list[Job]] = {r: [] for r in racks}
+    for j in jobs:
+        if j.state not in _ENDED:
+            for r in {rack_of[n] for n in j.nodes if n in rack_of}:
+                on_rack[r].append(j)
+    plans = [plan_rack(r, racks[r], on_rack[r], size, policy, search_limit) for r in sorted(racks)]
     feasible = sorted((p for p in plans if p.feasible), key=lambda p: (p.cost, p.rack))
     chosen = feasible[0] if feasible else None
     out = []
@@ -480,7 +485,7 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
         if not isinstance(nodes_text, str) and nodes_text is not None:
             raise ConfigError(f"{where}: job {jid_s}: nodes is not a hostlist")
         try:
-            nodes = tuple(expand_hostlist(nodes_text or "", MAX_HOSTS - hosts))
+            nodes = tuple(dict.fromkeys(expand_hostlist(nodes_text or "", MAX_HOSTS - hosts)))
         except ValueError as exc:
             raise ConfigError(f"{where}: job {jid_s}: nodes {nodes_text[:80]!r}: {exc}") from None
         hosts += len(nodes)

@@ -376,6 +376,9 @@ def test_plan_defrag_squeue_newer_shapes():
                     "batch_flag": {"set": True, "number": 1}})
     (j,) = pd.parse_squeue_json(text, "q.json", now=4600.0)
     assert j.state == "RUNNING" and j.elapsed_s == 3600.0 and j.batch
+    text = _squeue({"job_state": ["COMPLETED", "COMPLETING"], "nodes": "n[1-2],n1"})
+    (j,) = pd.parse_squeue_json(text, "q.json", now=500_000_000.0)
+    assert j.state == "COMPLETING" and j.nodes == ("n1", "n2")  # still on its nodes; each node once
 
 
 @pytest.mark.parametrize("text, says", [
