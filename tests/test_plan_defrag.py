@@ -438,11 +438,11 @@ def defrag_slurm(tmp_path_factory):
         for key, argv in (("n1", ["sbatch", "-p", "batch", "-w", "n1"]),
                           ("n2n4", ["sbatch", "-p", "batch", "-N2", "-w", "n2,n4"]),
                           ("n5", ["sbatch", "-p", "debug", "-w", "n5"])):
-            out = subprocess.run([*argv, "--parsable", "--wrap", "sleep 600"], env=cluster.env, check=True,
-                                 capture_output=True, text=True, timeout=60).stdout
+            out = subprocess.run([*argv, "--parsable", "--output=/dev/null", "--wrap", "sleep 600"], env=cluster.env,
+                                 cwd=cluster.base, check=True, capture_output=True, text=True, timeout=60).stdout
             ids[key] = out.strip().split(";")[0]
-        out = subprocess.run(["salloc", "-p", "batch", "-w", "n3", "--no-shell"], env=cluster.env, check=True,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["salloc", "-p", "batch", "-w", "n3", "--no-shell"], env=cluster.env, cwd=cluster.base,
+                             check=True, capture_output=True, text=True, timeout=60)
         ids["n3"] = out.stderr.split("Granted job allocation")[1].split()[0]
 
         def running():
