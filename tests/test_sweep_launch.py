@@ -88,8 +88,8 @@ def processes_of(scenario: Path) -> list[int]:
 
 
 def sbatch(cluster: SlurmCluster, *args: str) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], env=cluster.env, capture_output=True, text=True,
-                          timeout=30, cwd="/tmp")
+    proc = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", *args], env=cluster.env, capture_output=True,
+                          text=True, timeout=30, cwd="/tmp")
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 

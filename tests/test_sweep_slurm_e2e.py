@@ -127,8 +127,9 @@ def standins_left() -> list[int]:
 
 
 def user_job(cluster: SlurmCluster, node: str, seconds: int = 300) -> str:
-    out = subprocess.run(["sbatch", "--parsable", "-p", "all", "-w", node, "-J", "user-work", "--wrap",
-                          f"sleep {seconds}"], env=cluster.env, capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "-p", "all", "-w", node, "-J", "user-work",
+                          "--wrap", f"sleep {seconds}"], env=cluster.env, capture_output=True, text=True, timeout=30,
+                         check=True)
     return out.stdout.strip().split(";")[0]
 
 
