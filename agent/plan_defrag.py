@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .adapters.base import Refused, Service, Transient
-from .adapters.slurm import MAX_NAME, SlurmAdapter, _number, _valid_name, parse_sinfo_json
+from .adapters.slurm import MAX_NAME, SlurmAdapter, slurm_number, valid_name, parse_sinfo_json
 from .errors import ConfigError
 
 EXIT_PLAN, EXIT_NO_PLAN, EXIT_INPUT = 0, 1, 2
@@ -131,7 +131,7 @@ def expand_hostlist(text: str, limit: int = MAX_HOSTS) -> list[str]:
             else:
                 expanded = [e + str(n).zfill(w) for e in expanded for a, b, w in piece for n in range(a, b + 1)]
         for name in expanded:
-            if not _valid_name(name, MAX_NAME):
+            if not valid_name(name, MAX_NAME):
                 raise ValueError(f"{name[:80]!r}: not a node name")
         names += expanded
     return names
@@ -472,7 +472,7 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
         where = f"{source}: jobs[{i}]"
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: not an object")
-        jid = _number(entry.get("job_id"))
+        jid = slurm_number(entry.get("job_id"))
         if jid is None or jid != int(jid) or jid >= 1 << 32:
             raise ConfigError(f"{where}: job_id {str(entry.get('job_id'))[:40]!r} is not a job id")
         jid_s = str(int(jid))
@@ -493,7 +493,7 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
         if not isinstance(partition, str) or len(partition) > 1024:
             raise ConfigError(f"{where}: job {jid_s}: partition is not a name")
         qos = entry.get("qos", "")
-        start = _number(entry.get("start_time"))
+        start = slurm_number(entry.get("start_time"))
         elapsed = 0.0
         if "RUNNING" in states or "SUSPENDED" in states:
             if start is None:
@@ -501,7 +501,7 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
             elapsed = max(0.0, now - start)
             if elapsed > MAX_ELAPSED_S:
                 raise ConfigError(f"{where}: job {jid_s}: start_time {start:.0f} is more than ten years before now")
-            suspended = _number(entry.get("suspend_time"))
+            suspended = slurm_number(entry.get("suspend_time"))
             if "SUSPENDED" in states and suspended is not None and suspended >= start:
                 elapsed = max(0.0, suspended - start)  # its work stopped growing when it was suspended
         state = "COMPLETING" if "COMPLETING" in states else states[0]
@@ -527,7 +527,7 @@ def parse_partitions(text: str, source: str) -> dict[str, set[str]]:
                 name = value
             elif key == "PreemptMode" and eq:
                 mode = value
-        if not name or not _valid_name(name, 256) or mode is None:
+        if not name or not valid_name(name, 256) or mode is None:
             raise ConfigError(f"{source}:{number}: not a `scontrol show partition -o` line (PartitionName=, "
                               f"PreemptMode=)")
         out[name] = {w for w in mode.upper().split(",")[:16] if w}
@@ -597,7 +597,7 @@ def _names(values: Sequence[str], flag: str) -> frozenset[str]:
             name = name.strip()
             if not name:
                 continue
-            if not _valid_name(name, 256):
+            if not valid_name(name, 256):
                 raise ConfigError(f"{flag}: {name[:40]!r} is not a partition or QOS name")
             out.add(name)
     return frozenset(out)
@@ -626,9 +626,9 @@ def gather(args: argparse.Namespace, now: float) -> tuple[list[Node], list[Job],
         return nodes, jobs, modes
     adapter = SlurmAdapter(slurm_conf=str(args.slurm_conf) if args.slurm_conf else None)
     try:
-        nodes = nodes_from_sinfo(adapter._run("sinfo", ["--json"]), "Slurm could not be asked")
-        jobs = parse_squeue_json(adapter._run("squeue", ["--json"]), "squeue --json", now)
-        modes = (parse_partitions(adapter._run("scontrol", ["show", "partition", "-o"]), "scontrol show partition")
+        nodes = nodes_from_sinfo(adapter.read("sinfo", ["--json"]), "Slurm could not be asked")
+        jobs = parse_squeue_json(adapter.read("squeue", ["--json"]), "squeue --json", now)
+        modes = (parse_partitions(adapter.read("scontrol", ["show", "partition", "-o"]), "scontrol show partition")
                  if args.partitions is None else
                  parse_partitions(_read(args.partitions, "--partitions"), str(args.partitions)))
     except (Transient, Refused) as exc:

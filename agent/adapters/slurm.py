@@ -81,20 +81,20 @@ class _Node:
     extra: str | None  # Extra, as slurmctld has it (None: longer than MAX_EXTRA)
 
 
-def _valid_name(name: Any, limit: int) -> bool:
+def valid_name(name: Any, limit: int) -> bool:
     """A single Slurm name: letters, digits, `.`, `_`, `-` (no hostlist: `n[1-9]` or `a,b` would name many)."""
     return (isinstance(name, str) and 0 < len(name) <= limit and name[0] != "-"
             and all(c.isascii() and (c.isalnum() or c in "._-") for c in name))
 
 
 def _check_node(node: str) -> str:
-    if not _valid_name(node, MAX_NAME):
+    if not valid_name(node, MAX_NAME):
         raise Refused(f"{node!r}: not a single Slurm node name (letters, digits, '.', '_', '-')")
     return node
 
 
 def _check_domain(domain: str) -> str:
-    if not _valid_name(domain, MAX_DOMAIN):
+    if not valid_name(domain, MAX_DOMAIN):
         raise Refused(f"{domain!r}: not usable as a node feature (letters, digits, '.', '_', '-'; at most "
                       f"{MAX_DOMAIN})")
     return domain
@@ -124,7 +124,7 @@ def ours(reason: str | None) -> bool:
     return bool(reason) and reason.startswith(REASON_PREFIX)
 
 
-def _number(value: Any) -> float | None:
+def slurm_number(value: Any) -> float | None:
     """A number of sinfo --json: a plain int (22.05) or {"set": bool, "infinite": bool, "number": n} (23.x)."""
     if isinstance(value, dict):
         if not value.get("set", True) or value.get("infinite"):
@@ -199,12 +199,12 @@ def extra_domain(extra: str) -> tuple[str | None, str]:
     if obj is not None:
         value = obj.pop(EXTRA_KEY, None)
         rest = json.dumps(obj) if obj else ""
-        return (value if _valid_name(value, MAX_DOMAIN) else None), rest
+        return (value if valid_name(value, MAX_DOMAIN) else None), rest
     if not extra.startswith(EXTRA_KEY + "="):
         return None, extra
     head, _, rest = extra[len(EXTRA_KEY) + 1:].partition(";")
     name = head.strip()
-    return (name if _valid_name(name, MAX_DOMAIN) else None), rest.strip()
+    return (name if valid_name(name, MAX_DOMAIN) else None), rest.strip()
 
 
 def extra_with_domain(extra: str, domain: str) -> str:
@@ -222,7 +222,7 @@ def _record_of(comment: str) -> tuple[str | None, str]:
         return None, comment
     head, sep, rest = comment[len(RECORD_PREFIX):].partition(";")
     name = head.strip()
-    return (name if _valid_name(name, MAX_NAME) else None), rest.strip() if sep else ""
+    return (name if valid_name(name, MAX_NAME) else None), rest.strip() if sep else ""
 
 
 def parse_sinfo_json(text: str) -> list[_Node]:
@@ -246,7 +246,7 @@ def parse_sinfo_json(text: str) -> list[_Node]:
         raise Transient("sinfo --json: no node list")
     nodes: dict[str, _Node] = {}
     for entry in entries:
-        if not isinstance(entry, dict) or not _valid_name(entry.get("name"), MAX_NAME):
+        if not isinstance(entry, dict) or not valid_name(entry.get("name"), MAX_NAME):
             continue
         name = entry["name"]
         words = _state_words(entry)
@@ -263,7 +263,7 @@ def parse_sinfo_json(text: str) -> list[_Node]:
         idle = "IDLE" in words and not words & {"ALLOCATED", "MIXED", "COMPLETING"}
         view = NodeView(
             name=name, service=service, reason=reason,
-            reason_since=_number(entry.get("reason_changed_at")) if reason else None,
+            reason_since=slurm_number(entry.get("reason_changed_at")) if reason else None,
             ours=ours(reason), quarantined=bool(reason) and reason.startswith(QUARANTINE_PREFIX),
             domain=domains[0] if domains else None, spare=reason == SPARE_REASON,
             jobs=0 if idle else None)
@@ -484,7 +484,7 @@ class SlurmAdapter:
                     name = value
                 elif key == "Nodes":
                     nodes = value
-            if name and nodes and _valid_name(nodes, MAX_NAME) and name == claim_name(nodes, for_node):
+            if name and nodes and valid_name(nodes, MAX_NAME) and name == claim_name(nodes, for_node):
                 found.append(nodes)
         return found
 
@@ -551,6 +551,12 @@ class SlurmAdapter:
 
     def _scontrol(self, what: str, args: list[str]) -> str:
         return self._run("scontrol", args, what)
+
+    def read(self, tool: str, args: list[str]) -> str:
+        """stdout of a read-only Slurm tool (`sinfo`, `squeue`, `scontrol show ...`), run as every call of this
+        adapter runs its tools (no shell, own process group, timeout_s, errors classified): for readers of the
+        cluster's view outside the adapter (gpuwarden plan defrag)."""
+        return self._run(tool, args)
 
     def _run(self, tool: str, args: list[str], what: str | None = None) -> str:
         """Runs one Slurm tool with no shell, in a process group of its own, for at most timeout_s; returns its
