@@ -29,8 +29,8 @@ What is modelled (the world outside the agent):
   at the repair, and a retest `retest_s` after the state machine asks for one;
 - the operator: resets the breaker `breaker_reset_h` after it trips;
 - the workload: a backlog of slices of S nodes, one per S nodes the policy keeps in service in each rack, each
-  running until a node of it fails; an interrupted slice gives its nodes back and is queued first; a queued
-  slice is placed on the rack with the fewest healthy free in-service nodes that still has S (best fit), and
+  running until a node of it fails; an interrupted slice gives its nodes back and joins the queue (first come,
+  first placed); a queued slice is placed on the rack with the fewest healthy free in-service nodes that still has S (best fit), and
   works after `restart_min` minutes (reloading its checkpoint). The scheduler places only on nodes whose
   hardware works (a job placed on a dead node fails at once: modelled as never placed). A slice's nodes run
   one job each at the scheduler (`set_jobs`).
@@ -576,7 +576,7 @@ class Fleet:
             self.slice_of[i] = -1
             self.scheduler.set_jobs(self.names[i], 0)
             self._refresh(i)
-        self.queue.appendleft(j)
+        self.queue.append(j)  # first come, first placed: every queued slice is one that lost a node
 
     def _place(self, restart: bool = True) -> None:
         size = self.policy.slice
