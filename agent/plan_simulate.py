@@ -137,9 +137,9 @@ def parse(args: argparse.Namespace) -> tuple[SimConfig, list[Policy]]:
     mtbi = _float(args.mtbi_days, "--mtbi-days", 1.0, 100_000.0)
     expected = racks * per_rack * days / mtbi
     if expected > MAX_EXPECTED_FAILURES:
-        raise ConfigError(f"{racks * per_rack:,} nodes × {days:g} days at --mtbi-days {mtbi:g} expect about "
-                          f"{expected:,.0f} failures; at most {MAX_EXPECTED_FAILURES:,} per run (fewer days or "
-                          f"nodes)")
+        raise ConfigError(f"--days {days:g} on {racks * per_rack:,} nodes at --mtbi-days {mtbi:g}: about "
+                          f"{expected:,.0f} failures to simulate; at most {MAX_EXPECTED_FAILURES:,} per run (fewer "
+                          f"days or nodes)")
     texts = list(args.policy or DEFAULT_POLICIES)
     if len(texts) > MAX_POLICIES:
         raise ConfigError(f"--policy given {len(texts)} times; at most {MAX_POLICIES}")
