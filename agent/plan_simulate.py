@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-minutes", default="10", metavar="M",
                    help="a slice placed again works after this long (its checkpoint reloaded; default 10)")
     p.add_argument("--breaker-reset-hours", default="2", metavar="H",
-                   help="the operator resets a tripped circuit breaker this long after it trips (default 2)")
+                   help="the operator resets a tripped circuit breaker this long after it trips; 0: never (default 2)")
     p.add_argument("--burst", action="append", default=[], metavar="RACK:NODES@HOURS",
                    help="NODES nodes of rack RACK (from 0) fail at once HOURS into the run, a rack-level event "
                         "(repeatable)")

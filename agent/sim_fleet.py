@@ -27,7 +27,8 @@ What is modelled (the world outside the agent):
   median), from the failure; the retest after a repair passes;
 - the daemon's observations: at the failure, every `observe_s` while the node's state has a timer running,
   at the repair, and a retest `retest_s` after the state machine asks for one;
-- the operator: resets the breaker `breaker_reset_h` after it trips;
+- the operator: resets the breaker `breaker_reset_h` after it trips (0: never, the cordons it held wait to the
+  end);
 - the workload: a backlog of slices of S nodes, one per S nodes the policy keeps in service in each rack, each
   running until a node of it fails; an interrupted slice gives its nodes back and joins the queue (first come,
   first placed); a queued slice is placed on the rack with the fewest healthy free in-service nodes that still has S (best fit), and
@@ -524,7 +525,7 @@ class Fleet:
                 if not was_open:
                     self.trips += 1
                 self._latched.add(i)
-                if self._reset_due is None:
+                if self._reset_due is None and self.config.breaker_reset_h > 0:
                     self._reset_due = self.now + self.config.breaker_reset_h * HOUR
                     self._push(self._reset_due, "reset", -1)
                 return

@@ -170,3 +170,13 @@ def test_too_many_policies_or_bursts_are_config_errors():
         plan_simulate.parse(_args(*["--policy", "spares=0,slice=1"] * 9))
     with pytest.raises(ConfigError, match="--burst"):
         plan_simulate.parse(_args(*["--burst", "0:1@1"] * 65))
+
+
+def test_a_breaker_never_reset_holds_its_cordons_to_the_end():
+    config = SimConfig(racks=10, nodes_per_rack=18, bursts=(Burst(3, 6, 5.0),), **{**QUIET, "breaker_reset_h": 0.0})
+    fleet = Fleet(config, Policy(2, 16))
+    r = fleet.run()
+    assert r.breaker_trips == 2
+    held = [fleet.names[3 * 18 + k] for k in (4, 5)]
+    assert not [k for n, k, o, _ in fleet.intents if n in held and k.endswith(":cordon")]
+    assert all(fleet.engines[fleet.index[n]].breaker_open for n in held)
