@@ -83,8 +83,9 @@ class Policy:
 @dataclass(frozen=True)
 class Burst:
     rack: int  # rack index, from 0
-    nodes: int  # nodes of the rack that fail at once (the first ones by name)
+    nodes: int  # nodes of the rack that fail at once, by name from the `first`
     at_h: float  # hours into the simulation
+    first: int = 0  # the first of them, by its place in the rack (from 0)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Report:
     wait_slice_hours: float  # total time slices were queued
     max_wait_h: float
     spares_consumed: int  # spares taken into service
+    spares_for_spares: int  # of them, taken for a node that failed while it was itself a spare in the pool
     slice_must_move: int  # a quarantined node's rack had no spare left
     breaker_trips: int  # engines the breaker latched
     retired: int
@@ -138,7 +140,8 @@ class Report:
                 "node_hours": {k: round(v, 3) for k, v in self.node_hours.items()}, "failures": self.failures,
                 "repairs": self.repairs, "interruptions": self.interruptions, "waits": self.waits,
                 "wait_slice_hours": round(self.wait_slice_hours, 3), "max_wait_h": round(self.max_wait_h, 3),
-                "spares_consumed": self.spares_consumed, "slice_must_move": self.slice_must_move,
+                "spares_consumed": self.spares_consumed, "spares_for_spares": self.spares_for_spares,
+                "slice_must_move": self.slice_must_move,
                 "breaker_trips": self.breaker_trips, "retired": self.retired,
                 "series": [[round(t, 3), n] for t, n in self.series]}
 
@@ -320,7 +323,8 @@ class Fleet:
         self.intents: list[tuple[str, str, str, float]] = []  # (node, key, outcome, at) as the engines ended them
         self.failures = self.repairs = self.interruptions = self.waits = 0
         self.wait_s = self.max_wait_s = 0.0
-        self.spares_consumed = self.must_move = self.trips = 0
+        self.spares_consumed = self.spares_for_spares = self.must_move = self.trips = 0
+        self._failed_as_spare: set[int] = set()
         self.series: list[tuple[float, int]] = []
         self._next_sample = 0.0
         self._dir = workdir or scratch_dir()
@@ -349,6 +353,8 @@ class Fleet:
 
     def spare_taken(self, spare: str, for_node: str) -> None:
         self.spares_consumed += 1
+        if self.index[for_node] in self._failed_as_spare:
+            self.spares_for_spares += 1
 
     # -- setup -------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -421,6 +427,9 @@ class Fleet:
             return  # already failed (a burst took it first): one repair covers both
         self.failures += 1
         self.hw_ok[i] = False
+        view = self.scheduler.views.get(self.names[i])
+        if view is not None and view.spare:
+            self._failed_as_spare.add(i)
         c = self.config
         repair = c.repair_median_h * HOUR * (math.exp(self._rng(i).gauss(0.0, c.repair_sigma))
                                              if c.repair_sigma > 0 else 1.0)
@@ -433,13 +442,14 @@ class Fleet:
 
     def _on_burst(self, k: int) -> None:
         b = self.config.bursts[k]
-        first = b.rack * self.config.nodes_per_rack
-        for i in range(first, first + min(b.nodes, self.config.nodes_per_rack)):
+        base = b.rack * self.config.nodes_per_rack
+        for i in range(base + b.first, base + min(b.first + b.nodes, self.config.nodes_per_rack)):
             self._on_fail(i)
 
     def _on_repair(self, i: int) -> None:
         self.repairs += 1
         self.hw_ok[i] = True
+        self._failed_as_spare.discard(i)
         self._refresh(i)
         self._observe(i)
         t = self.now + self._rng(i).expovariate(1.0 / (self.config.mtbi_days * DAY))
@@ -619,7 +629,8 @@ class Fleet:
         return Report(self.policy.name, self.n, c.racks, c.days, c.seed, len(self.slices),
                       {k: v / HOUR for k, v in self.hours.items()}, self.n * self.horizon / HOUR,
                       self.hours["working"] / HOUR, self.failures, self.repairs, self.interruptions, self.waits,
-                      (self.wait_s + waited_now) / HOUR, longest / HOUR, self.spares_consumed, self.must_move,
+                      (self.wait_s + waited_now) / HOUR, longest / HOUR, self.spares_consumed,
+                      self.spares_for_spares, self.must_move,
                       self.trips, retired, self.series)
 
 

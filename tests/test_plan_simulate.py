@@ -180,3 +180,19 @@ def test_a_breaker_never_reset_holds_its_cordons_to_the_end():
     held = [fleet.names[3 * 18 + k] for k in (4, 5)]
     assert not [k for n, k, o, _ in fleet.intents if n in held and k.endswith(":cordon")]
     assert all(fleet.engines[fleet.index[n]].breaker_open for n in held)
+
+
+
+def test_a_spare_that_fails_in_the_pool_takes_the_other_spare_into_service(tmp_path):
+    # r0000n017 is a spare in rack0000's pool when it fails: the agent quarantines it, and (the daemon adds a
+    # take_spare to every quarantine in a known domain) the engine takes the rack's other spare into service in
+    # its place, though it served no slice. Counted apart, so a policy's spare use can be read without it.
+    config = SimConfig(racks=2, nodes_per_rack=18, bursts=(Burst(0, 1, 5.0, first=17),), **QUIET)
+    fleet = Fleet(config, Policy(2, 16), workdir=tmp_path)
+    r = fleet.run()
+    assert [(t.frm, t.to) for n, t in fleet.transitions if n == "r0000n017"][0] == \
+        (NodeState.HEALTHY, NodeState.QUARANTINED)
+    outcomes = dict((k.rsplit(":", 1)[1], o) for n, k, o, _ in fleet.intents if n == "r0000n017")
+    assert outcomes["take_spare"] == "done: spare r0000n016 of rack0000 taken into service"
+    assert r.spares_consumed == r.spares_for_spares == 1
+    assert r.interruptions == 0 and r.node_hours["idle"] > 0
