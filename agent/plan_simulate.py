@@ -199,9 +199,9 @@ def render(config: SimConfig, reports: Sequence[Report]) -> str:
     names = [r.policy for r in reports]
     width = max(len(label) for label, _ in ROWS)
     cols = [max(len(n), 12) for n in names]
-    lines = [head, "", f"{'':<{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols))]
+    lines = [head, "", f"{'':<{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols, strict=True))]
     for label, cell in ROWS:
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(r):>{w}}" for r, w in zip(reports, cols)))
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(r):>{w}}" for r, w in zip(reports, cols, strict=True)))
     return "\n".join(lines)
 
 

@@ -31,10 +31,10 @@ What is modelled (the world outside the agent):
   end);
 - the workload: a backlog of slices of S nodes, one per S nodes the policy keeps in service in each rack, each
   running until a node of it fails; an interrupted slice gives its nodes back and joins the queue (first come,
-  first placed); a queued slice is placed on the rack with the fewest healthy free in-service nodes that still has S (best fit), and
-  works after `restart_min` minutes (reloading its checkpoint). The scheduler places only on nodes whose
-  hardware works (a job placed on a dead node fails at once: modelled as never placed). A slice's nodes run
-  one job each at the scheduler (`set_jobs`).
+  first placed); a queued slice is placed on the rack with the fewest healthy free in-service nodes that still
+  has S (best fit), and works after `restart_min` minutes (reloading its checkpoint). The scheduler places only
+  on nodes whose hardware works (a job placed on a dead node fails at once: modelled as never placed). A
+  slice's nodes run one job each at the scheduler (`set_jobs`).
 
 Randomness: every node's failures and repairs come from its own stream, seeded by (seed, node index), so two
 policies simulated with the same seed see the same failures at the same times (a like-for-like comparison),
