@@ -485,8 +485,9 @@ class Fleet:
                           set_meta=lambda key, value: None,
                           fault_clear=lambda i=i: self.records[i].clear_since is not None,
                           read_meta=self._meta.get)
+            # A ticket command is configured so that the ladder's last step reaches the recovery steps (_Recovery).
             settings = Settings(mode="act", adapter="local", node_name=name, publish_every_s=0.0,
-                                spares=dict(self.settings.spares))
+                                spares=dict(self.settings.spares), ticket_command=("simulated-ticket",))
             engine = self.engines[i] = Engine(self.scheduler, settings, hooks, domain=self.domain_of(i),
                                               clock=self.clock, lock=self._lock, recovery=_Recovery())
             self.agents[i] = _Agent(self, i, engine)

@@ -76,6 +76,7 @@ def test_a_failed_node_goes_through_the_state_machine_and_back(tmp_path):
     assert mine[2].at > 15 * HOUR  # after the repair (10 h) and the retest
     done = [(k.rsplit(":", 1)[1], outcome) for n, k, outcome, _ in fleet.intents if n == name]
     assert [a for a, _ in done] == ["cordon", "drain", "take_spare", "ticket", "resume"]
+    assert dict(done)["ticket"] == "done: simulated ticket"
     assert report.failures == report.repairs == 1
     assert report.interruptions == 1 and report.waits == 0
     assert fleet.scheduler.mirror_matches()
@@ -196,3 +197,12 @@ def test_a_spare_that_fails_in_the_pool_takes_the_other_spare_into_service(tmp_p
     assert outcomes["take_spare"] == "done: spare r0000n016 of rack0000 taken into service"
     assert r.spares_consumed == r.spares_for_spares == 1
     assert r.interruptions == 0 and r.node_hours["idle"] > 0
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    import sys
+    report = simulate(SimConfig(racks=1, days=1, mtbi_days=100_000), Policy(2, 16))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: the import raises ImportError
+    with pytest.raises(ConfigError, match=r"`plot` extra"):
+        plan_simulate.plot([report], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
