@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -396,9 +397,7 @@ class Fleet:
         finally:
             self.scheduler.close()
             if self._own_dir:
-                for f in self._dir.iterdir():
-                    f.unlink()
-                self._dir.rmdir()
+                shutil.rmtree(self._dir, ignore_errors=True)
 
     def _push(self, t: float, kind: str, i: int) -> None:
         self._seq += 1
