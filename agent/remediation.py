@@ -50,7 +50,11 @@ GATED = ("cordon", "drain", "quarantine")  # take capacity out of the fleet: the
 MODES = ("dry-run", "act")
 RESET_AT_KEY = "breaker_reset_at"  # meta key `gpuwarden breaker reset` writes, the engine reads
 STATUS_KEY = "remediation"  # meta key the engine keeps for `gpuwarden status`
-OUTCOME_KINDS = ("done", "already", "refused", "failed", "dry_run")
+OUTCOME_KINDS = ("done", "already", "refused", "failed", "dry_run", "superseded")
+# Intents that take a node out of service or act on it for a fault. One still waiting (a breaker holding it, a
+# scheduler outage) when a later transition of the node back to healthy is queued is superseded, not carried out:
+# a node that recovered in the meantime must not be cordoned, quarantined, swapped, reset or ticketed after the fact.
+SUPERSEDABLE = ("cordon", "drain", "quarantine", "take_spare", "reset_gpu", "reboot", "ticket", "retire")
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,12 @@ class Hooks:
     read_meta: Callable[[str], Any] = lambda key: None  # a meta value as the store holds it now (breaker reset)
 
 
+def _transition(key: str) -> str:
+    """The transition an intent's key belongs to (`<at>:<from>-><to>:<action>` less the action): the intents of one
+    transition share it."""
+    return key.rsplit(":", 1)[0]
+
+
 class Engine:
     def __init__(self, adapter: SchedulerAdapter | None, settings: Settings, hooks: Hooks, node: Any = None,
                  domain: str | None = None, clock: Callable[[], float] = time.time,
@@ -132,6 +142,9 @@ class Engine:
         self._confirming: str | None = None  # the intent whose drain landed and is not judged again yet
         self._reset_at: float | None = None
         self._swap: dict[str, Any] | None = None  # the last spare swap: taken, or the slice must move
+        # The transition whose quarantine found this node held in its domain's spare pool: a spare that fails in the
+        # pool ran no slice, so nothing is to be replaced (the take_spare of that transition takes no spare).
+        self._spare_quarantined: str | None = None
         self._spare = False  # the scheduler showed this node in its domain's spare pool when it last read it
         self._error: str | None = None  # the scheduler's last error while it lasts
         self._error_since: float | None = None
@@ -143,6 +156,8 @@ class Engine:
         if isinstance(saved, dict):  # a latch survives a restart: the breaker stays open until reset
             self._latch = saved.get("breaker") if isinstance(saved.get("breaker"), dict) else None
             self._swap = saved.get("swap") if isinstance(saved.get("swap"), dict) else None
+            found = saved.get("spare_quarantined")
+            self._spare_quarantined = found if isinstance(found, str) else None
         reset = hooks.read_meta(RESET_AT_KEY)
         self._reset_at = float(reset) if isinstance(reset, (int, float)) else None
 
@@ -167,8 +182,14 @@ class Engine:
         waits = [self._publish_turn(now)]
         with self.lock:
             item = self._queue[0] if self._queue else None
+            healthy_after = item is not None and self._healthy_after(item)
         if item is None:
             return min(waits)
+        if healthy_after:
+            why = "the breaker held it" if self._latch else "it waited for the scheduler"
+            self._finish(item, f"superseded: {self.settings.node_name} was healthy again before this {item.action} "
+                               f"was carried out ({why})")
+            return 0.0
         if item.not_before > now:
             return min([*waits, item.not_before - now])
         try:
@@ -187,6 +208,16 @@ class Engine:
         self._scheduler_ok(now)
         self._finish(item, outcome)
         return 0.0
+
+    def _healthy_after(self, item: _Item) -> bool:
+        """Whether `item` acts on a fault and a later transition of the node back to healthy is queued behind it
+        (called with the lock held)."""
+        if item.action not in SUPERSEDABLE or item.detail.get("to") in (None, "healthy"):
+            return False
+        mine = _transition(item.key)
+        return any(later.detail.get("to") == "healthy" and _transition(later.key) != mine
+                   and float(later.detail.get("at") or 0) >= float(item.detail.get("at") or 0)
+                   for later in list(self._queue)[1:])
 
     def _retry(self, item: _Item, now: float, error: str, busy: bool = False) -> float:
         delay = min(self.settings.retry_min_s * 2 ** item.attempts, self.settings.retry_max_s)
@@ -223,7 +254,7 @@ class Engine:
     def _finish(self, item: _Item, outcome: str) -> None:
         kind = outcome.split(":", 1)[0].split(" ", 1)[0]
         kind = {"dry-run": "dry_run", "done": "done", "refused": "refused", "failed": "failed",
-                "already": "already"}.get(kind, "done")
+                "already": "already", "superseded": "superseded"}.get(kind, "done")
         with self.lock:
             if self._queue and self._queue[0] is item:
                 self._queue.popleft()
@@ -252,13 +283,16 @@ class Engine:
             adapter.publish_domain(me, domain)
             return "done"
         if action == "take_spare":
-            return self._take_spare(adapter, detail)
+            return self._take_spare(adapter, detail, _transition(item.key))
         if action == "drain" and detail.get("to") == "quarantined":
             # The drain that quarantines: drained and marked as held for recovery, in one call (never taken as
             # a spare, never resumed by another agent).
             action = "quarantine"
         view = adapter.node(me)
         self._spare = view.spare
+        if action == "quarantine" and view.spare and view.service is not Service.IN_SERVICE:
+            self._spare_quarantined = _transition(item.key)
+            self._save_status()
         if action in GATED and self._latch is not None:
             self._held(adapter, view)  # every drain of this node waits while the breaker holds
         if _present(action, view):
@@ -391,7 +425,7 @@ class Engine:
     def _spare_policy(self) -> Any:
         return self._spares.SparePolicy(**{k: v for k, v in self.settings.spares.items() if k != "swap"})
 
-    def _take_spare(self, adapter: SchedulerAdapter, detail: Mapping[str, Any]) -> str:
+    def _take_spare(self, adapter: SchedulerAdapter, detail: Mapping[str, Any], transition: str = "") -> str:
         """The scheduler is the arbiter (take_spare is atomic there); the plan (agent/spares.py) says beforehand
         whether the domain has a spare at all, and which domains could host the slice if not.
 
@@ -400,6 +434,9 @@ class Engine:
         quarantined, and no spare is taken. The scheduler's view decides, not the journal's, so a restart between
         the quarantine and the swap reaches the same answer."""
         me, domain = self.settings.node_name, str(detail.get("domain") or "")
+        if transition and transition == self._spare_quarantined:
+            log.info("no spare taken: this node was itself a spare, held in the pool", node=me, domain=domain)
+            return f"done: no spare taken: {me} was a spare of {domain} held in the pool (no slice ran on it)"
         fleet = list(adapter.nodes())
         mine = next((v for v in reversed(fleet) if v.name == me), None) or adapter.node(me)
         if not mine.quarantined:
@@ -489,7 +526,8 @@ class Engine:
     def status(self) -> dict[str, Any]:
         return {"mode": self.settings.mode, "adapter": self.settings.adapter, "node_name": self.settings.node_name,
                 "domain": self.domain, "breaker": self._latch, "breaker_reset_at": self._reset_at,
-                "swap": self._swap, "scheduler_error": self._error, "scheduler_error_since": self._error_since,
+                "swap": self._swap, "spare_quarantined": self._spare_quarantined,
+                "scheduler_error": self._error, "scheduler_error_since": self._error_since,
                 "scheduler_waiting": self._waiting, "scheduler_waiting_since": self._waiting_since}
 
     def _save_status(self) -> None:
@@ -532,7 +570,8 @@ class Engine:
                          1.0 if self.slice_must_move else 0.0),
         ]
         out += [MetricSample("gpuwarden_intents_carried_out", "Intents ended since start, by outcome (done, already "
-                             "so at the scheduler, refused, failed, dry_run).", {"outcome": k}, float(v), "counter")
+                             "so at the scheduler, refused, failed, dry_run, superseded by a recovery).",
+                             {"outcome": k}, float(v), "counter")
                 for k, v in counts.items()]
         return tuple(out)
 
