@@ -21,37 +21,30 @@ PARTS = (
 )
 
 
-def available() -> list[tuple[str, Any, str]]:
-    """The parts whose module is installed, with the module."""
-    out = []
-    for name, module, summary in PARTS:
-        try:
-            out.append((name, importlib.import_module(f"gpuwarden.agent.{module}"), summary))
-        except ModuleNotFoundError as exc:
-            if exc.name != f"gpuwarden.agent.{module}":
-                raise
-    return out
-
-
 def add_parser(sub: Any, formatter: Any, log_flags: Any) -> None:
-    parts = available()
-    if not parts:
-        return
     p = sub.add_parser("plan", help="fleet planning: slice-size capacity, failure risk, simulation, defrag",
                        formatter_class=formatter,
                        description="Fleet planning from numbers: what slice size and how many spares per rack, "
                                    "what a policy does over simulated weeks, which jobs to move to free a rack. "
                                    "Reads nothing on this machine and acts on nothing.")
     plan = p.add_subparsers(dest="plan_command", required=True, title="parts", metavar="PART")
-    for name, module, summary in parts:
-        part = plan.add_parser(name, help=summary, formatter_class=formatter,
-                               description=(module.__doc__ or summary).strip().split("\n\n")[0])
+    for name, module_name, summary in PARTS:
+        module = importlib.import_module(f"gpuwarden.agent.{module_name}")
+        part = plan.add_parser(name, help=summary, formatter_class=formatter, description=_description(module, summary))
         module.add_arguments(part)
         if "--json" not in part._option_string_actions:
             part.add_argument("--json", action="store_true", help="print JSON instead of a table")
         if "--log-format" not in part._option_string_actions:
             log_flags(part)
         part.set_defaults(plan_run=module.run)
+
+
+def _description(module: Any, summary: str) -> str:
+    """The first paragraph of the part's module docstring, as a sentence (less a leading "`gpuwarden plan X`: ")."""
+    text = " ".join((module.__doc__ or summary).strip().split("\n\n")[0].split())
+    if text.startswith("`") and "`: " in text:
+        text = text.split("`: ", 1)[1]
+    return text[:1].upper() + text[1:]
 
 
 def run(args: argparse.Namespace) -> int:
