@@ -11,8 +11,12 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from typing import TYPE_CHECKING
+
 from .errors import ConfigError
-from .sim_fleet import Burst, Policy, Report, SimConfig, simulate
+
+if TYPE_CHECKING:  # the simulator (and the agent it drives) loads when a simulation runs, not with the CLI
+    from .sim_fleet import Burst, Policy, Report, SimConfig
 
 DEFAULT_POLICIES = ("spares=2,slice=16", "spares=0,slice=18")  # the comparison slice sizing turns on
 MAX_NODES = 100_000
@@ -54,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, policies = parse(args)
+    from .sim_fleet import simulate
+
     reports = [simulate(config, policy) for policy in policies]
     if getattr(args, "json", False):
         print(json.dumps(to_json(config, reports), indent=2))
@@ -99,6 +105,8 @@ def _float(text: Any, flag: str, lo: float, hi: float, lo_open: bool = False) ->
 
 def parse_policy(text: Any, nodes_per_rack: int) -> Policy:
     """`spares=K,slice=S` (either order, both required)."""
+    from .sim_fleet import Policy
+
     s = str(text)
     if len(s) > 64:
         raise ConfigError(f"--policy {_shown(text)}: expected spares=K,slice=S")
@@ -118,6 +126,8 @@ def parse_policy(text: Any, nodes_per_rack: int) -> Policy:
 
 def parse_burst(text: Any, racks: int, nodes_per_rack: int, days: float) -> Burst:
     """`RACK:NODES@HOURS`."""
+    from .sim_fleet import Burst
+
     s = str(text)
     rack, colon, rest = s.partition(":")
     nodes, at, hours = rest.partition("@")
@@ -128,6 +138,8 @@ def parse_burst(text: Any, racks: int, nodes_per_rack: int, days: float) -> Burs
 
 
 def parse(args: argparse.Namespace) -> tuple[SimConfig, list[Policy]]:
+    from .sim_fleet import SimConfig
+
     racks = _int(args.racks, "--racks", 1, MAX_NODES)
     per_rack = _int(args.nodes_per_rack, "--nodes-per-rack", 1, 1024)
     if racks * per_rack > MAX_NODES:
