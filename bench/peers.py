@@ -141,8 +141,8 @@ class Run:
         return self.rc is not None
 
 
-def spawn(argv: list[str], *, env: dict | None = None, stdout: Path | None = None, timeout_s: float = 300,
-          max_address_space: int | None = None, cwd: Path | None = None) -> Run:
+def spawn(argv: list[str], *, env: dict | None = None, stdout: Path | None = None, stderr: Path | None = None,
+          timeout_s: float = 300, max_address_space: int | None = None, cwd: Path | None = None) -> Run:
     """Run ``argv`` once as a fresh process (posix_spawn, its own session) and wait for it with wait4: wall time
     from before the spawn to the reap, peak RSS and CPU from its rusage. Past ``timeout_s`` its whole session
     is killed (rc None). ``max_address_space`` caps its virtual memory (RLIMIT_AS, inherited at spawn), so a
@@ -150,7 +150,9 @@ def spawn(argv: list[str], *, env: dict | None = None, stdout: Path | None = Non
     env = dict(os.environ if env is None else env)
     out_fd = os.open(stdout if stdout else os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     actions = [(os.POSIX_SPAWN_DUP2, out_fd, 1), (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
-    if os.environ.get("GPUWARDEN_BENCH_STDERR") != "1":
+    if stderr is not None:
+        actions.append((os.POSIX_SPAWN_OPEN, 2, str(stderr), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+    elif os.environ.get("GPUWARDEN_BENCH_STDERR") != "1":
         actions.append((os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0))
     if cwd is not None:
         argv = ["/bin/sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", str(cwd), *argv]
