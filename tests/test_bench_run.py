@@ -16,19 +16,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import gen_kernel_log  # noqa: E402
-import peers  # noqa: E402
+
+def _bench_run():
+    loader = importlib.machinery.SourceFileLoader("gpuwarden_bench_run", str(ROOT / "bench/run"))
+    spec = importlib.util.spec_from_loader("gpuwarden_bench_run", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+BENCH_RUN = _bench_run()
+gen_kernel_log, peers = BENCH_RUN.gen_kernel_log, BENCH_RUN.peers
 
 
 @pytest.fixture(scope="module")
 def bench_run():
-    loader = importlib.machinery.SourceFileLoader("bench_run", str(ROOT / "bench/run"))
-    spec = importlib.util.spec_from_loader("bench_run", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return BENCH_RUN
 
 
 def test_rows_table_markdown_and_json(bench_run):
