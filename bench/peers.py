@@ -13,6 +13,7 @@ The cache folder is $GPUWARDEN_BENCH_CACHE, else ~/.cache/gpuwarden-bench.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import shlex
@@ -107,7 +108,8 @@ def grep() -> Path:
 def product_venv(source: Path = ROOT) -> Path:
     """A venv under the cache holding the working tree at ``source`` as a user installs it (a wheel, with the
     `bench` extra); made again on every call, so it is the tree as it is now. Returns its python."""
-    venv = cache_dir() / "gpuwarden-venv"
+    # One venv per source tree, so that runs from two checkouts do not install over each other.
+    venv = cache_dir() / f"gpuwarden-venv-{hashlib.sha1(str(source.resolve()).encode()).hexdigest()[:8]}"
     python = _venv(venv)
     with tempfile.TemporaryDirectory(prefix="gpuwarden-wheel-") as tmp:
         _run([str(python), "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps", "-w", tmp,
