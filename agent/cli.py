@@ -19,14 +19,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import structlog
-
 from . import config as config_mod
 from . import logs
 from .errors import GpuwardenError
 from .model import EXIT_UNDECIDED, Report
 
-log = structlog.get_logger("gpuwarden")
+log = logs.get_logger("gpuwarden")
 
 
 # Exit codes of `preflight` and `analyze`: the --help epilogs and the man page's EXIT STATUS are written from this

@@ -12,8 +12,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from . import config as config_mod
 from . import logs
 from .adapters import build as build_adapter
@@ -27,7 +25,7 @@ from .state import DEFAULT_POLICY
 from .store import Store, StoreError, record_meta
 from .systemd import name_this_thread, notify, watchdog_interval_s
 
-log = structlog.get_logger("gpuwarden")
+log = logs.get_logger("gpuwarden")
 TEXTFILE_EVERY_S = 15.0
 IDLE_WAKE_S = 60.0  # the main loop's wake-up without a watchdog or textfile to serve (signals wake it at once)
 

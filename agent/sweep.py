@@ -36,13 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import structlog
-
+from . import logs
 from .adapters.base import NodeView, Service
 from .model import Action, Entity, Finding, Status
 from .sweep_model import GroupRun, Outcome
 
-log = structlog.get_logger("gpuwarden.sweep")
+log = logs.get_logger("gpuwarden.sweep")
 
 CHECK_NAME = "nccl_sweep"
 FORMAT = 1  # of the verdict and report files
