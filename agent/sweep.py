@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -299,6 +298,8 @@ class Sweep:
 
 
 def new_sweep_id(now: float) -> str:
+    import secrets  # here, not at import: every check list loads this module, few commands make a sweep id
+
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
 
 
