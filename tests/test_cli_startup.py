@@ -105,3 +105,26 @@ def _sub(parser):
                                            (["breaker", "reset", "--state-dir", "d"], ["breaker", "reset"])])
 def test_command_words(argv, command):
     assert cli._chosen(argv) == command
+
+
+def test_bench_preflight_writes_the_rows_bench_run_reads(tmp_path):
+    """bench/preflight.py --json: a row for --version and one per node, each with its verdict, beside a peer that
+    reads the node's kernel log through `dmesg` (a stand-in for gcm's check here: what it reads, not its speed)."""
+    peer = tmp_path / "health_checks"
+    seen = tmp_path / "seen"
+    peer.write_text(f"#!/bin/sh\ndmesg > {seen}\n")
+    peer.chmod(0o755)
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "preflight.py"), "--repeat", "1", "--scenario",
+                           "gb200-nvl72-faulty", "--gcm", str(peer), "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    version, node = data["rows"]
+    assert version["measure"] == "gpuwarden --version, whole process" and version["ours"] > 0
+    assert node["measure"] == "preflight on a recorded node (gb200-nvl72-faulty), whole process"
+    assert node["detail"]["verdict"] == "fail" and node["detail"]["exit_codes"] == [1]
+    assert node["target"] == "< 0.25 s" and isinstance(node["met"], bool) and node["unit"] == "s"
+    assert node["peer"] > 0 and node["ratio"] == round(node["ours"] / node["peer"], 3)
+    assert seen.read_bytes() == (NODES / "gb200-nvl72-faulty" / "kmsg").read_bytes()
+    assert set(data["load"]) >= {"loadavg_before", "loadavg_after"}
