@@ -6,6 +6,9 @@ Exit codes of `preflight` and `analyze` (for Slurm's HealthCheckProgram / Prolog
   2  could not decide: a check could not look (UNKNOWN), or the command itself was wrong (bad config, bad
      flags, unreadable scenario)
   130 / 143  interrupted by SIGINT / SIGTERM: every tool it had started was ended first, no verdict
+
+A command's module is imported when that command runs, and only the chosen command's options are built: `gpuwarden
+preflight` does not load the daemon, the sweeps or fleet planning, and `--version` loads nothing of the agent.
 """
 from __future__ import annotations
 
@@ -15,18 +18,37 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-import structlog
-
-from . import config as config_mod
 from . import logs
 from .errors import GpuwardenError
-from .model import EXIT_UNDECIDED, Report
+from .version import VERSION
 
-log = structlog.get_logger("gpuwarden")
+if TYPE_CHECKING:
+    from .model import Report
+
+log = logs.get_logger("gpuwarden")
+
+# Every command in the order of `gpuwarden --help`, with its one-line help. The four whose options live in their own
+# module (topology, slurm, sweep, plan) are built from it only when chosen; their help here is the one their module
+# gives (tests/test_cli_startup.py holds the two together).
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("preflight", "run the health checks once and print a verdict"),
+    ("analyze", "find faults in saved logs and tool outputs (post-mortem)"),
+    ("record", "write a scenario (recorded node) from this machine"),
+    ("run", "the daemon: passive checks, node state, Prometheus endpoint"),
+    ("status", "the node state and recent findings, from the daemon's store"),
+    ("breaker", "the circuit breaker that holds cordons when too many nodes are drained"),
+    ("topology", "this node's NVLink domain; publish it; write Slurm topology.conf / topology.yaml from the "
+                 "scheduler's view"),
+    ("checks", "list the checks and their config keys"),
+    ("slurm", "run the quick preflight as Slurm's HealthCheckProgram, Prolog or Epilog, and drain or resume this "
+              "node in Slurm"),
+    ("sweep", "multi-node NCCL collectives over idle nodes; find the bad node or link"),
+    ("plan", "fleet planning: slice-size capacity, failure risk, simulation, defrag"),
+)
+EVERY = "*"  # _parser(EVERY): every command's options (the man page, tests)
 
 
 # Exit codes of `preflight` and `analyze`: the --help epilogs and the man page's EXIT STATUS are written from this
@@ -65,7 +87,22 @@ class _HelpFormatter(argparse.HelpFormatter):
         return super()._fill_text(text, width, indent)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _chosen(argv: Sequence[str]) -> list[str]:
+    """The command words of a command line (`plan`, `capacity`): the words before the first option. The top-level
+    parser has no option that takes a value, so the first word is the command; what follows an option is left to
+    argparse."""
+    words = []
+    for arg in argv:
+        if arg.startswith("-"):
+            break
+        words.append(arg)
+    return words
+
+
+def _parser(command: str | None = EVERY, part: str | None = EVERY) -> argparse.ArgumentParser:
+    """The parser with the options of `command` (EVERY: of all of them; None: of none, as for `--version` or
+    `--help`); the other commands are there with their help line only, so that argparse lists them and takes
+    their names. `part`: the plan part to build (see plan_command.add_parser)."""
     raw = _HelpFormatter
     p = argparse.ArgumentParser(
         prog="gpuwarden", formatter_class=raw,
@@ -79,12 +116,32 @@ def _parser() -> argparse.ArgumentParser:
                "  gpuwarden COMMAND --help            a command's options\n\n"
                "The daemon runs as the systemd unit gpuwarden.service; its config is /etc/gpuwarden/gpuwarden.toml.\n"
                "Manual: gpuwarden(1); documentation: /usr/share/doc/gpuwarden/.")
-    p.add_argument("--version", action="version", version=f"gpuwarden {metadata.version('gpuwarden')}",
-                   help="print the version and exit")
+    p.add_argument("--version", action="version", version=f"gpuwarden {VERSION}", help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    builders: dict[str, Callable[[], None]] = {
+        "preflight": lambda: _preflight_parser(sub), "analyze": lambda: _analyze_parser(sub),
+        "record": lambda: _record_parser(sub), "run": lambda: _run_parser(sub),
+        "status": lambda: _status_parser(sub), "breaker": lambda: _breaker_parser(sub),
+        "topology": lambda: _topology_parser(sub), "checks": lambda: _checks_parser(sub),
+        "slurm": lambda: _slurm_parser(sub), "sweep": lambda: _sweep_parser(sub),
+        "plan": lambda: _plan_parser(sub, part),
+    }
+    for name, summary in COMMANDS:
+        if command in (EVERY, name):
+            builders[name]()
+        else:
+            sub.add_parser(name, help=summary, formatter_class=raw)
+    return p
 
+
+def _help(name: str) -> str:
+    return dict(COMMANDS)[name]
+
+
+def _preflight_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
     pre = sub.add_parser(
-        "preflight", help="run the health checks once and print a verdict", formatter_class=raw,
+        "preflight", help=_help("preflight"), formatter_class=raw,
         description="Run the health checks once, on this machine or on a recorded node (--root), and print a verdict: "
                     "a table, or JSON with --json. The exit code says what to do with the node (for Slurm's health "
                     "check, Prolog and Epilog, which also drain the node: gpuwarden slurm). A check that cannot look "
@@ -112,8 +169,11 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: [agent] budget_s; 0 = none)")
     _log_flags(pre)
 
+
+def _analyze_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
     ana = sub.add_parser(
-        "analyze", help="find faults in saved logs and tool outputs (post-mortem)", formatter_class=raw,
+        "analyze", help=_help("analyze"), formatter_class=raw,
         description="Judge saved files with the decision code the live checks use: kernel logs (dmesg, journalctl, "
                     "syslog or raw kmsg: XIDs, NVSwitch SXids) and the outputs of dcgmi diag (text or JSON), "
                     "nccl-tests and perftest (ib_write_bw). Nothing on this machine is read.",
@@ -126,8 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     ana.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     _log_flags(ana)
 
+
+def _record_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
     rec = sub.add_parser(
-        "record", help="write a scenario (recorded node) from this machine", formatter_class=raw,
+        "record", help=_help("record"), formatter_class=raw,
         description="Write what the checks read on this machine (NVML, sysfs, the kernel log; with --with-tools the "
                     "tools' outputs) to a folder: a support bundle, and a recorded node that preflight --root and "
                     "run --root replay.",
@@ -147,8 +210,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --with-tools: checks not started in time are not recorded (default: none)")
     _log_flags(rec)
 
+
+def _run_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
     run = sub.add_parser(
-        "run", help="the daemon: passive checks, node state, Prometheus endpoint", formatter_class=raw,
+        "run", help=_help("run"), formatter_class=raw,
         description="The daemon (systemd unit gpuwarden.service): runs the passive checks continuously, follows the "
                     "kernel log, keeps the node's state (healthy, suspect, cordoned, quarantined, retired) in its "
                     "store, asks the scheduler to act when [remediation] mode = \"act\" (dry-run by default), and "
@@ -172,8 +238,11 @@ def _parser() -> argparse.ArgumentParser:
                           "none)")
     _log_flags(run)
 
+
+def _status_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
     st = sub.add_parser(
-        "status", help="the node state and recent findings, from the daemon's store", formatter_class=raw,
+        "status", help=_help("status"), formatter_class=raw,
         description="Print what the daemon recorded in its store: the node's state and its last transitions, each "
                     "check's last result and findings, and the remediation intents (pending and recent). Read-only: "
                     "it works while the daemon runs.",
@@ -184,9 +253,11 @@ def _parser() -> argparse.ArgumentParser:
                                                                   "/var/lib/gpuwarden)")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
 
+
+def _breaker_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
     brk = sub.add_parser(
-        "breaker", help="the circuit breaker that holds cordons when too many nodes are drained",
-        formatter_class=raw,
+        "breaker", help=_help("breaker"), formatter_class=raw,
         description="The circuit breaker: when too large a share of the fleet or of one NVLink domain is drained "
                     "within a window ([remediation.breaker]), the daemon holds new cordons and latches open.")
     brk_sub = brk.add_subparsers(dest="breaker_command", required=True, title="commands", metavar="COMMAND")
@@ -198,11 +269,12 @@ def _parser() -> argparse.ArgumentParser:
     reset.add_argument("--state-dir", type=Path, metavar="DIR", help="the daemon's state folder (default: "
                                                                      "/var/lib/gpuwarden)")
 
+
+def _topology_parser(sub: argparse._SubParsersAction) -> None:
     from . import topology
 
-    topo = sub.add_parser("topology", help="this node's NVLink domain; publish it; write Slurm topology.conf / "
-                                           "topology.yaml from the scheduler's view",
-                          formatter_class=raw,
+    raw = _HelpFormatter
+    topo = sub.add_parser("topology", help=_help("topology"), formatter_class=raw,
                           description="Print this node's NVLink domain (from NVML's GPU fabric info, or [topology] "
                                       "domain), publish it to the scheduler (a Slurm node feature, Kubernetes "
                                       "labels), or write Slurm's block topology from the scheduler's view of the "
@@ -227,24 +299,31 @@ def _parser() -> argparse.ArgumentParser:
         if flag not in topo._option_string_actions:
             topo.add_argument(flag, **kwargs)
 
-    sub.add_parser("checks", help="list the checks and their config keys", formatter_class=raw,
+
+def _checks_parser(sub: argparse._SubParsersAction) -> None:
+    raw = _HelpFormatter
+    sub.add_parser("checks", help=_help("checks"), formatter_class=raw,
                    description="List every check: where it runs (preflight level quick or full, the daemon's poll "
                                "interval, or kmsg for the followed kernel log), what it looks at, and its config "
                                "table [checks.NAME] with each key's default.")
 
+
+def _slurm_parser(sub: argparse._SubParsersAction) -> None:
     from . import slurm_healthcheck
 
-    slurm_healthcheck.add_parser(sub, raw, _CONFIG_HELP, _log_flags)
+    slurm_healthcheck.add_parser(sub, _HelpFormatter, _CONFIG_HELP, _log_flags)
 
+
+def _sweep_parser(sub: argparse._SubParsersAction) -> None:
     from . import sweep_command
 
-    sweep_command.add_parser(sub, raw, _CONFIG_HELP, _log_flags)
+    sweep_command.add_parser(sub, _HelpFormatter, _CONFIG_HELP, _log_flags)
 
+
+def _plan_parser(sub: argparse._SubParsersAction, part: str | None) -> None:
     from . import plan_command
 
-    plan_command.add_parser(sub, raw, _log_flags)
-
-    return p
+    plan_command.add_parser(sub, _HelpFormatter, _log_flags, part)
 
 
 def _log_flags(p: argparse.ArgumentParser) -> None:
@@ -300,6 +379,8 @@ def _emit(report: Report, as_json: bool) -> int:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from gpuwarden.checks import ALL, all_specs
 
+    from . import config as config_mod
+    from .model import Report
     from .render import Progress
     from .runner import run_checks
 
@@ -340,6 +421,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_record(args: argparse.Namespace) -> int:
     from gpuwarden.checks import all_specs
 
+    from . import config as config_mod
     from .record import record
 
     cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
@@ -377,9 +459,9 @@ def cmd_breaker(args: argparse.Namespace) -> int:
 def cmd_topology(args: argparse.Namespace) -> int:
     from gpuwarden.checks import all_specs
 
-    from .adapters import build
-
+    from . import config as config_mod
     from . import topology
+    from .adapters import build
 
     cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
@@ -392,6 +474,8 @@ def cmd_checks(args: argparse.Namespace) -> int:
     """Every check once, with where it runs (preflight level quick|full; the daemon's poll interval or "kmsg" for
     the followed kernel log) and its one config table, which every form of the check reads."""
     from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE, all_specs
+
+    from . import config as config_mod
 
     tables = config_mod.defaults(all_specs())
     modes: dict[str, list[str]] = {}
@@ -434,13 +518,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    words = _chosen(argv)
+    command = words[0] if words and words[0] in dict(COMMANDS) else None
+    args = _parser(command, words[1] if command == "plan" and len(words) > 1 else None).parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
                "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology,
                "slurm": cmd_slurm, "sweep": cmd_sweep, "plan": cmd_plan}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:
+        from .model import EXIT_UNDECIDED
+
         print(f"gpuwarden {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNDECIDED
     except Interrupted as exc:

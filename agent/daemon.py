@@ -24,8 +24,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-import structlog
-
+from . import logs
 from .adapters.base import SchedulerAdapter
 from .daemon_devices import DeviceLoop
 from .daemon_events import KMSG_CHECK, EventLoops
@@ -39,7 +38,7 @@ from .state import DEFAULT_POLICY, NodeRecord, NodeState, Transition, next_state
 from .store import CheckRecord, Store, StoreError
 from .systemd import name_this_thread
 
-log = structlog.get_logger("gpuwarden.daemon")
+log = logs.get_logger("gpuwarden.daemon")
 STORE_CHECK = "store"  # the state store, reported like a check on /metrics (never an input of the node state)
 Intent = tuple[str, str, dict[str, Any]]  # (idempotency key, action, detail)
 

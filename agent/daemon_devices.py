@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import select
 
-import structlog
-
+from . import logs
 from .errors import GpuwardenError
 from .sources.udev import UdevEvent
 
-log = structlog.get_logger("gpuwarden.daemon")
+log = logs.get_logger("gpuwarden.daemon")
 DEVICE_LOOP = "udev"
 IDLE_S = 60.0  # the loop's longest sleep: its heartbeat (and a look where no descriptor can be watched)
 NO_FD_LOOK_S = 1.0  # a monitor without a descriptor (a recorded node without inotify) is looked at this often

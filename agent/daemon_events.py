@@ -8,15 +8,14 @@ import re
 import time
 from typing import Any, Callable
 
-import structlog
-
+from . import logs
 from .errors import GpuwardenError, NvmlError
 from .model import Status
 from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
 from .sources.kmsg import Cursor
 from .store import CheckRecord
 
-log = structlog.get_logger("gpuwarden.daemon")
+log = logs.get_logger("gpuwarden.daemon")
 # A hold ends when `now - last_at > hold_s`: judged this long after the end, it has ended whatever the rounding.
 WAKE_AFTER_S = 0.05
 KMSG_CHECK = "kmsg"  # the follower itself, reported like a check so "could not read the log" is visible

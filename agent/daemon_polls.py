@@ -11,15 +11,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
+from . import logs
 from .model import Status
 from .passive import PassiveSpec
 from .runner import could_not_look
 from .sources.tools import Scope
 from .store import CheckRecord
 
-log = structlog.get_logger("gpuwarden.daemon")
+log = logs.get_logger("gpuwarden.daemon")
 
 
 class PollLoops:

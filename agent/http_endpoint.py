@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 from urllib.parse import parse_qs
 
-import structlog
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import Metric
 
+from . import logs
 from . import web_config
 from .systemd import name_this_thread
 
-log = structlog.get_logger("gpuwarden.http")
+log = logs.get_logger("gpuwarden.http")
 
 LANDING_PAGE = (b"<!DOCTYPE html>\n<html><head><title>gpuwarden</title></head><body><h1>gpuwarden</h1>\n"
                 b"<p>GPU node health agent.</p>\n<p><a href=\"metrics\">Metrics</a></p>\n</body></html>\n")

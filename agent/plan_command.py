@@ -6,7 +6,7 @@
   plan defrag     the least disruptive preemptible jobs to move so one rack has a free slice (agent/plan_defrag.py)
 
 Each part's module has `add_arguments(parser)` and `run(args) -> int`; this module only wires them under one
-command, each imported when its subcommand is built."""
+command, each imported when its subcommand is chosen (or every one, for the man page)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,9 @@ PARTS = (
 )
 
 
-def add_parser(sub: Any, formatter: Any, log_flags: Any) -> None:
+def add_parser(sub: Any, formatter: Any, log_flags: Any, chosen: str | None = "*") -> None:
+    """`gpuwarden plan` with the options of the part `chosen` ("*": of every part; None: of none, as for
+    `plan --help`): a part's module is imported only to build its own options."""
     p = sub.add_parser("plan", help="fleet planning: slice-size capacity, failure risk, simulation, defrag",
                        formatter_class=formatter,
                        description="Fleet planning from numbers: what slice size and how many spares per rack, "
@@ -29,6 +31,9 @@ def add_parser(sub: Any, formatter: Any, log_flags: Any) -> None:
                                    "Reads nothing on this machine and acts on nothing.")
     plan = p.add_subparsers(dest="plan_command", required=True, title="parts", metavar="PART")
     for name, module_name, summary in PARTS:
+        if chosen not in ("*", name):
+            plan.add_parser(name, help=summary, formatter_class=formatter)
+            continue
         module = importlib.import_module(f"gpuwarden.agent.{module_name}")
         part = plan.add_parser(name, help=summary, formatter_class=formatter, description=_description(module, summary))
         module.add_arguments(part)

@@ -13,9 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from . import config as config_mod
+from . import logs
 from .errors import ConfigError, GpuwardenError, NvmlError, SourceError
 from .node import Node
 from .record_tools import capture_always, capture_full
@@ -23,7 +22,7 @@ from .sources.nvml import SNAPSHOT_FORMAT, XidEvents, load_snapshot
 from .sources.procs import COMM_LEN
 from .sources.sysfs import Sysfs
 
-log = structlog.get_logger("gpuwarden.record")
+log = logs.get_logger("gpuwarden.record")
 PARTIAL = ".partial"  # suffix of the hidden folder a recording is written into before it is renamed into place
 PCI_DEVICES = "/sys/bus/pci/devices"
 IB_CLASS = "/sys/class/infiniband"

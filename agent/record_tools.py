@@ -18,15 +18,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import structlog
-
+from . import logs
 from .errors import NvmlError, SourceError, ToolError, ToolMissing
 from .sources import confine
 from .sources.dcgm import Dcgm
 from .sources.gemm import Gemm, GemmResult
 from .sources.tools import ToolOutput, ToolRunner, ToolTimeout
 
-log = structlog.get_logger("gpuwarden.record")
+log = logs.get_logger("gpuwarden.record")
 TOOL_SUFFIXES = (".out", ".rc", ".hang")
 GEMM_NAME, GEMM_SUFFIXES = "burnin", (".json", ".hang")
 

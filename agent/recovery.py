@@ -37,13 +37,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-import structlog
-
+from . import logs
 from .errors import SourceError, ToolError, ToolMissing
 from .sources.nvml import Gpu, canonical_bdf
 from .sources.tools import ToolRunner
 
-log = structlog.get_logger("gpuwarden.recovery")
+log = logs.get_logger("gpuwarden.recovery")
 T = TypeVar("T")
 
 RESET_TOOL = "nvidia-smi"

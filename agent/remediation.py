@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import structlog
-
+from . import logs
 from . import recovery as recovery_steps
 from . import spares as spare_policy
 from .adapters.base import REASON_PREFIX, Busy, Refused, SchedulerAdapter, Service, Transient
@@ -42,7 +41,7 @@ from .breaker import BreakerPolicy
 from .breaker import judge as breaker_judge
 from .passive import MetricSample
 
-log = structlog.get_logger("gpuwarden.remediation")
+log = logs.get_logger("gpuwarden.remediation")
 
 ACTIONS = ("cordon", "drain", "quarantine", "uncordon", "resume", "retire", "reset_gpu", "reboot", "ticket",
            "take_spare", "return_to_pool", "publish_domain")

@@ -10,24 +10,20 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
-
-import structlog
+from typing import TYPE_CHECKING, Any
 
 from . import config as config_mod
 from . import logs
-from .adapters import build as build_adapter
-from .daemon import Daemon, DaemonOptions
 from .errors import ConfigError, GpuwardenError
-from .http_endpoint import MetricsEndpoint, raise_fd_limit
-from .metrics import DaemonCollector, registry_for, write_textfile
 from .model import EXIT_PASS, EXIT_UNDECIDED
-from .remediation import RESET_AT_KEY, STATUS_KEY, Settings
-from .state import DEFAULT_POLICY
 from .store import Store, StoreError, record_meta
-from .systemd import name_this_thread, notify, watchdog_interval_s
 
-log = structlog.get_logger("gpuwarden")
+if TYPE_CHECKING:  # the daemon's stack is imported by run_daemon: `status` and `breaker reset` read only the store
+    from .daemon import Daemon
+    from .http_endpoint import MetricsEndpoint
+    from .remediation import Settings
+
+log = logs.get_logger("gpuwarden")
 TEXTFILE_EVERY_S = 15.0
 IDLE_WAKE_S = 60.0  # the main loop's wake-up without a watchdog or textfile to serve (signals wake it at once)
 
@@ -43,7 +39,11 @@ def run_daemon(args: argparse.Namespace) -> int:
     from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 
     from .cli import _node
+    from .daemon import Daemon, DaemonOptions
+    from .http_endpoint import MetricsEndpoint, raise_fd_limit
+    from .metrics import DaemonCollector, registry_for
     from .retest import run_retest
+    from .systemd import name_this_thread, notify, watchdog_interval_s
 
     specs = all_specs()
     cfg = config_mod.load(specs, args.config, explicit=args.config is not None)
@@ -134,6 +134,9 @@ def run_daemon(args: argparse.Namespace) -> int:
 
 def remediation_setup(cfg: Any, node: Any, state_dir: Path) -> tuple[Settings, Any, str | None]:
     """The engine's settings, the scheduler adapter and this node's NVLink domain, from the config."""
+    from .adapters import build as build_adapter
+    from .remediation import Settings
+
     table = cfg.remediation
     settings = Settings.from_table(table, node.hostname, state_dir / "actions.jsonl")
     adapter = build_adapter(settings.adapter, table.get(settings.adapter, {}), state_dir)
@@ -153,6 +156,8 @@ def node_domain(node: Any, cfg: Any) -> str | None:
 
 def policy_of(cfg: Any) -> dict[str, Any]:
     """The state machine's policy with the ladder's settings of [remediation.ladder]."""
+    from .state import DEFAULT_POLICY
+
     ladder = cfg.remediation.get("ladder", {})
     return {**DEFAULT_POLICY, **{k: ladder[k] for k in DEFAULT_POLICY if k in ladder}}
 
@@ -161,6 +166,8 @@ def breaker_reset(args: argparse.Namespace) -> int:
     """`gpuwarden breaker reset`: records the reset time in the node's state store; the running daemon reads it at
     its next turn, closes the breaker and judges the fleet again, counting only drains after this time."""
     import time
+
+    from .remediation import RESET_AT_KEY
 
     state_dir = Path(args.state_dir or config_mod.AGENT_DEFAULTS["state_dir"])
     now = time.time()
@@ -173,6 +180,8 @@ def breaker_reset(args: argparse.Namespace) -> int:
 def _feed_watchdog(daemon: Daemon, was_stalled: list[str]) -> list[str]:
     """WATCHDOG=1 only while every loop has made progress within its deadline: a stuck loop starves systemd's
     watchdog, which restarts the agent (WatchdogSec)."""
+    from .systemd import notify
+
     stalled = daemon.stalled()
     if stalled:
         if stalled != was_stalled:
@@ -186,6 +195,8 @@ def _feed_watchdog(daemon: Daemon, was_stalled: list[str]) -> list[str]:
 
 
 def _write_textfile(registry: Any, textfile: Path) -> None:
+    from .metrics import write_textfile
+
     try:
         write_textfile(registry, textfile)
     except OSError as exc:
@@ -266,6 +277,7 @@ def _remediation_text(view: dict[str, Any], now: float) -> str:
 def print_status(args: argparse.Namespace) -> int:
     import time
 
+    from .remediation import RESET_AT_KEY, STATUS_KEY
     from .render import iso_utc, when
 
     cfg_dir = Path(args.state_dir or config_mod.AGENT_DEFAULTS["state_dir"])

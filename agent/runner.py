@@ -17,14 +17,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-import structlog
-
+from . import logs
 from .check import CheckSpec
 from .errors import GpuwardenError, NotApplicable, ToolMissing
 from .model import CheckResult, Finding, Status, fold_status
 from .sources.tools import Scope
 
-log = structlog.get_logger("gpuwarden.runner")
+log = logs.get_logger("gpuwarden.runner")
 
 # progress(check_name, phase, result): phase is "start" or "done" (result set only on "done")
 Progress = Callable[[str, str, "CheckResult | None"], None]

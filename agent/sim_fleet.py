@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import logging
 import math
 import os
 import random
@@ -57,8 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import structlog
-
+from . import logs
 from .adapters.base import NodeView, Service
 from .adapters.local import _COLUMNS, LocalAdapter, _view
 from .daemon import Daemon
@@ -158,12 +156,8 @@ class _Slice:
 @contextlib.contextmanager
 def quiet_logs() -> Iterator[None]:
     """The engine and the adapter log every intent; a simulation of thousands of them would drown the report."""
-    old = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    try:
+    with logs.silenced("critical"):
         yield
-    finally:
-        structlog.configure(**old)
 
 
 def scratch_dir() -> Path:

@@ -19,15 +19,13 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from . import config as config_mod
 from . import logs
 from .adapters.base import AdapterError
 from .errors import GpuwardenError
 from .model import EXIT_FAULT, EXIT_PASS, EXIT_UNDECIDED, CheckResult, Report, Status
 
-log = structlog.get_logger("gpuwarden.slurm")
+log = logs.get_logger("gpuwarden.slurm")
 
 PREFLIGHT_MARK = "preflight:"  # after REASON_PREFIX: a drain this path wrote, and so the only one it resumes
 PREFLIGHT_REASON = "gpuwarden: preflight:"

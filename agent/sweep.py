@@ -29,20 +29,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import structlog
-
+from . import logs
 from .adapters.base import NodeView, Service
 from .model import Action, Entity, Finding, Status
 from .sweep_model import GroupRun, Outcome
 
-log = structlog.get_logger("gpuwarden.sweep")
+log = logs.get_logger("gpuwarden.sweep")
 
 CHECK_NAME = "nccl_sweep"
 FORMAT = 1  # of the verdict and report files
@@ -300,6 +298,8 @@ class Sweep:
 
 
 def new_sweep_id(now: float) -> str:
+    import secrets  # here, not at import: every check list loads this module, few commands make a sweep id
+
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
 
 

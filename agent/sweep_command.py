@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import structlog
-
+from . import logs
 from .errors import ConfigError, GpuwardenError
 from .sweep import EXIT_UNDECIDED, Report, Sweep, idle_nodes, new_sweep_id, plan_phases, write_results
 from .sweep_model import GroupRun, Outcome
 
-log = structlog.get_logger("gpuwarden.sweep")
+log = logs.get_logger("gpuwarden.sweep")
 
 EXIT_CODES = (("0", "every node tested passed"),
               ("1", "a node or a link at fault (named in the report and in its verdict)"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import tomllib
 from functools import lru_cache
-from importlib.resources import files
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
@@ -13,7 +14,10 @@ from .errors import ConfigError
 @lru_cache(maxsize=None)
 def sku_table(check: str) -> dict[str, dict[str, Any]]:
     """All SKU sections of one check's threshold file ({} when the check has none)."""
-    resource = files("gpuwarden.checks").joinpath(f"data/thresholds/{check}.toml")
+    # The checks package's folder, found without importing it (and without importlib.resources, which loads
+    # zipfile, bz2 and lzma for every command).
+    (folder,) = find_spec("gpuwarden.checks").submodule_search_locations
+    resource = Path(folder) / "data" / "thresholds" / f"{check}.toml"
     if not resource.is_file():
         return {}
     try:

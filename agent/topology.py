@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import structlog
 import yaml
 
+from . import logs
 from .adapters.base import AdapterError, NodeView
 from .errors import ConfigError, NvmlError
 
-log = structlog.get_logger("gpuwarden.topology")
+log = logs.get_logger("gpuwarden.topology")
 
 MAX_DOMAIN = 63  # a Kubernetes label value's limit; an NVML domain is 36 + 1 + at most 10 characters
 MAX_NODE_NAME = 64  # HOST_NAME_MAX

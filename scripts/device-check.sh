@@ -68,7 +68,7 @@ step env-host 20 - bash -c 'uname -a; python3 --version; nvidia-smi -L; df -h .;
 # full-level steps wait for it). The venv sees the system's packages, so a torch or NVML binding the machine
 # already has serves. A .venv copied from another machine is used only when it imports gpuwarden, else rebuilt.
 # Without a route to PyPI, pip installs from $WHEELHOUSE when it exists (prepare it where there is network:
-# `pip download -d wheelhouse setuptools wheel nvidia-ml-py psutil prometheus-client structlog pyudev`, and copy
+# `pip download -d wheelhouse setuptools wheel nvidia-ml-py psutil prometheus-client pyudev`, and copy
 # it to the node); with neither, nothing is installed, the steps that need gpuwarden fail, and nvidia-smi still runs.
 WHEELHOUSE=${WHEELHOUSE:-$PWD/wheelhouse}
 venv_ok() { "$PY" -c 'import gpuwarden.agent.cli' > /dev/null 2>&1; }

@@ -179,15 +179,11 @@ BAD_CONFIGS = {
 
 
 def one_line_error(capsys, argv) -> str:
-    import structlog
-
+    from gpuwarden.agent import logs
     from gpuwarden.agent.cli import main
 
-    saved = structlog.get_config()  # main sets logging up on capsys' stream, which is closed after the test
-    try:
+    with logs.preserved():  # main sets logging up; the next test starts from the defaults
         assert main(argv) == 2
-    finally:
-        structlog.configure(**saved)
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err and err.count("\n") == 1 and err.startswith("gpuwarden ")
     return err

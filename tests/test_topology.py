@@ -14,13 +14,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import structlog
 import yaml
 from conftest import NODES, ROOT, edit_nvml
 
 from gpuwarden.agent import topology
 from gpuwarden.agent.adapters.base import NodeView, Refused, Service, Transient
 from gpuwarden.agent.errors import ConfigError
+from gpuwarden.agent.logs import capture as capture_logs
 from gpuwarden.agent.node import Node, NodeInfo
 
 SLURM_DATA = ROOT / "fixtures" / "slurm"
@@ -40,19 +40,19 @@ def test_gb200_domain_is_its_nvml_cluster_uuid_and_clique():
 
 def test_h100_hgx_has_no_domain_and_the_reason_is_logged():
     node = Node.recorded_at(H100)
-    with structlog.testing.capture_logs() as logs:
+    with capture_logs() as logs:
         assert topology.node_domain(node, {}) is None
     (entry,) = [e for e in logs if e["event"] == "no NVLink domain"]
-    assert entry["log_level"] == "info"  # expected on HGX: not a fault
+    assert entry["level"] == "info"  # expected on HGX: not a fault
     assert "not supported" in entry["reason"] and entry["node"] == node.hostname
 
 
 def test_a_lost_gpu_means_no_domain_as_a_warning():
     node = Node.recorded_at(NODES / "gb200-nvl72-faulty")  # GPU 2 fell off the bus
-    with structlog.testing.capture_logs() as logs:
+    with capture_logs() as logs:
         assert topology.node_domain(node, {}) is None
     (entry,) = [e for e in logs if e["event"] == "no NVLink domain"]
-    assert entry["log_level"] == "warning"
+    assert entry["level"] == "warning"
     assert "GPU 2" in entry["reason"] and "GPU_IS_LOST" in entry["reason"]
 
 
@@ -447,7 +447,7 @@ def test_command_publishes_then_writes_both_files_from_the_fleet(tmp_path, capsy
     """Tray 18 of rack 7 publishes the domain read from its GPUs; then both files hold the whole rack."""
     sched = Scheduler([*rack(7, GB200_DOMAIN, trays=range(1, 18)), *rack(7, None, trays=[18]), *rack(8, "rack08")])
     conf, yml = tmp_path / "topology.conf", tmp_path / "topology.yaml"
-    with structlog.testing.capture_logs() as logs:
+    with capture_logs() as logs:
         code = topology.run(args("--root", str(GB200), "--node-name", "gb200-r07-t18", "--publish", "--slurm-conf",
                                  str(conf), "--slurm-yaml", str(yml), "--block-sizes", "18,36"), {}, sched)
     assert code == 0

@@ -110,8 +110,7 @@ def test_the_agent_uses_pyudev_and_not_psutil():
                 imported.setdefault(name.split(".")[0], set()).add(path.relative_to(ROOT).as_posix())
     assert "psutil" not in imported
     assert imported["pyudev"] == {"agent/sources/udev.py"}
-    for dep, module in (("nvidia-ml-py", "pynvml"), ("prometheus-client", "prometheus_client"),
-                        ("structlog", "structlog"), ("pyudev", "pyudev")):
+    for dep, module in (("nvidia-ml-py", "pynvml"), ("prometheus-client", "prometheus_client"), ("pyudev", "pyudev")):
         assert any(d.startswith(dep) for d in deps["dependencies"]) and module in imported, dep
 
 

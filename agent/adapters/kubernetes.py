@@ -36,12 +36,11 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Sequence
 
-import structlog
-
+from .. import logs
 from ..topology import CLIQUE_LABEL, DOMAIN_LABEL, kubernetes_labels  # one set of labels with `gpuwarden topology`
 from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
 
-log = structlog.get_logger("gpuwarden.adapter.kubernetes")
+log = logs.get_logger("gpuwarden.adapter.kubernetes")
 
 TAINT = "gpuwarden.io/unhealthy"
 SPARE_TAINT = "gpuwarden.io/spare"

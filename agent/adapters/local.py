@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import structlog
-
+from .. import logs
 from ..spares import healthy_spares
 from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
 
-log = structlog.get_logger("gpuwarden.adapter")
+log = logs.get_logger("gpuwarden.adapter")
 
 SCHEMA_VERSION = 1
 MAX_NAME = 255  # a node or domain name (DNS names are at most 253)

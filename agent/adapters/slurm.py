@@ -29,11 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import structlog
-
+from .. import logs
 from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
 
-log = structlog.get_logger("gpuwarden.adapter.slurm")
+log = logs.get_logger("gpuwarden.adapter.slurm")
 
 QUARANTINE_PREFIX = f"{REASON_PREFIX} quarantine:"  # a drain the agent holds for recovery
 DOMAIN_FEATURE_PREFIX = "gpuwarden_domain_"  # node feature naming the node's NVLink domain

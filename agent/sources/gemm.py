@@ -16,13 +16,11 @@ compared with each other (the check groups by model).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -127,6 +125,8 @@ def _sync(torch: Any, *devs: Any) -> None:
 
 def _checksum(tensor: Any) -> str:
     """sha256 of the tensor's bytes, on the CPU (no numpy needed: the bytes are read at the data pointer)."""
+    import hashlib
+
     host = tensor.detach().to("cpu").contiguous()
     return hashlib.sha256(ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())).hexdigest()
 
@@ -281,6 +281,8 @@ class Gemm:
         unique = list(dict.fromkeys(devices))
         try:
             if parallel and len(unique) > 1:
+                from concurrent.futures import ThreadPoolExecutor
+
                 with ThreadPoolExecutor(max_workers=len(unique), thread_name_prefix="gemm") as pool:
                     return dict(zip(unique, pool.map(one, unique), strict=True))
             return {d: one(d) for d in unique}

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import structlog
+from .. import logs
 
-log = structlog.get_logger("gpuwarden.inotify")
+log = logs.get_logger("gpuwarden.inotify")
 
 # <sys/inotify.h>
 IN_MODIFY = 0x00000002

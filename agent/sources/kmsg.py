@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import structlog
-
+from .. import logs
 from ..errors import ParseError, SourceError
 from ..kernel_log import LogRecord, parse_kmsg_filtered, parse_kmsg_text
 from . import confine
@@ -23,7 +22,7 @@ from .inotify import FolderWaiter
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
-log = structlog.get_logger("gpuwarden.kmsg")
+log = logs.get_logger("gpuwarden.kmsg")
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import structlog
-
+from .. import logs
 from ..errors import ToolMissing
 from .tools import Scope, ToolOutput, ToolProcess, ToolRunner, ToolTimeout, read_output, current_scope
 
-log = structlog.get_logger("gpuwarden.perftest")
+log = logs.get_logger("gpuwarden.perftest")
 
 TOOL = "ib_write_bw"
 # The client tried before the server listened: perftest's messages for a refused TCP connection

@@ -37,12 +37,11 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Callable, Iterator, Sequence
 
-import structlog
-
+from .. import logs
 from ..errors import SourceError, ToolError, ToolMissing
 from . import confine
 
-log = structlog.get_logger("gpuwarden.tools")
+log = logs.get_logger("gpuwarden.tools")
 
 # Between SIGTERM and SIGKILL to a tool's group: long enough for a tool that stops cleanly on TERM (dcgmi asks the
 # host engine to stop its diagnostic; mpirun forwards TERM to its ranks), short enough for a Slurm Prolog.

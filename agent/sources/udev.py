@@ -14,13 +14,12 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import structlog
-
+from .. import logs
 from ..errors import SourceError
 from . import confine
 from .inotify import DirWatch, open_watch
 
-log = structlog.get_logger("gpuwarden.udev")
+log = logs.get_logger("gpuwarden.udev")
 SUBSYSTEMS = ("pci", "infiniband", "net")  # GPUs and HCAs on the bus, the RDMA devices, their netdevs
 ACTIONS = frozenset({"add", "remove", "change", "move", "online", "offline", "bind", "unbind"})
 UDEV_FILE = "udev"  # in a scenario
