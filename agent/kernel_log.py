@@ -347,7 +347,9 @@ def parse_line(line: str, lineno: int, source: str, kmsg: bool) -> LogRecord | P
         return None
     if line and not line.isspace():
         _, message, timestamp, usec, priority, seq = _classify(line)
-        return LogRecord(message, lineno, source, seq, usec, priority, timestamp)
+        r = _LogRecordBuilder(message, lineno, source, seq, usec, priority, timestamp, None)
+        r.__class__ = LogRecord
+        return r
     return None
 
 

@@ -70,9 +70,28 @@ def _field_value(text: str) -> str | None:
     return None if value in ("", "<unknown>") else value[:64]
 
 
+# A flood of XIDs repeats the same few driver lines: each distinct line is read once (a pure function of its text).
+_READ: dict[str, tuple[int, str, str | None, str | None, str, int | None, int | None] | None] = {}
+_READ_MAX = 4096  # distinct lines remembered; the memory is emptied when full
+
+
 def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
     """The XID in one kernel message, or None (SXid, "Xid PCI:..." without parentheses, other lines)."""
-    m = _XID.search(message[:MAX_LINE])
+    key = message[:MAX_LINE]
+    try:
+        read = _READ[key]
+    except KeyError:
+        if len(_READ) >= _READ_MAX:
+            _READ.clear()
+        read = _READ[key] = _read_xid(key)
+    if read is None:
+        return None
+    xid, pci, pid, process, detail, gi, ci = read
+    return XidEvent(xid, pci, pid, process, detail, record, gi, ci)
+
+
+def _read_xid(message: str) -> tuple[int, str, str | None, str | None, str, int | None, int | None] | None:
+    m = _XID.search(message)
     if m is None:
         return None
     rest = message[m.end():MAX_LINE].lstrip(",").strip()
@@ -85,7 +104,7 @@ def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
             process, rest = _field_value(value), rest.lstrip()
     gi = int(m[5]) if m[5] is not None else None
     ci = int(m[6]) if m[6] is not None else None
-    return XidEvent(int(m[7]), _bdf(m[1], m[2], m[3], m[4]), pid, process, rest.strip(), record, gi, ci)
+    return int(m[7]), _bdf(m[1], m[2], m[3], m[4]), pid, process, rest.strip(), gi, ci
 
 
 def parse_gpu_preamble(message: str) -> tuple[str, str] | None:
