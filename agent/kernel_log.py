@@ -246,13 +246,15 @@ def _usec(secs: str, frac: str) -> int:
 def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, int | None]:
     """One line -> (format, message, timestamp, usec, priority, seq)."""
     s = line.lstrip()
-    m = _KMSG.match(s)
+    # The first character rules out most shapes before a regex is tried (isdigit and islower hold for every
+    # character \d and [a-z] match, and more).
+    m = _KMSG.match(s) if s[:1].isdigit() else None
     if m:
         p = int(m[1])
         return "kmsg", s[m.end():], None, int(m[3]), p & 7, int(m[2])
     priority = None
     fmt = ""
-    m = _DECODE.match(s)
+    m = _DECODE.match(s) if s[:1].islower() else None
     if m and m[2] in _LEVELS:
         priority, s, fmt = _LEVELS[m[2]], s[m.end():], "dmesg-decode"
     timestamp = usec = None

@@ -134,36 +134,39 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
             judges.judge(records)
             records.clear()
 
-    def hits(start: int, stop: int) -> list[int]:
-        """Starts of the lines in buf[start:stop] (complete lines) that hold a needle, in order."""
-        found: set[int] = set()
+    def hits(start: int, stop: int) -> list[tuple[int, int]]:
+        """(start, end) of the lines in buf[start:stop] (complete lines) that hold a text, in order; end is the
+        offset of the line's newline."""
+        found: dict[int, int] = {}
+        startswith = buf.startswith
         for probe, at, texts in probes:
             i = find(probe, start + at, stop)
             misses = 0
             while i >= 0:
-                if buf.startswith(texts, i - at):
-                    found.add(rfind(b"\n", start, i) + 1 or start)
-                    i = find(probe, find(b"\n", i, stop) + 1 + at, stop)  # on from the next line
+                if startswith(texts, i - at):
+                    le = find(b"\n", i, stop)
+                    found[rfind(b"\n", start, i) + 1 or start] = le
+                    i = find(probe, le + 1 + at, stop)  # on from the next line
                     continue
                 misses += 1
                 if misses > _RUN_LIMIT:  # the probe byte is common here: search for the texts themselves
                     for text in texts:
                         j = find(text, i - at + 1, stop)
                         while j >= 0:
-                            found.add(rfind(b"\n", start, j) + 1 or start)
-                            j = find(text, find(b"\n", j, stop) + 1, stop)
+                            le = find(b"\n", j, stop)
+                            found[rfind(b"\n", start, j) + 1 or start] = le
+                            j = find(text, le + 1, stop)
                     break
                 i = find(probe, i + 1, stop)
-        return sorted(found)
+        return sorted(found.items()) if len(probes) > 1 else list(found.items())
 
     def lines_of(start: int, stop: int) -> None:
         """Reads the complete lines buf[start:stop] (stop just past a newline)."""
         nonlocal lines, last, blank
         at = start
-        for ls in hits(start, stop):
+        for ls, le in hits(start, stop):
             lines += count(b"\n", at, ls)
             at = ls
-            le = find(b"\n", ls, stop)
             add(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
         lines += count(b"\n", at, stop)
         ls = rfind(b"\n", start, stop - 1) + 1 or start
