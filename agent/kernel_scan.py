@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import ParseError
 from .kernel_log import HEAD_CHARS, LogRecord, parse_line

@@ -49,15 +49,16 @@ def _tables() -> dict[str, Any]:
             "CONSUMER_BY_NAME": {c.name: c for c in consumers}}
 
 
-def _load() -> None:
+def _loaded() -> dict[str, Any]:
+    """The module's globals, the tables among them (a test may have replaced one: it is kept)."""
     if "ALL" not in globals():
         globals().update(_tables())
+    return globals()
 
 
 def __getattr__(name: str) -> Any:
     if name in _TABLES:
-        _load()
-        return globals()[name]
+        return _loaded()[name]
     if name in _MODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -66,10 +67,9 @@ def __getattr__(name: str) -> Any:
 def all_specs() -> tuple[CheckSpec | PassiveSpec | KernelConsumer, ...]:
     """Every form of every check. A concern's forms share its name and so its one [checks.<name>] table: the
     preflight `xid`, the daemon's `xid` kernel-log consumer and `analyze` read the same keys (agent/config.py)."""
-    _load()
-    return (*ALL, *PASSIVE, *KERNEL_CONSUMERS)
+    t = _loaded()
+    return (*t["ALL"], *t["PASSIVE"], *t["KERNEL_CONSUMERS"])
 
 
 def by_name() -> dict[str, CheckSpec]:
-    _load()
-    return {spec.name: spec for spec in ALL}
+    return {spec.name: spec for spec in _loaded()["ALL"]}

@@ -71,19 +71,22 @@ def _field_value(text: str) -> str | None:
 
 
 # A flood of XIDs repeats the same few driver lines: each distinct line is read once (a pure function of its text).
+# Bounded: lines up to _READ_LINE characters, _READ_MAX of them (under 1 MB), forgotten all at once when full.
 _READ: dict[str, tuple[int, str, str | None, str | None, str, int | None, int | None] | None] = {}
-_READ_MAX = 4096  # distinct lines remembered; the memory is emptied when full
+_READ_MAX = 1024
+_READ_LINE = 512
 
 
 def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
     """The XID in one kernel message, or None (SXid, "Xid PCI:..." without parentheses, other lines)."""
     key = message[:MAX_LINE]
-    try:
-        read = _READ[key]
-    except KeyError:
-        if len(_READ) >= _READ_MAX:
-            _READ.clear()
-        read = _READ[key] = _read_xid(key)
+    read = _READ.get(key, _READ)
+    if read is _READ:
+        read = _read_xid(key)
+        if len(key) <= _READ_LINE:
+            if len(_READ) >= _READ_MAX:
+                _READ.clear()
+            _READ[key] = read
     if read is None:
         return None
     xid, pci, pid, process, detail, gi, ci = read
