@@ -74,8 +74,9 @@ def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float) ->
     error = None
     if result.blank:
         status, error = Status.UNKNOWN, f"{path}: empty file"
-    elif fmt == "plain" and not findings:
-        # Nothing in it looked like any format gpuwarden reads: finding no fault there means nothing.
+    elif fmt in ("plain", "empty") and not findings:
+        # Nothing in it looked like any format gpuwarden reads (or its head is blank lines only): finding no fault
+        # there means nothing.
         status, error = Status.UNKNOWN, (f"{path}: not a format gpuwarden reads (kernel log, nccl-tests, perftest, "
                                          "dcgmi diag JSON or text)")
     return CheckResult("kernel_log", status, tuple(findings), error, time.monotonic() - start,

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import NODES, ROOT
+from deadline import MIB, deadline
 from gpuwarden.agent import analyze as analyze_mod
 from gpuwarden.agent.analyze import analyze_file
 from gpuwarden.agent.kernel_log import detect_format, parse_log_text
@@ -212,3 +213,17 @@ def test_analyze_of_a_kernel_log_imports_only_the_kernel_log_checks():
     assert found > 0
     assert set(modules) == {"gpuwarden.checks", "gpuwarden.checks.nvswitch_sxid", "gpuwarden.checks.unread_lines",
                             "gpuwarden.checks.xid", "gpuwarden.checks.xid_catalog", "gpuwarden.checks.xid_log"}
+
+
+@pytest.mark.parametrize("content", [
+    b"\n" * MIB + b"x\n",  # blank lines, then text: the tools' detectors read the head
+    b" \n" * (MIB // 2) + b"#",
+    b"a " * MIB,  # one long line of words
+    (b"#" + b" " * 1000 + b"\n") * 1000,
+])
+def test_detection_is_linear_on_hostile_heads(tmp_path, content):
+    path = tmp_path / "hostile.txt"
+    path.write_bytes(content)
+    with deadline():
+        result = analyze_file(path)
+    assert result.status is Status.UNKNOWN and "not a format gpuwarden reads" in result.error
