@@ -9,6 +9,7 @@ decisions give.
   search, only those parsed), in flat memory, with the findings of a parse of the whole file.
 - A tool's output is read whole up to TOOL_MAX bytes; a larger one is UNKNOWN, naming the file and the limit (no
   real nccl-tests, perftest or dcgmi output comes near it).
+How, and what a streamed read validates: docs/analyze.md.
 """
 from __future__ import annotations
 
