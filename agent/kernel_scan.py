@@ -21,7 +21,8 @@ or the file's last line, where a cut-off write leaves one; malformed records els
 anyway, are not looked for (a full parse validates every line at ~4x the cost).
 
 Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes, records judged in batches of BATCH
-(each check's judge carries its state from batch to batch, as the daemon's does), notes capped at MAX_NOTES.
+records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the daemon's
+does), notes capped at MAX_NOTES.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from .kernel_log import HEAD_CHARS, LogRecord, parse_line
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
-BATCH = 4096  # records handed to the checks' judges at a time
+BATCH = 4096  # records handed to the checks' judges at a time ...
+BATCH_BYTES = 8 << 20  # ... or fewer, when their lines add up to this
 MAX_NOTES = 1000  # malformed records named one by one; past this, counted
 # Bytes tried first when looking for a text, rarest first: in kernel text upper-case letters are rare, and X and V
 # the rarest of those the checks' texts hold (byte counts over fixtures/logs/kernel and fixtures/nodes/*/kmsg).
@@ -108,7 +110,8 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
     records: list[LogRecord] = []
     errors: list[ParseError] = []
     notes: list[str] = []
-    malformed = 0
+    malformed = 0  # malformed kmsg records found
+    cut = 0  # lines longer than line_max
     buf = bytearray(chunk + line_max)
     view = memoryview(buf)
     lines = 0  # newlines before buf[0]
@@ -119,8 +122,10 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
     read_into = f.readinto
     count, find, rfind = buf.count, buf.find, buf.rfind
 
+    held = 0  # bytes of the lines of the records held for the next batch
+
     def add(raw: bytes | bytearray, lineno: int) -> None:
-        nonlocal malformed
+        nonlocal malformed, held
         one = parse_line(raw.decode("utf-8", "replace"), lineno, source, kmsg)
         if one is None:
             return
@@ -130,9 +135,11 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
                 errors.append(one)
             return
         records.append(one)  # type: ignore[arg-type]
-        if len(records) >= BATCH:
+        held += len(raw)
+        if len(records) >= BATCH or held >= BATCH_BYTES:
             judges.judge(records)
             records.clear()
+            held = 0
 
     def hits(start: int, stop: int) -> list[tuple[int, int]]:
         """(start, end) of the lines in buf[start:stop] (complete lines) that hold a text, in order; end is the
@@ -192,9 +199,16 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
         if nl < 0:
             have = end
             if have >= line_max:
-                have = _long_line(buf, line_max, have, fill, chunk, lines, add, notes, source)
+                head, size, have = _long_line(buf, line_max, have, fill, chunk)
                 lines += 1
-                last, blank = None, False  # the long line was read whole (up to line_max)
+                cut += 1
+                if cut <= MAX_NOTES:
+                    notes.append(f"{source}:{lines}: line of {size} bytes; its first {line_max} bytes read")
+                if any(t in head for t in needles):  # read, as any line, only if it holds a text the checks read
+                    add(head, lines)
+                last = None  # the long line was read as a line of its own
+                if blank and head.strip() and not head.decode("utf-8", "replace").isspace():
+                    blank = False
             continue
         lines_of(0, nl + 1)
         have = end - nl - 1
@@ -210,6 +224,8 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
         # The file's last line, if it holds no text (then it was read already): a record cut off by a write that
         # did not finish is found there.
         add(last[1][:-1] if last[1].endswith(b"\r") else last[1], last[0])
+    if cut > MAX_NOTES:
+        notes.append(f"{source}: {cut - MAX_NOTES} more line(s) longer than {line_max} bytes, read cut")
     if malformed > len(errors):
         notes.append(f"{source}: {malformed - len(errors)} more malformed kmsg record(s), not listed")
     judges.judge(records)
@@ -217,23 +233,17 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
 
 
 def _long_line(buf: bytearray, line_max: int, have: int, fill: Callable[[int, int], int],
-               chunk: int, lines: int, add: Callable[[bytes, int], None], notes: list[str], source: str) -> int:
-    """A line longer than line_max: its first line_max bytes are read as the line, the rest skipped up to its
-    newline. Returns the bytes after that newline, moved to the front of buf."""
+               chunk: int) -> tuple[bytes, int, int]:
+    """A line longer than line_max, whose first ``have`` bytes are at the front of buf: (its first line_max bytes,
+    its length, the bytes after its newline, now at the front of buf). The rest of the line is read and skipped."""
     head = bytes(buf[:line_max])
     size = have
     while True:
         n = fill(0, chunk)
         if n == 0:
-            rest = 0
-            break
+            return head, size, 0
         nl = buf.find(b"\n", 0, n)
         if nl >= 0:
-            size += nl
-            rest = n - nl - 1
-            buf[0:rest] = buf[nl + 1:n]
-            break
+            buf[0:n - nl - 1] = buf[nl + 1:n]
+            return head, size + nl, n - nl - 1
         size += n
-    notes.append(f"{source}:{lines + 1}: line of {size} bytes; its first {line_max} bytes read")
-    add(head, lines + 1)
-    return rest

@@ -14,6 +14,7 @@ import pytest
 from conftest import NODES, ROOT
 from deadline import MIB, deadline
 from gpuwarden.agent import analyze as analyze_mod
+from gpuwarden.agent import kernel_scan
 from gpuwarden.agent.analyze import analyze_file
 from gpuwarden.agent.kernel_log import detect_format, parse_log_text
 from gpuwarden.agent.kernel_scan import read_head, scan
@@ -126,6 +127,16 @@ def test_generated_logs_stream_to_the_findings_of_a_whole_parse(fmt, seed):
         assert streamed(data, "gen.log", chunk) == (detected, findings, notes, lines_in(data)), chunk
 
 
+@pytest.mark.parametrize("batch, batch_bytes", [(1, 1 << 20), (7, 1 << 20), (4096, 300)])
+def test_judging_in_batches_is_judging_the_whole(monkeypatch, batch, batch_bytes):
+    """The checks' judges carry their state from batch to batch: a post-mortem in many batches is one in one."""
+    monkeypatch.setattr(kernel_scan, "BATCH", batch)
+    monkeypatch.setattr(kernel_scan, "BATCH_BYTES", batch_bytes)
+    for fmt in ("kmsg", "dmesg"):
+        data = generated(6, fmt)
+        assert streamed(data, "b.log", 1 << 20) == (*whole(data, "b.log"), lines_in(data))
+
+
 @pytest.mark.parametrize("ending", [b"", b"\r", b"\n", b"\r\n", b"\n\n", b"\xe2\x82"])
 def test_the_last_line_with_or_without_a_newline(ending):
     data = generated(3, "dmesg", 200) + b"[ 9999.000001] NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=x, gone" + ending
@@ -154,6 +165,16 @@ def test_a_line_past_line_max_is_read_cut_and_named():
     assert [(f.code, f.evidence["first_line"]) for f in findings] == [("48", 1), ("79", 4), ("94", 5)]
     # The XID mark past the cut is not read: a whole parse would also report that line as unreadable.
     assert "xid-unreadable" not in {f.code for f in findings}
+
+
+def test_lines_past_line_max_are_named_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr(kernel_scan, "MAX_NOTES", 2)
+    data = (b"q" * 5000 + b"\n") * 5 + b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
+    fmt, findings, notes, lines = streamed(data, "many.log", chunk=1024, line_max=4096)
+    assert notes == ["many.log:1: line of 5000 bytes; its first 4096 bytes read",
+                     "many.log:2: line of 5000 bytes; its first 4096 bytes read",
+                     "many.log: 3 more line(s) longer than 4096 bytes, read cut"]
+    assert [(f.code, f.evidence["first_line"]) for f in findings] == [("94", 6)] and lines == 6
 
 
 @pytest.mark.parametrize("content, error", [
