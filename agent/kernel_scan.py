@@ -37,7 +37,7 @@ CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
 BATCH = 4096  # records handed to the checks' judges at a time ...
 BATCH_BYTES = 8 << 20  # ... or fewer, when their lines add up to this
-MAX_NOTES = 1000  # malformed records named one by one; past this, counted
+MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; past this, counted
 # Bytes tried first when looking for a text, rarest first: in kernel text upper-case letters are rare, and X and V
 # the rarest of those the checks' texts hold (byte counts over fixtures/logs/kernel and fixtures/nodes/*/kmsg).
 _PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
