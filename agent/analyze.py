@@ -1,73 +1,106 @@
-"""`gpuwarden analyze FILE…`: the post-mortem tool. Detects what each saved file is (a kernel log in any of dmesg /
-journalctl / syslog / raw kmsg forms, or a tool's output) and reports the findings the checks' own decisions give."""
+"""`gpuwarden analyze FILE…`: the post-mortem tool. Decides what each saved file is from its head (a kernel log in
+any of dmesg / journalctl / syslog / raw kmsg forms, or a tool's output) and reports the findings the checks' own
+decisions give.
+
+- A file most of whose first lines are kernel-log lines is a kernel log; otherwise the checks' analyzers are asked,
+  in check order, whether the head (its first kernel_log.HEAD_CHARS characters) is their tool's output, and a file
+  none of them reads is read as a kernel log too (any text may hold the driver's lines).
+- A kernel log of any size is streamed (agent/kernel_scan.py: fixed chunks, the checks' lines found by substring
+  search, only those parsed), in flat memory, with the findings of a parse of the whole file.
+- A tool's output is read whole up to TOOL_MAX bytes; a larger one is UNKNOWN, naming the file and the limit (no
+  real nccl-tests, perftest or dcgmi output comes near it).
+How, and what a streamed read validates: docs/analyze.md.
+"""
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import BinaryIO, Iterable
 
-from .errors import GpuwardenError, ParseError
-from .kernel_log import detect_format, parse_log_text
-from .model import CheckResult, Finding, Report, Status, fold_status
+from .errors import GpuwardenError
+from .kernel_log import format_of_votes, format_votes
+from .model import CheckResult, Report, Status, fold_status
 
-# (format name, analyzer): analyzer(text, source) -> (check name, findings, parse errors)
-Analyzer = Callable[[str, str], "tuple[str, list[Finding], list[ParseError]]"]
-
-
-def _kernel_log(text: str, source: str) -> tuple[str, list[Finding], list[ParseError]]:
-    """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
-    them (one parse of the text, each check's findings under its own name)."""
-    from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
-
-    records, errors = parse_log_text(text, source)
-    findings = xid.judge_records(records) + nvswitch_sxid.judge_records(records)
-    return "kernel_log", findings, errors
+TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
+# Line formats that only a kernel log has (one a line); "plain" and "embedded" (a driver line quoted in other text)
+# are not among them.
+_KERNEL_FORMATS = frozenset(("kmsg", "dmesg", "dmesg-ctime", "dmesg-iso", "dmesg-decode", "dmesg-decode-ctime",
+                             "dmesg-decode-iso", "journal", "journal-iso", "syslog"))
 
 
-def detect(text: str) -> tuple[str, Analyzer]:
-    """Which analyzer reads this text: the first check analyzer whose format matches, in check order; kernel
-    logs are the fallback (any text may hold NVRM lines)."""
-    from gpuwarden.checks import ALL
-
-    for spec in ALL:
-        for analyzer in spec.analyzers:
-            if analyzer.detect(text):
-                return analyzer.fmt, _wrap(spec.name, analyzer.analyze)
-    return f"kernel-log/{detect_format(text)}", _kernel_log
-
-
-def _wrap(check: str, fn: Callable[[str, str], "tuple[list[Finding], list[ParseError]]"]) -> Analyzer:
-    def run(text: str, source: str) -> tuple[str, list[Finding], list[ParseError]]:
-        findings, errors = fn(text, source)
-        return check, findings, errors
-
-    return run
+def _kernel_lines_lead(votes: dict[str, int]) -> bool:
+    return sum(n for fmt, n in votes.items() if fmt in _KERNEL_FORMATS) * 2 > sum(votes.values())
 
 
 def analyze_file(path: Path) -> CheckResult:
     start = time.monotonic()
     try:
-        text = path.read_bytes().decode(errors="replace")
+        f = open(path, "rb")  # noqa: SIM115  # closed below, whichever way the file is read
     except OSError as exc:
         return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
                            source=str(path))
-    fmt, analyzer = detect(text)
     try:
-        check, findings, errors = analyzer(text, str(path))
-    except GpuwardenError as exc:  # the whole file is unreadable as its format (garbage, truncated JSON)
-        return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
-                           source=f"{path} ({fmt})")
-    notes = tuple(str(e) for e in errors)
+        with f:
+            return _analyze_open(path, f, start)
+    except OSError as exc:
+        return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
+                           duration_s=time.monotonic() - start, source=str(path))
+
+
+def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
+    from .kernel_scan import read_head
+
+    head, head_text = read_head(f)
+    votes = format_votes(head_text)
+    if not _kernel_lines_lead(votes):
+        from gpuwarden.checks import ALL
+
+        for spec in ALL:
+            for analyzer in spec.analyzers:
+                if analyzer.detect(head_text):
+                    return _tool_output(path, f, head, spec.name, analyzer.fmt, analyzer.analyze, start)
+    return _kernel_log(path, f, head, format_of_votes(votes), start)
+
+
+def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float) -> CheckResult:
+    """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
+    them (each check's findings under its own name)."""
+    from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
+
+    from .kernel_scan import scan
+
+    result = scan(f, str(path), fmt == "kmsg", (xid.CONSUMER, nvswitch_sxid.SXID_CONSUMER), first=head)
+    findings = result.findings
     status = fold_status(findings)
     error = None
-    if not text.strip():
+    if result.blank:
         status, error = Status.UNKNOWN, f"{path}: empty file"
-    elif fmt == "kernel-log/plain" and not findings:
-        # Nothing in it looked like any format gpuwarden reads: finding no fault there means nothing.
+    elif fmt in ("plain", "empty") and not findings:
+        # Nothing in it looked like any format gpuwarden reads (or its head is blank lines only): finding no fault
+        # there means nothing.
         status, error = Status.UNKNOWN, (f"{path}: not a format gpuwarden reads (kernel log, nccl-tests, perftest, "
                                          "dcgmi diag JSON or text)")
-    return CheckResult(check, status, tuple(findings), error, time.monotonic() - start,
-                       source=f"{path} ({fmt})", notes=notes)
+    return CheckResult("kernel_log", status, tuple(findings), error, time.monotonic() - start,
+                       source=f"{path} (kernel-log/{fmt})",
+                       notes=(*(str(e) for e in result.errors), *result.notes))
+
+
+def _tool_output(path: Path, f: BinaryIO, head: bytes, check: str, fmt: str, analyze: object,
+                 start: float) -> CheckResult:
+    source = f"{path} ({fmt})"
+    data = head + f.read(max(0, TOOL_MAX + 1 - len(head)))
+    if len(data) > TOOL_MAX:
+        return CheckResult("analyze", Status.UNKNOWN, duration_s=time.monotonic() - start, source=source,
+                           error=f"{path}: larger than {TOOL_MAX >> 20} MiB, the most gpuwarden reads of a tool's "
+                                 f"output ({fmt}); cut it to the run to judge, or split it into one file per run")
+    text = data.decode(errors="replace")
+    try:
+        findings, errors = analyze(text, str(path))  # type: ignore[operator]
+    except GpuwardenError as exc:  # the whole file is unreadable as its format (garbage, truncated JSON)
+        return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
+                           source=source)
+    return CheckResult(check, fold_status(findings), tuple(findings), None, time.monotonic() - start,
+                       source=source, notes=tuple(str(e) for e in errors))
 
 
 def analyze(paths: Iterable[Path]) -> Report:

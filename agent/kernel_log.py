@@ -246,13 +246,15 @@ def _usec(secs: str, frac: str) -> int:
 def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, int | None]:
     """One line -> (format, message, timestamp, usec, priority, seq)."""
     s = line.lstrip()
-    m = _KMSG.match(s)
+    # The first character rules out most shapes before a regex is tried (isdigit and islower hold for every
+    # character \d and [a-z] match, and more).
+    m = _KMSG.match(s) if s[:1].isdigit() else None
     if m:
         p = int(m[1])
         return "kmsg", s[m.end():], None, int(m[3]), p & 7, int(m[2])
     priority = None
     fmt = ""
-    m = _DECODE.match(s)
+    m = _DECODE.match(s) if s[:1].islower() else None
     if m and m[2] in _LEVELS:
         priority, s, fmt = _LEVELS[m[2]], s[m.end():], "dmesg-decode"
     timestamp = usec = None
@@ -300,15 +302,30 @@ def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, 
     return "plain", line, None, None, None, None
 
 
+HEAD_LINES = 2000  # the format is voted by the first lines of a text ...
+HEAD_CHARS = 1 << 20  # ... within its first characters: a file of huge lines is not read whole to name its format
+
+
+def format_votes(text: str) -> Counter[str]:
+    """How many of the first HEAD_LINES non-blank lines (within HEAD_CHARS characters) of ``text`` have each
+    line format (kmsg continuation lines do not vote)."""
+    votes: Counter[str] = Counter()
+    for line in text[:HEAD_CHARS].split("\n", HEAD_LINES)[:HEAD_LINES]:
+        if line.strip():
+            fmt = _classify(line)[0]
+            if not (fmt == "plain" and line[0] == " "):
+                votes[fmt] += 1
+    return votes
+
+
 def detect_format(text: str) -> str:
     """The dominant line format of ``text``: kmsg, dmesg, dmesg-ctime, dmesg-iso, dmesg-decode[-iso|-ctime],
     journal, journal-iso, syslog, embedded, plain (nothing recognised) or empty."""
-    votes: Counter[str] = Counter()
-    for line in text.split("\n", 2000)[:2000]:
-        if line.strip():
-            fmt = _classify(line)[0]
-            if not (fmt == "plain" and line[0] == " "):  # kmsg continuation lines do not vote
-                votes[fmt] += 1
+    return format_of_votes(format_votes(text))
+
+
+def format_of_votes(votes: Counter[str]) -> str:
+    """detect_format from format_votes."""
     if not votes:
         return "empty"
     # Raw kmsg turns every other line into an error, so it must hold the majority, not just lead: a
@@ -317,6 +334,25 @@ def detect_format(text: str) -> str:
         return "kmsg"
     known = [(n, f) for f, n in votes.items() if f not in ("plain", "kmsg")]
     return max(known)[1] if known else "plain"
+
+
+def parse_line(line: str, lineno: int, source: str, kmsg: bool) -> LogRecord | ParseError | None:
+    """One line (no newline; a CRLF's CR removed) exactly as parse_log_text reads it at line ``lineno`` of a text of
+    that format (raw kmsg or not): its record, the ParseError of a malformed kmsg record, or None (a blank line, a
+    kmsg continuation line)."""
+    if kmsg:
+        prio, seq, usec, message = _KMSG_ROW.match(line).groups()  # type: ignore[union-attr]  # always matches
+        if prio:
+            return _kmsg_record(message, lineno, source, prio, seq, usec)
+        if message and message[0] != " ":
+            return _kmsg_line(message, source, lineno)
+        return None
+    if line and not line.isspace():
+        _, message, timestamp, usec, priority, seq = _classify(line)
+        r = _LogRecordBuilder(message, lineno, source, seq, usec, priority, timestamp, None)
+        r.__class__ = LogRecord
+        return r
+    return None
 
 
 def parse_log_text(text: str, source: str) -> tuple[list[LogRecord], list[ParseError]]:

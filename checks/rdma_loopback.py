@@ -27,8 +27,9 @@ _ENVIRONMENT = re.compile(
     r"Did not detect devices|Unable to find the Infiniband/RoCE device|IB device \S+ not found|"
     r"Couldn't allocate MR|Couldn't allocate PD|Cannot allocate memory|Permission denied|Operation not permitted|"
     r"CUDA|cuInit|command not found|No such file or directory|Exec format error")
-# perftest's banner, its server's waiting line, or one of its own failure messages
-_DETECT = re.compile(r"^\s*[A-Za-z_][A-Za-z_ ]* (?:BW|Latency) Test\s*$|Waiting for client to connect|"
+# perftest's banner, its server's waiting line, or one of its own failure messages. The banner's indent is [ \t], not
+# \s: \s also takes newlines, and from every line start of a long run of blank lines it was quadratic.
+_DETECT = re.compile(r"^[ \t]*[A-Za-z_][A-Za-z_ ]* (?:BW|Latency) Test[ \t]*$|Waiting for client to connect|"
                      r"Unable to find the Infiniband/RoCE device|run_iter_bw|socket connection|"
                      r"between server and client", re.MULTILINE)
 

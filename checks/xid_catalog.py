@@ -93,4 +93,5 @@ def parse_catalog(text: str) -> dict[int, XidInfo]:
 @lru_cache(maxsize=1)
 def load_catalog() -> dict[int, XidInfo]:
     """The bundled catalogue, by XID number (read once per process)."""
+    # Beside this module in the installed package (importlib.resources would cost `analyze` ~5 ms of imports).
     return parse_catalog((Path(__file__).parent / CATALOG_FILE).read_text(encoding="utf-8"))

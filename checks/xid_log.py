@@ -11,7 +11,7 @@ The driver's formats (NVIDIA open-gpu-kernel-modules, src/nvidia/src/kernel/gpu/
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, make_dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
 from gpuwarden.agent.kernel_log import LogRecord
@@ -35,7 +35,7 @@ class GpuRef(Protocol):
     def entity(self) -> Entity: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class XidEvent:
     xid: int
     pci: str  # canonical lower-case BDF with function, "0000:91:00.0"
@@ -45,6 +45,11 @@ class XidEvent:
     record: LogRecord | None = None
     gpu_instance: int | None = None  # MIG: the GPU instance the driver attributed the XID to
     compute_instance: int | None = None
+
+
+# An XID line's event is built as this mutable twin with the identical slots, then retyped (kernel_log builds its
+# LogRecords so): a frozen dataclass's __init__ sets each field through object.__setattr__, ~3x the cost.
+_XidEventBuilder = make_dataclass("_XidEventBuilder", [(f.name, f.type) for f in fields(XidEvent)], slots=True)
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,32 @@ def _field_value(text: str) -> str | None:
     return None if value in ("", "<unknown>") else value[:64]
 
 
+# A flood of XIDs repeats the same few driver lines: each distinct line is read once (a pure function of its text).
+# Bounded: lines up to _READ_LINE characters, _READ_MAX of them (under 1 MB), forgotten all at once when full.
+_READ: dict[str, tuple[int, str, str | None, str | None, str, int | None, int | None] | None] = {}
+_READ_MAX = 1024
+_READ_LINE = 512
+
+
 def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
     """The XID in one kernel message, or None (SXid, "Xid PCI:..." without parentheses, other lines)."""
-    m = _XID.search(message[:MAX_LINE])
+    key = message[:MAX_LINE]
+    read = _READ.get(key, _READ)
+    if read is _READ:
+        read = _read_xid(key)
+        if len(key) <= _READ_LINE:
+            if len(_READ) >= _READ_MAX:
+                _READ.clear()
+            _READ[key] = read
+    if read is None:
+        return None
+    e = _XidEventBuilder(*read[:5], record, *read[5:])
+    e.__class__ = XidEvent
+    return e
+
+
+def _read_xid(message: str) -> tuple[int, str, str | None, str | None, str, int | None, int | None] | None:
+    m = _XID.search(message)
     if m is None:
         return None
     rest = message[m.end():MAX_LINE].lstrip(",").strip()
@@ -85,7 +113,7 @@ def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
             process, rest = _field_value(value), rest.lstrip()
     gi = int(m[5]) if m[5] is not None else None
     ci = int(m[6]) if m[6] is not None else None
-    return XidEvent(int(m[7]), _bdf(m[1], m[2], m[3], m[4]), pid, process, rest.strip(), record, gi, ci)
+    return int(m[7]), _bdf(m[1], m[2], m[3], m[4]), pid, process, rest.strip(), gi, ci
 
 
 def parse_gpu_preamble(message: str) -> tuple[str, str] | None:

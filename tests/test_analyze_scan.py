@@ -1,0 +1,250 @@
+"""`gpuwarden analyze` streams a kernel log (agent/kernel_scan.py): the findings, notes and format are those of a
+parse of the whole file, on every recorded log and on generated ones (CRLF, invalid UTF-8, lines across chunk
+boundaries, long lines, no newline at the end, empty files), read in chunks of many sizes."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import NODES, ROOT
+from deadline import MIB, deadline
+from gpuwarden.agent import analyze as analyze_mod
+from gpuwarden.agent import kernel_scan
+from gpuwarden.agent.analyze import analyze_file
+from gpuwarden.agent.kernel_log import detect_format, parse_log_text
+from gpuwarden.agent.kernel_scan import read_head, scan
+from gpuwarden.agent.model import Status
+from gpuwarden.checks import nvswitch_sxid, xid
+
+KERNEL = ROOT / "fixtures" / "logs" / "kernel"
+RECORDED = sorted(p for p in KERNEL.iterdir() if p.is_file()) + sorted(NODES.glob("*/kmsg"))
+CONSUMERS = (xid.CONSUMER, nvswitch_sxid.SXID_CONSUMER)
+
+
+def whole(data: bytes, source: str) -> tuple[str, list, list[str]]:
+    """What a parse of the whole file gives: its format, the kernel-log checks' findings, the malformed records."""
+    text = data.decode(errors="replace")
+    records, errors = parse_log_text(text, source)
+    return detect_format(text), xid.judge_records(records) + nvswitch_sxid.judge_records(records), [
+        str(e) for e in errors]
+
+
+def streamed(data: bytes, source: str, chunk: int, line_max: int = 1 << 20) -> tuple[str, list, list[str], int]:
+    f = io.BytesIO(data)
+    head, head_text = read_head(f)
+    fmt = detect_format(head_text)
+    result = scan(f, source, fmt == "kmsg", CONSUMERS, first=head, chunk=chunk, line_max=line_max)
+    return fmt, result.findings, [str(e) for e in result.errors] + result.notes, result.lines
+
+
+def lines_in(data: bytes) -> int:
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_recorded_log_streams_to_the_findings_of_a_whole_parse(path):
+    data = path.read_bytes()
+    fmt, findings, notes = whole(data, str(path))
+    for chunk in (1 << 20, 4096, 61):
+        assert streamed(data, str(path), chunk) == (fmt, findings, notes, lines_in(data)), chunk
+    result = analyze_file(path)
+    assert list(result.findings) == findings and list(result.notes) == notes
+    assert result.source == f"{path} (kernel-log/{fmt})"
+
+
+def test_recorded_logs_hold_what_the_comparison_needs():
+    """The comparison above means something: the recorded logs hold XIDs, SXids and a malformed kmsg record."""
+    codes = {f.code for p in RECORDED for f in whole(p.read_bytes(), str(p))[1]}
+    assert {"79", "119", "sxid-20034", "xid-unreadable"} <= codes
+    assert any(whole(p.read_bytes(), str(p))[2] for p in RECORDED)
+
+
+GPUS = ("0000:19:00", "0000:3b:00", "0000:4c:00", "0000:5d:00", "0000:9b:00", "0000:bb:00", "0000:cb:00", "0000:db:00")
+NOISE = [line.split(";", 1)[1] for line in (NODES / "h100-hgx-healthy" / "kmsg").read_text().splitlines()
+         if ";" in line and not line.startswith(" ")]
+
+
+def driver_line(rnd: random.Random) -> str:
+    gpu = rnd.choice(GPUS)
+    return rnd.choice([
+        f"NVRM: Xid (PCI:{gpu}): {rnd.choice((13, 31, 43, 48, 63, 79, 94, 119))}, pid={rnd.randint(1, 9)}, "
+        f"name=python3, Ch 0000000{rnd.randint(0, 9)}",
+        f"NVRM: Xid (PCI:{gpu}): 45, pid='<unknown>', name=<unknown>, Ch 00000010",
+        f"NVRM: Xid (PCI:{gpu}): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+        f"NVRM: Xid (PCI:{gpu}): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)",
+        f"NVRM: Xid (PCI:{gpu} GPU-I:0{rnd.randint(1, 7)}): 43, pid=77, name=train, Ch 00000001",
+        f"NVRM: GPU at PCI:{gpu}: GPU-{rnd.randrange(16 ** 8):08x}-c55b-d076-fa0e-d464e4c7e08b",
+        f"NVRM: Xid PCI:{gpu} 79 (a form the driver does not print)",
+        f"nvidia-nvswitch{rnd.randint(0, 3)}: SXid (PCI:0000:0{rnd.randint(5, 8)}:00.0): 20034, Fatal, Link "
+        f"{rnd.randint(0, 63)} LTSSM Fault Up",
+        f"nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 12028, Non-fatal, Link {rnd.randint(0, 63)} egress",
+        "nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 20034, Severity 1 Engine instance 60 Sub-engine instance 00",
+        "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  535.183.01",
+    ])
+
+
+def generated(seed: int, fmt: str, n: int = 1500) -> bytes:
+    """A kernel log of `fmt` with ~10 % driver lines, CRLF and invalid UTF-8 here and there."""
+    rnd = random.Random(seed)
+    out = bytearray()
+    t = 100.0
+    for i in range(1, n + 1):
+        t += rnd.random()
+        message = driver_line(rnd) if rnd.random() < 0.1 else rnd.choice(NOISE)
+        raw = message.encode()
+        if rnd.random() < 0.03:  # a byte that is no UTF-8, or a character cut in the middle, inside the line
+            at = rnd.randrange(len(raw) + 1)
+            raw = raw[:at] + rnd.choice((b"\xff", b"\xe2\x82", b"\xc3", "é".encode(), b"\x00")) + raw[at:]
+        if fmt == "kmsg":
+            line = b"%d,%d,%d,-;" % (rnd.choice((3, 4, 6)), i, int(t * 1e6)) + raw
+            if rnd.random() < 0.05:
+                line += b"\n SUBSYSTEM=pci\n DEVICE=+pci:0000:19:00.0"
+        elif fmt == "dmesg":
+            line = b"[%12.6f] " % t + raw
+        elif fmt == "syslog":
+            line = b"Jan %2d 09:30:%02d node17 kernel: [%12.6f] " % (1 + i // 1000, i % 60, t) + raw
+        else:  # journal, short-iso
+            line = b"2025-01-21T02:21:%02d+0000 node17 kernel: " % (i % 60) + raw
+        out += line + (b"\r\n" if rnd.random() < 0.1 else b"\n")
+        if rnd.random() < 0.02:
+            out += rnd.choice((b"\n", b"   \n", b"\r\n"))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("fmt", ["kmsg", "dmesg", "syslog", "journal"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_generated_logs_stream_to_the_findings_of_a_whole_parse(fmt, seed):
+    data = generated(seed, fmt)
+    detected, findings, notes = whole(data, "gen.log")
+    assert detected == ("journal-iso" if fmt == "journal" else fmt)
+    assert len(findings) > 10  # XIDs on several GPUs, SXids, an unreadable XID line
+    for chunk in (1 << 20, 8192, 333, 97):
+        assert streamed(data, "gen.log", chunk) == (detected, findings, notes, lines_in(data)), chunk
+
+
+@pytest.mark.parametrize("batch, batch_bytes", [(1, 1 << 20), (7, 1 << 20), (4096, 300)])
+def test_judging_in_batches_is_judging_the_whole(monkeypatch, batch, batch_bytes):
+    """The checks' judges carry their state from batch to batch: a post-mortem in many batches is one in one."""
+    monkeypatch.setattr(kernel_scan, "BATCH", batch)
+    monkeypatch.setattr(kernel_scan, "BATCH_BYTES", batch_bytes)
+    for fmt in ("kmsg", "dmesg"):
+        data = generated(6, fmt)
+        assert streamed(data, "b.log", 1 << 20) == (*whole(data, "b.log"), lines_in(data))
+
+
+@pytest.mark.parametrize("ending", [b"", b"\r", b"\n", b"\r\n", b"\n\n", b"\xe2\x82"])
+def test_the_last_line_with_or_without_a_newline(ending):
+    data = generated(3, "dmesg", 200) + b"[ 9999.000001] NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=x, gone" + ending
+    expected = whole(data, "end.log")
+    assert any(f.evidence.get("last_line") == lines_in(data.rstrip(b"\n")) for f in expected[1])
+    for chunk in (1 << 20, 64, 7):
+        assert streamed(data, "end.log", chunk) == (*expected, lines_in(data))
+
+
+def test_a_line_longer_than_a_chunk_is_read_whole():
+    long_xid = b"[ 5.000000] " + b"x" * 300_000 + b" NVRM: Xid (PCI:0000:3b:00): 31, pid=5, name=a, " + b"y" * 5000
+    data = generated(4, "dmesg", 300) + long_xid + b"\n" + generated(5, "dmesg", 300)
+    expected = whole(data, "long.log")
+    assert any(f.evidence["first_message"].startswith("NVRM: Xid (PCI:0000:3b:00): 31") for f in expected[1])
+    for chunk in (1 << 16, 4096):
+        assert streamed(data, "long.log", chunk) == (*expected, lines_in(data))
+
+
+def test_a_line_past_line_max_is_read_cut_and_named():
+    before = b"[ 1.000000] NVRM: Xid (PCI:0000:19:00): 48, pid=1, name=a, DBE\n" * 3
+    huge = b"[ 2.000000] NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, " + b"z" * 50_000 + b" NVRM: Xid x"
+    after = b"\n[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
+    fmt, findings, notes, lines = streamed(before + huge + after, "cut.log", chunk=1024, line_max=4096)
+    assert notes == [f"cut.log:4: line of {len(huge)} bytes; its first 4096 bytes read"]
+    assert lines == 5
+    assert [(f.code, f.evidence["first_line"]) for f in findings] == [("48", 1), ("79", 4), ("94", 5)]
+    # The XID mark past the cut is not read: a whole parse would also report that line as unreadable.
+    assert "xid-unreadable" not in {f.code for f in findings}
+
+
+def test_lines_past_line_max_are_named_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr(kernel_scan, "MAX_NOTES", 2)
+    data = (b"q" * 5000 + b"\n") * 5 + b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
+    fmt, findings, notes, lines = streamed(data, "many.log", chunk=1024, line_max=4096)
+    assert notes == ["many.log:1: line of 5000 bytes; its first 4096 bytes read",
+                     "many.log:2: line of 5000 bytes; its first 4096 bytes read",
+                     "many.log: 3 more line(s) longer than 4096 bytes, read cut"]
+    assert [(f.code, f.evidence["first_line"]) for f in findings] == [("94", 6)] and lines == 6
+
+
+@pytest.mark.parametrize("content, error", [
+    (b"", "empty file"), (b"\n\n", "empty file"), (b" \t\r\n\x0c\n", "empty file"),
+    ("\u3000\n\u2003".encode(), "empty file"),  # white space beyond ASCII
+    (b"lunch at noon\nbring the cables\n", "not a format gpuwarden reads"),
+])
+def test_empty_and_unreadable_files_are_unknown(tmp_path, content, error):
+    path = tmp_path / "f.log"
+    path.write_bytes(content)
+    result = analyze_file(path)
+    assert result.status is Status.UNKNOWN and error in result.error and str(path) in result.error
+
+
+def test_kmsg_records_the_checks_read_and_the_last_line_are_validated(tmp_path):
+    """A raw kmsg file: a malformed record among the checks' lines, or at the end (a cut-off write), is a note with
+    file:line; a malformed one elsewhere, which the checks would skip, is not looked for."""
+    ok = "6,{0},{0}000,-;pci 0000:19:00.0: enabling device\n"
+    lines = [ok.format(i) for i in range(1, 2001)]
+    lines[99] = "4,100,100000;NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=a, gone\n"  # no flags: malformed
+    lines[499] = "6,500,500000-;pci noise\n"  # malformed, not a line the checks read
+    path = tmp_path / "kmsg"
+    path.write_text("".join(lines) + "6,2001,20")
+    result = analyze_file(path)
+    assert result.source.endswith("(kernel-log/kmsg)")
+    assert [n.split(": malformed")[0] for n in result.notes] == [f"{path}:100", f"{path}:2001"]
+    path.write_text("".join(lines[:-1]) + "6,2000,20\n")
+    assert [n.split(": malformed")[0] for n in analyze_file(path).notes] == [f"{path}:100", f"{path}:2000"]
+
+
+def test_tool_outputs_are_detected_from_the_head_and_bounded(tmp_path, monkeypatch):
+    nccl = ROOT / "fixtures" / "tools" / "nccl" / "EDITED__all_reduce_perf__1node-8xH100__g021__pass.txt"
+    assert analyze_file(nccl).source.endswith("(nccl-tests)")
+    monkeypatch.setattr(analyze_mod, "TOOL_MAX", nccl.stat().st_size - 1)
+    result = analyze_file(nccl)
+    assert result.status is Status.UNKNOWN and result.source.endswith("(nccl-tests)")
+    assert result.error.startswith(f"{nccl}: larger than ") and "the most gpuwarden reads of a tool's output" in (
+        result.error)
+
+
+def test_a_kernel_log_quoting_a_tool_line_is_read_as_a_kernel_log(tmp_path):
+    """Most lines are kernel-log lines: the tools' analyzers are not asked (nor imported), and the XID counts."""
+    path = tmp_path / "kern.log"
+    path.write_text("".join(f"Jan 01 09:30:{i % 60:02d} node17 kernel: pci noise {i}\n" for i in range(50))
+                    + "Jan 01 09:31:00 node17 job[7]: #  size count type redop root time algbw busbw\n"
+                    + "Jan 01 09:31:01 node17 kernel: NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=a, gone\n")
+    result = analyze_file(path)
+    assert result.source.endswith("(kernel-log/syslog)") and [f.code for f in result.findings] == ["79"]
+
+
+def test_analyze_of_a_kernel_log_imports_only_the_kernel_log_checks():
+    code = ("import sys, json; from pathlib import Path; from gpuwarden.agent.analyze import analyze_file; "
+            f"r = analyze_file(Path({str(NODES / 'gb200-nvl72-faulty' / 'kmsg')!r})); "
+            "print(json.dumps([len(r.findings), sorted(m for m in sys.modules if m.startswith('gpuwarden.checks'))]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    found, modules = json.loads(proc.stdout)
+    assert found > 0
+    assert set(modules) == {"gpuwarden.checks", "gpuwarden.checks.nvswitch_sxid", "gpuwarden.checks.unread_lines",
+                            "gpuwarden.checks.xid", "gpuwarden.checks.xid_catalog", "gpuwarden.checks.xid_log"}
+
+
+@pytest.mark.parametrize("content", [
+    b"\n" * MIB + b"x\n",  # blank lines, then text: the tools' detectors read the head
+    b" \n" * (MIB // 2) + b"#",
+    b"a " * MIB,  # one long line of words
+    (b"#" + b" " * 1000 + b"\n") * 1000,
+])
+def test_detection_is_linear_on_hostile_heads(tmp_path, content):
+    path = tmp_path / "hostile.txt"
+    path.write_bytes(content)
+    with deadline():
+        result = analyze_file(path)
+    assert result.status is Status.UNKNOWN and "not a format gpuwarden reads" in result.error
