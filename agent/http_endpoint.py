@@ -31,13 +31,16 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import parse_qs
 
 import structlog
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import generate_latest as text_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from . import web_config
 from .systemd import name_this_thread
@@ -47,6 +50,7 @@ log = structlog.get_logger("gpuwarden.http")
 LANDING_PAGE = (b"<!DOCTYPE html>\n<html><head><title>gpuwarden</title></head><body><h1>gpuwarden</h1>\n"
                 b"<p>GPU node health agent.</p>\n<p><a href=\"metrics\">Metrics</a></p>\n</body></html>\n")
 _CHUNK = 65536
+_GZIP_KEPT = 4
 _MAX_QUERY_FIELDS = 256
 
 
@@ -163,6 +167,7 @@ class MetricsEndpoint:
         self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="gw-metrics-work",
                                         initializer=name_this_thread, initargs=("gw-metrics-work",))
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
+        self._gzipped: list[tuple[bytes, bytes]] = []  # (page, its gzip), the latest first
 
     @property
     def port(self) -> int:
@@ -433,13 +438,37 @@ class MetricsEndpoint:
         except ValueError:
             return _simple(400, "Bad Request", "too many query parameters\n", keep, head_only=head_only)
         encoder, content_type = choose_encoder(req.headers.get("accept", ""))
-        registry = _Restricted(self._registry, params["name[]"]) if "name[]" in params else self._registry
-        body = encoder(registry)
+        if "name[]" in params:
+            body = encoder(_Restricted(self._registry, params["name[]"]))
+        else:
+            body = self._page(encoder)
         extra: tuple[str, ...] = ("Vary: Accept-Encoding",)
         if gzip_accepted(req.headers.get("accept-encoding", "")):
-            body = gzip.compress(body, compresslevel=1)  # the fastest level: ~8x smaller on this text already
+            body = self._gzip(body)
             extra += ("Content-Encoding: gzip",)
         return _response(200, "OK", body, content_type, keep, extra, head_only)
+
+    def _page(self, encoder: Callable[[Any], bytes]) -> bytes:
+        """The registry's own cached page where it has one and the format is one it renders (the text format and
+        OpenMetrics 1.0.0 as Prometheus asks for them); otherwise the encoder's rendering of the registry."""
+        fmt = _page_format(encoder)
+        page = getattr(self._registry, "page", None)
+        if fmt is not None and page is not None:
+            body = page(*fmt, encoder)
+            if body is not None:
+                return body
+        return encoder(self._registry)
+
+    def _gzip(self, body: bytes) -> bytes:
+        """Compressed once per page: an unchanged page (the same bytes object) reuses its compression."""
+        cache = self._gzipped
+        for plain, packed in cache:
+            if plain is body:
+                return packed
+        # The fastest level: ~8x smaller on this text already. mtime 0: the same page, the same bytes.
+        packed = gzip.compress(body, compresslevel=1, mtime=0)
+        self._gzipped = [(body, packed), *cache[:_GZIP_KEPT - 1]]  # one per format a scraper asks for
+        return packed
 
     def _authorized(self, cfg: web_config.WebConfig, header: str) -> bool:
         scheme, _, token = header.strip().partition(" ")
@@ -451,6 +480,28 @@ class MetricsEndpoint:
             return False
         assert self._web is not None
         return bool(sep) and self._web.authorized(cfg, user, password)
+
+
+def _page_format(encoder: Callable[[Any], bytes]) -> tuple[bool, str] | None:
+    """(OpenMetrics?, escaping) of the encoder prometheus-client chose, where a registry's own page renders the
+    same bytes: the text format 0.0.4, or OpenMetrics 1.0.0, with names escaped by underscores or allowed as
+    UTF-8 (the same text for legacy names). None for anything else (the encoder renders it)."""
+    if encoder is text_latest:
+        return False, "underscores"
+    if encoder is openmetrics_latest:  # prometheus-client before escaping was negotiated
+        return True, "underscores"
+    if not isinstance(encoder, partial) or encoder.args:
+        return None
+    kw = encoder.keywords
+    escaping = kw.get("escaping", "underscores")
+    if escaping not in ("underscores", "allow-utf-8"):
+        return None
+    if encoder.func is text_latest and set(kw) <= {"escaping"}:
+        return False, escaping
+    if encoder.func is openmetrics_latest and set(kw) <= {"escaping", "version"} and \
+            kw.get("version", "1.0.0") == "1.0.0":
+        return True, escaping
+    return None
 
 
 def _parse_head(head: bytes) -> _Request | bytes:
