@@ -3,9 +3,11 @@ asks, gzip when it accepts it, `name[]=` to select series as prometheus-client d
 to it). Any other path is 404. Optional TLS and basic auth come from a web config file (agent/web_config.py).
 
 Whatever a client does, the endpoint must not take from the checks what they need (file descriptors, threads):
-- one thread does all socket I/O on non-blocking sockets through a selector, and a fixed pool of two threads
-  builds the responses (a bcrypt check takes ~0.1 s; the I/O thread serves the others meanwhile). No thread per
-  connection.
+- one thread does all socket I/O on non-blocking sockets through a selector, and answers what is quick itself:
+  the daemon's page (cached by its collector, only what changed rendered again, its gzip kept while it is
+  unchanged), the landing page, errors. A fixed pool of two threads builds the rest (a bcrypt check takes ~0.1 s;
+  a `name[]=` selection or a format the page does not have is prometheus-client's rendering; the I/O thread
+  serves the others meanwhile). No thread per connection.
 - at most `max_connections` are open (64, far under the descriptor limit). At the cap a new connection takes
   the place of the one idle longest (waiting for a request); when none is idle, the new one is closed at once.
 - every connection has a deadline: the request head within `head_timeout_s` of its first byte (trickling bytes
@@ -329,6 +331,8 @@ class MetricsEndpoint:
                         c.inbuf += data
                     elif isinstance(request, bytes):  # malformed: answered here, and the connection closed
                         self._start_write(c, request, close=True)
+                    elif self._quick(request):
+                        self._start_write(c, *self._answer(request))
                     else:
                         c.state = _WORK
                         self._sel.unregister(c.sock)
@@ -409,14 +413,31 @@ class MetricsEndpoint:
                     pass  # the pipe already holds a wake-up
 
     # -- the workers ---------------------------------------------------------------------------------------------
-    def _work(self, c: _Conn, request: _Request) -> None:
+    def _quick(self, req: _Request) -> bool:
+        """Whether the request is answered on the I/O thread: anything but a password check (bcrypt, ~0.1 s) and a
+        page prometheus-client renders (a `name[]=` selection, a format the registry's own page does not have).
+        The registry's page is cached and its changed families re-rendered in a few ms; two hand-offs between
+        threads would cost more than that while the checks keep the interpreter busy."""
+        if self._web is not None and self._web.current().auth:
+            return False
+        path, _, query = req.target.partition("?")
+        if path != "/metrics":
+            return True
+        return ("name" not in query and getattr(self._registry, "page", None) is not None
+                and _page_format(choose_encoder(req.headers.get("accept", ""))[0]) is not None)
+
+    def _answer(self, request: _Request) -> tuple[bytes, bool]:
+        """The response, and whether the connection closes after it."""
         try:
             payload = self._respond(request)
         except Exception as exc:  # a defect must cost one response, not the connection's worker
             log.error("metrics endpoint: could not answer", error=repr(exc), target=request.target[:200])
             payload = _simple(500, "Internal Server Error", "internal error\n", keep=False)
             request.keep_alive = False
-        self._done.append((c, payload, not request.keep_alive))
+        return payload, not request.keep_alive
+
+    def _work(self, c: _Conn, request: _Request) -> None:
+        self._done.append((c, *self._answer(request)))
         self._wake()
 
     def _respond(self, req: _Request) -> bytes:

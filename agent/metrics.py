@@ -86,10 +86,16 @@ class DaemonCollector(Collector):
         self._families: list[Family] = []
         self._texts: dict[str, tuple[Family, dict[tuple[bool, str], bytes]]] = {}
         self._pages: dict[tuple[bool, str], bytes] = {}
+        self._grouping = SampleFamilies()
 
     def update(self, snap: Snapshot) -> None:
         with self._lock:
             self._snap = snap
+
+    def snapshot(self) -> Snapshot:
+        """What the collector reads now (the daemon's last published snapshot)."""
+        with self._lock:
+            return self._snap
 
     def live(self, samples: Callable[[], Iterable[MetricSample]]) -> None:
         """Samples read at each scrape rather than from the snapshot: what must show even when the loops that
@@ -119,7 +125,7 @@ class DaemonCollector(Collector):
             seen = self._seen
             if seen is None or seen[0] is not snap or seen[1] != live:
                 self._seen = (snap, live)
-                self._families = self.families_of(snap, live)
+                self._families = self.families_of(snap, live, self._grouping)
                 self._pages = {}
             page = self._pages.get(key)
             if page is None:
@@ -140,9 +146,11 @@ class DaemonCollector(Collector):
                 page = self._pages[key] = b"".join(parts)
             return page
 
-    def families_of(self, snap: Snapshot, live: Iterable[MetricSample] = ()) -> list[Family]:
+    def families_of(self, snap: Snapshot, live: tuple[MetricSample, ...] = (),
+                    grouping: SampleFamilies | None = None) -> list[Family]:
         """Every family of the page, in the page's order: the agent's own, the checks' status, the counters, then
-        the checks' samples (agent/passive.py MetricSample) grouped by name."""
+        the checks' samples (agent/passive.py MetricSample) grouped by name (by `grouping`, which keeps what did
+        not change since its last call, or from scratch)."""
         rec = snap.record
         out = [
             _family("gpuwarden_build_info", "gauge", "1, with the agent's version as a label.", ["version"],
@@ -185,7 +193,7 @@ class DaemonCollector(Collector):
         out.append(_family("gpuwarden_kmsg_overwritten", "counter",
                            "Times the kernel ring buffer overwrote records before they were read.", (),
                            [((), snap.kmsg_lost)]))
-        out.extend(sample_families([*(s for samples in snap.samples.values() for s in samples), *live]))
+        out.extend((grouping or SampleFamilies())([*snap.samples.items(), (None, live)]))
         return out
 
 
@@ -204,33 +212,71 @@ def sample_families(samples: Iterable[MetricSample]) -> list[Family]:
     A GPU's UUID is 47 characters, on each of a few hundred per-GPU series: a series that names its GPU by both
     index and UUID is exported with the index only, and `gpuwarden_gpu_info{gpu,uuid}` maps one to the other
     (join with `* on(gpu) group_left(uuid) gpuwarden_gpu_info`), which halves an 8-GPU node's page."""
-    by_name: dict[str, list[MetricSample]] = {}
-    for s in samples:
-        by_name.setdefault(s.name, []).append(s)
-    gpus: dict[tuple[str, str], None] = {}
-    out = []
-    for name, group in sorted(by_name.items()):
-        labels = sorted(group[0].labels)
-        fold = "gpu" in labels and "uuid" in labels
-        shown = [k for k in labels if not (fold and k == "uuid")]
-        rows = []
-        seen: set[tuple[str, ...]] = set()
-        for s in group:
-            if sorted(s.labels) != labels:
-                continue  # a check emitting mixed label sets would break the exposition; drop the odd one
-            values = tuple(str(s.labels[k]) for k in shown)
-            if values in seen:
-                continue  # one series twice (GPU indices shifted between two reads) would fail the whole scrape
-            seen.add(values)
-            if fold:
-                gpus[(str(s.labels["gpu"]), str(s.labels["uuid"]))] = None
-            rows.append((values, float(s.value)))
-        out.append(_family(name, "counter" if group[0].kind == "counter" else "gauge", group[0].help, shown, rows))
-    if gpus:
-        out.append(_family("gpuwarden_gpu_info", "gauge", "1 for each GPU the checks read: its index (the gpu label "
-                           "of the per-GPU series) and its UUID.", ["gpu", "uuid"],
-                           [((gpu, uuid), 1.0) for gpu, uuid in sorted(gpus, key=lambda k: (len(k[0]), k))]))
-    return out
+    return SampleFamilies()([(None, tuple(samples))])
+
+
+class SampleFamilies:
+    """sample_families() over each check's samples, kept from one snapshot to the next: a check's samples are
+    grouped again only when they changed, and a family is built again only when a check that feeds it changed.
+    A family's samples are in the checks' order, then each check's own, whichever way it is computed."""
+
+    def __init__(self) -> None:
+        self._grouped: dict[Any, tuple[tuple[MetricSample, ...], dict[str, list[MetricSample]]]] = {}
+        self._built: dict[str, tuple[list[list[MetricSample]], Family, dict[tuple[str, str], None]]] = {}
+
+    def __call__(self, per_check: Iterable[tuple[Any, tuple[MetricSample, ...]]]) -> list[Family]:
+        grouped: dict[Any, tuple[tuple[MetricSample, ...], dict[str, list[MetricSample]]]] = {}
+        feeds: dict[str, list[list[MetricSample]]] = {}
+        for check, samples in per_check:
+            old = self._grouped.get(check)
+            if old is None or not (old[0] is samples or old[0] == samples):
+                by_name: dict[str, list[MetricSample]] = {}
+                for sample in samples:
+                    by_name.setdefault(sample.name, []).append(sample)
+                old = (samples, by_name)
+            grouped[check] = old
+            for name, group in old[1].items():
+                feeds.setdefault(name, []).append(group)
+        built: dict[str, tuple[list[list[MetricSample]], Family, dict[tuple[str, str], None]]] = {}
+        gpus: dict[tuple[str, str], None] = {}
+        out = []
+        for name in sorted(feeds):
+            groups = feeds[name]
+            done = self._built.get(name)
+            if done is None or len(done[0]) != len(groups) or any(a is not b for a, b in zip(done[0], groups)):
+                folded: dict[tuple[str, str], None] = {}
+                done = (groups, _one_family(name, [s for g in groups for s in g], folded), folded)
+            built[name] = done
+            out.append(done[1])
+            gpus.update(done[2])
+        self._grouped, self._built = grouped, built
+        if gpus:
+            out.append(_family("gpuwarden_gpu_info", "gauge", "1 for each GPU the checks read: its index (the gpu "
+                               "label of the per-GPU series) and its UUID.", ["gpu", "uuid"],
+                               [((gpu, uuid), 1.0) for gpu, uuid in sorted(gpus, key=lambda k: (len(k[0]), k))]))
+        return out
+
+
+def _one_family(name: str, group: list[MetricSample], gpus: dict[tuple[str, str], None]) -> Family:
+    """The family of one name's samples; the (gpu, uuid) pairs of a family that folds the UUID go into `gpus`."""
+    labels = sorted(group[0].labels)
+    keys = set(labels)
+    fold = "gpu" in keys and "uuid" in keys
+    shown = [k for k in labels if not (fold and k == "uuid")]
+    rows = []
+    seen: set[tuple[str, ...]] = set()
+    for s in group:
+        lab = s.labels
+        if lab.keys() != keys:
+            continue  # a check emitting mixed label sets would break the exposition; drop the odd one
+        values = tuple([str(lab[k]) for k in shown])
+        if values in seen:
+            continue  # one series twice (GPU indices shifted between two reads) would fail the whole scrape
+        seen.add(values)
+        if fold:
+            gpus[(str(lab["gpu"]), str(lab["uuid"]))] = None
+        rows.append((values, float(s.value)))
+    return _family(name, "counter" if group[0].kind == "counter" else "gauge", group[0].help, shown, rows)
 
 
 # The names the text below is written for; any other name is rendered by prometheus-client (its escaping rules).
