@@ -7,13 +7,18 @@ scrape (what Prometheus does against gpuwarden, whose idle keep-alive is shorter
 kept-alive connection. Per target: page size (raw and as sent), series, wall time per scrape (median, p90, p99,
 client included) and the server's CPU per scrape (its user+sys time over the run / N, from psutil).
 
-Run: .venv/bin/python bench/scrape.py [--scrapes N] [--scenario NAME] [--node-exporter PATH]
+With `--json PATH` the rows of the comparison go there too (bench/run reads them): wall median per scrape in
+each way, and the server's CPU per scrape, each with node_exporter's and the ratio (target: at most half of it).
+
+Run: .venv/bin/python bench/scrape.py [--scrapes N] [--scenario NAME] [--node-exporter PATH] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import http.client
+import json
+import os
 import shutil
 import socket
 import statistics
@@ -87,12 +92,43 @@ def measure(targets: dict[str, tuple[int, psutil.Process]], n: int, fresh: bool)
     return out
 
 
+TARGET_RATIO = 0.5
+
+
+def rows(results: dict[bool, dict[str, dict]], pages: dict[str, bytes], args: argparse.Namespace,
+         ne_version: str) -> list[dict]:
+    """The JSON rows: ours beside node_exporter's, wall time per scrape in each way and the server's CPU."""
+    command = f".venv/bin/python bench/scrape.py --scrapes {args.scrapes} --scenario {args.scenario}"
+    out = []
+    for label, key, fresh in (("wall median, a new connection per scrape", "median_ms", True),
+                              ("wall median, one keep-alive connection", "median_ms", False),
+                              ("server CPU per scrape", "cpu_ms", True)):
+        ours, peer = results[fresh]["gpuwarden"], results[fresh]["node_exporter"]
+        ratio = ours[key] / peer[key] if peer[key] > 0 else None
+        out.append({
+            "measure": f"/metrics scrape, idle {args.scenario}: {label}", "ours": round(ours[key], 3), "unit": "ms",
+            "peer": round(peer[key], 3), "peer_name": f"prometheus-node-exporter {ne_version} (default collectors)",
+            "ratio": round(ratio, 3) if ratio is not None else None,
+            "target": f"<= {TARGET_RATIO:g}x node_exporter", "met": ratio is not None and ratio <= TARGET_RATIO,
+            "command": command,
+            "detail": {"scrapes": args.scrapes, "new_connection_per_scrape": fresh,
+                       "gpuwarden": {k: round(v, 3) for k, v in ours.items()},
+                       "node_exporter": {k: round(v, 3) for k, v in peer.items()},
+                       "page_bytes": {n: len(t) for n, t in pages.items()},
+                       "series": {n: series(t) for n, t in pages.items()}}})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scrapes", type=int, default=300)
     ap.add_argument("--scenario", default="h100-hgx-healthy")
     ap.add_argument("--node-exporter", default=shutil.which("prometheus-node-exporter") or "node_exporter")
+    ap.add_argument("--json", type=Path, help="write the rows here (bench/run reads them)")
     args = ap.parse_args()
+    if shutil.which(args.node_exporter) is None:
+        raise SystemExit(f"{args.node_exporter}: not found (apt-get install prometheus-node-exporter)")
+    load_before = list(os.getloadavg())
     work = Path(tempfile.mkdtemp(prefix="gw-scrape-"))
     procs: list[subprocess.Popen] = []
     try:
@@ -113,15 +149,24 @@ def main() -> None:
                    "node_exporter": (ne_port, psutil.Process(procs[1].pid))}
         measure(targets, 20, fresh=True)  # warm-up
         version = subprocess.run([args.node_exporter, "--version"], capture_output=True, text=True)
-        print(f"scenario {args.scenario}; {args.scrapes} scrapes per target and mode; "
-              f"{(version.stdout or version.stderr).splitlines()[0]} (default collectors)")
-        for name, text in (("gpuwarden", gw_text), ("node_exporter", ne_text)):
+        version_line = (version.stdout or version.stderr).splitlines()[0]
+        print(f"scenario {args.scenario}; {args.scrapes} scrapes per target and mode; {version_line} "
+              "(default collectors)")
+        pages = {"gpuwarden": gw_text, "node_exporter": ne_text}
+        for name, text in pages.items():
             print(f"  {name:<14} page {len(text):>7} bytes, {series(text):>5} series")
+        results = {}
         for fresh in (True, False):
             print("new connection per scrape" if fresh else "one keep-alive connection")
-            for name, r in measure(targets, args.scrapes, fresh).items():
+            results[fresh] = measure(targets, args.scrapes, fresh)
+            for name, r in results[fresh].items():
                 print(f"  {name:<14} sent {r['sent']:>6} B  wall median {r['median_ms']:6.2f} ms  p90 "
                       f"{r['p90_ms']:6.2f}  p99 {r['p99_ms']:6.2f}  server CPU {r['cpu_ms']:5.2f} ms/scrape")
+        ne_version = version_line.split("version", 1)[-1].split()[0] if "version" in version_line else "?"
+        out = rows(results, pages, args, ne_version)
+        for r in out:
+            print(f"  {r['measure']}: ours/node_exporter {r['ratio']} (target {r['target']}: "
+                  f"{'met' if r['met'] else 'NOT met'})")
     finally:
         for p in procs:
             p.terminate()
@@ -131,6 +176,10 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": out, "load": {"loadavg_before": load_before,
+                                                               "loadavg_after": list(os.getloadavg())}},
+                                        indent=1) + "\n")
 
 
 if __name__ == "__main__":
