@@ -4,10 +4,11 @@ first scrape of /metrics that shows it, with /metrics polled every 5 ms (the scr
 The real command runs on a copy of a recorded node (default h100-hgx-healthy, 8 GPUs, every passive check at its
 production interval). What is watched is the XID's count, `gpuwarden_xid_events{pci=...,xid=...}`, reaching the
 number of lines written. Polls are scraped as Prometheus asks (OpenMetrics, gzip) on one keep-alive connection,
-at fixed 5 ms ticks (a tick that falls inside a scrape still in flight is skipped).
+on a fixed grid of 5 ms ticks that does not move with the writes (a tick that falls inside a scrape still in
+flight is skipped), so a line lands at a random point between two polls.
 
-  fresh   a new daemon per run; the XID is written as soon as /metrics first shows the xid check (the daemon's
-          first samples are still running then): the first XID of a daemon that has just started
+  fresh   a new daemon per run; the XID is written within a poll interval of /metrics first showing the xid
+          check (the daemon's first samples may still be running then): the first XID of a daemon just started
   warm    one daemon at steady state (every check has looked twice), N XIDs one after the other, each after
           the previous one showed, at a random gap of 20-120 ms so that the polls' phase varies
 
@@ -94,6 +95,7 @@ class Agent:
                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.scraper = Scraper(self.port)
         self.written = 0
+        self.grid = time.perf_counter()  # the polls' ticks: grid + k * poll interval
         # The line that shows the count; the value is matched on its own (1.0, 2.0, ...).
         self.series = re.compile(rb'^gpuwarden_xid_events\{pci="(?:0000:)?' + re.escape(self.pci.split(":", 1)[1]).encode()
                                  + rb'[^"]*",xid="' + str(XID).encode() + rb'"\} (\S+)$', re.M)
@@ -124,16 +126,16 @@ class Agent:
         with open(self.root / "kmsg", "a") as f:
             f.write(line)
         self.written = want
-        tick = t0
         while True:
+            # The polls keep their own grid, whenever the line was written (as a scraper's interval does).
+            now = time.perf_counter()
+            time.sleep(poll_s - (now - self.grid) % poll_s)
             page = self.scraper.get()
             now = time.perf_counter()
             if page is not None and self.count(page) >= want:
                 return now - t0
             if now - t0 > timeout_s:
                 raise SystemExit(f"XID {want} not on /metrics within {timeout_s} s")
-            tick += poll_s * (1 + int((now - tick) / poll_s))  # the next tick not yet passed
-            time.sleep(max(0.0, tick - time.perf_counter()))
 
     def stop(self) -> None:
         self.scraper.close()
@@ -147,11 +149,14 @@ class Agent:
 
 def fresh(runs: int, scenario: str, poll_s: float) -> list[float]:
     out = []
+    rng = random.Random(1)
     for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix="gw-latency-") as tmp:
             agent = Agent(Path(tmp), scenario)
             try:
                 agent.wait_for(b'gpuwarden_check_success{check="xid"} 1.0')
+                # Written at a random point between two polls, as an XID comes whenever it comes.
+                time.sleep(rng.uniform(0, poll_s))
                 out.append(agent.inject(poll_s))
             finally:
                 agent.stop()
