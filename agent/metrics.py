@@ -336,6 +336,10 @@ class DaemonRegistry(CollectorRegistry):
         if getattr(self, "_collector", None) is not None:
             self._collector = None  # another collector's families are not on the cached page
 
+    def unregister(self, collector: Collector) -> None:
+        super().unregister(collector)
+        self._collector = None
+
     def page(self, openmetrics: bool, escaping: str = "underscores",
              encoder: Callable[[Any], bytes] | None = None) -> bytes | None:
         """The cached page, or None when this registry holds more than the daemon's collector."""
