@@ -423,7 +423,7 @@ class MetricsEndpoint:
         path, _, query = req.target.partition("?")
         if path != "/metrics":
             return True
-        return ("name" not in query and getattr(self._registry, "page", None) is not None
+        return ("name" not in query and getattr(self._registry, "has_page", False)
                 and _page_format(choose_encoder(req.headers.get("accept", ""))[0]) is not None)
 
     def _answer(self, request: _Request) -> tuple[bytes, bool]:
@@ -473,9 +473,8 @@ class MetricsEndpoint:
         """The registry's own cached page where it has one and the format is one it renders (the text format and
         OpenMetrics 1.0.0 as Prometheus asks for them); otherwise the encoder's rendering of the registry."""
         fmt = _page_format(encoder)
-        page = getattr(self._registry, "page", None)
-        if fmt is not None and page is not None:
-            body = page(*fmt, encoder)
+        if fmt is not None and getattr(self._registry, "has_page", False):
+            body = self._registry.page(*fmt, encoder)
             if body is not None:
                 return body
         return encoder(self._registry)

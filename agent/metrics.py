@@ -340,6 +340,11 @@ class DaemonRegistry(CollectorRegistry):
         super().unregister(collector)
         self._collector = None
 
+    @property
+    def has_page(self) -> bool:
+        """Whether page() renders this registry: it holds the daemon's collector alone."""
+        return self._collector is not None
+
     def page(self, openmetrics: bool, escaping: str = "underscores",
              encoder: Callable[[Any], bytes] | None = None) -> bytes | None:
         """The cached page, or None when this registry holds more than the daemon's collector."""
