@@ -215,3 +215,27 @@ def test_a_family_fed_by_two_checks_follows_either(served, real_snapshot):
     for step in steps:
         collector.update(dataclasses.replace(real_snapshot, samples={**base, **step}))
         assert scrape(ep)[1] == expected(collector, PROMETHEUS)[1], step
+
+
+def test_behind_basic_auth_the_page_is_the_same(real_snapshot, tmp_path):
+    """A password check is made on a worker thread; the page it answers with is the collector's own."""
+    import base64
+
+    import bcrypt
+
+    collector = DaemonCollector(started=1796000000.25)
+    collector.update(real_snapshot)
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b'pw', bcrypt.gensalt(4)).decode()}\n")
+    ep = MetricsEndpoint("127.0.0.1", 0, registry_for(collector), web_config_file=cfg)
+    ep.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", ep.port, timeout=10)
+        token = base64.b64encode(b"prometheus:pw").decode()
+        conn.request("GET", "/metrics", headers={"Accept": PROMETHEUS, "Authorization": f"Basic {token}"})
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+    finally:
+        ep.stop(timeout_s=5)
+    assert resp.status == 200 and body == expected(collector, PROMETHEUS)[1]
