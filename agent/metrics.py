@@ -243,7 +243,8 @@ class SampleFamilies:
         for name in sorted(feeds):
             groups = feeds[name]
             done = self._built.get(name)
-            if done is None or len(done[0]) != len(groups) or any(a is not b for a, b in zip(done[0], groups)):
+            if done is None or len(done[0]) != len(groups) or \
+                    any(a is not b for a, b in zip(done[0], groups, strict=True)):
                 folded: dict[tuple[str, str], None] = {}
                 done = (groups, _one_family(name, [s for g in groups for s in g], folded), folded)
             built[name] = done
@@ -301,7 +302,7 @@ def render_family(f: Family, openmetrics: bool, encoder: Callable[[Any], bytes] 
     names = [f.labels[i] for i in order]
     for values, value in f.rows:
         if names:
-            labels = ",".join(f'{n}="{_escape(values[i])}"' for n, i in zip(names, order))
+            labels = ",".join(f'{n}="{_escape(values[i])}"' for n, i in zip(names, order, strict=True))
             out.append(f"{sample}{{{labels}}} {floatToGoString(value)}\n")
         else:
             out.append(f"{sample} {floatToGoString(value)}\n")

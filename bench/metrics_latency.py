@@ -97,7 +97,7 @@ class Agent:
         self.written = 0
         self.grid = time.perf_counter()  # the polls' ticks: grid + k * poll interval
         # The line that shows the count; the value is matched on its own (1.0, 2.0, ...).
-        self.series = re.compile(rb'^gpuwarden_xid_events\{pci="(?:0000:)?' + re.escape(self.pci.split(":", 1)[1]).encode()
+        self.series = re.compile(rb'^gpuwarden_xid_events\{pci="(?:0000:)?' + re.escape(self.pci[5:]).encode()
                                  + rb'[^"]*",xid="' + str(XID).encode() + rb'"\} (\S+)$', re.M)
 
     def count(self, page: bytes) -> int:
@@ -182,11 +182,12 @@ def warm(runs: int, scenario: str, poll_s: float) -> list[float]:
 def row(name: str, values: list[float], args: argparse.Namespace, mode: str) -> dict:
     ms = [v * 1000 for v in values]
     p99 = pct(ms, 0.99)
+    other = "warm" if mode == "fresh" else "fresh"
     return {"measure": f"XID line -> /metrics, {name}, polled every {args.poll_ms:g} ms", "ours": round(p99, 2),
             "unit": "ms (p99)", "peer": None, "peer_name": None, "ratio": None, "target": f"p99 < {TARGET_MS:g} ms",
             "met": p99 < TARGET_MS,
-            "command": f".venv/bin/python bench/metrics_latency.py --{mode} {len(values)} --{'warm' if mode == 'fresh' else 'fresh'} 0"
-                       f" --scenario {args.scenario}",
+            "command": f".venv/bin/python bench/metrics_latency.py --{mode} {len(values)} --{other} 0 "
+                       f"--scenario {args.scenario}",
             "detail": {"runs": len(ms), "p50_ms": round(pct(ms, 0.5), 2), "p99_ms": round(p99, 2),
                        "max_ms": round(max(ms), 2), "scenario": args.scenario, "poll_ms": args.poll_ms}}
 

@@ -104,8 +104,8 @@ TARGET_RATIO = 0.5
 def rows(results: dict[bool, dict[str, dict]], pages: dict[str, bytes], args: argparse.Namespace,
          ne_version: str) -> list[dict]:
     """The JSON rows: ours beside node_exporter's, wall time per scrape in each way and the server's CPU."""
-    command = (f".venv/bin/python bench/scrape.py --scrapes {args.scrapes} --spaced {args.spaced} --gap-s {args.gap_s:g}"
-               f" --scenario {args.scenario}")
+    command = (f".venv/bin/python bench/scrape.py --scrapes {args.scrapes} --spaced {args.spaced} "
+               f"--gap-s {args.gap_s:g} --scenario {args.scenario}")
     out = []
     for label, key, mode in (("wall median, a new connection per scrape", "median_ms", True),
                              ("wall median, one keep-alive connection", "median_ms", False),
