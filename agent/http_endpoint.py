@@ -3,9 +3,11 @@ asks, gzip when it accepts it, `name[]=` to select series as prometheus-client d
 to it). Any other path is 404. Optional TLS and basic auth come from a web config file (agent/web_config.py).
 
 Whatever a client does, the endpoint must not take from the checks what they need (file descriptors, threads):
-- one thread does all socket I/O on non-blocking sockets through a selector, and a fixed pool of two threads
-  builds the responses (a bcrypt check takes ~0.1 s; the I/O thread serves the others meanwhile). No thread per
-  connection.
+- one thread does all socket I/O on non-blocking sockets through a selector, and answers what is quick itself:
+  the daemon's page (cached by its collector, only what changed rendered again, its gzip kept while it is
+  unchanged), the landing page, errors. A fixed pool of two threads builds the rest (a bcrypt check takes ~0.1 s;
+  a `name[]=` selection or a format the page does not have is prometheus-client's rendering; the I/O thread
+  serves the others meanwhile). No thread per connection.
 - at most `max_connections` are open (64, far under the descriptor limit). At the cap a new connection takes
   the place of the one idle longest (waiting for a request); when none is idle, the new one is closed at once.
 - every connection has a deadline: the request head within `head_timeout_s` of its first byte (trickling bytes
@@ -31,12 +33,15 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import parse_qs
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import generate_latest as text_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from . import logs
 from . import web_config
@@ -47,6 +52,7 @@ log = logs.get_logger("gpuwarden.http")
 LANDING_PAGE = (b"<!DOCTYPE html>\n<html><head><title>gpuwarden</title></head><body><h1>gpuwarden</h1>\n"
                 b"<p>GPU node health agent.</p>\n<p><a href=\"metrics\">Metrics</a></p>\n</body></html>\n")
 _CHUNK = 65536
+_GZIP_KEPT = 4
 _MAX_QUERY_FIELDS = 256
 
 
@@ -163,6 +169,7 @@ class MetricsEndpoint:
         self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="gw-metrics-work",
                                         initializer=name_this_thread, initargs=("gw-metrics-work",))
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
+        self._gzipped: list[tuple[bytes, bytes]] = []  # (page, its gzip), the latest first
 
     @property
     def port(self) -> int:
@@ -324,6 +331,8 @@ class MetricsEndpoint:
                         c.inbuf += data
                     elif isinstance(request, bytes):  # malformed: answered here, and the connection closed
                         self._start_write(c, request, close=True)
+                    elif self._quick(request):
+                        self._start_write(c, *self._answer(request))
                     else:
                         c.state = _WORK
                         self._sel.unregister(c.sock)
@@ -404,14 +413,31 @@ class MetricsEndpoint:
                     pass  # the pipe already holds a wake-up
 
     # -- the workers ---------------------------------------------------------------------------------------------
-    def _work(self, c: _Conn, request: _Request) -> None:
+    def _quick(self, req: _Request) -> bool:
+        """Whether the request is answered on the I/O thread: anything but a password check (bcrypt, ~0.1 s) and a
+        page prometheus-client renders (a `name[]=` selection, a format the registry's own page does not have).
+        The registry's page is cached and its changed families re-rendered in a few ms; two hand-offs between
+        threads would cost more than that while the checks keep the interpreter busy."""
+        if self._web is not None and self._web.current().auth:
+            return False
+        path, _, query = req.target.partition("?")
+        if path != "/metrics":
+            return True
+        return ("name" not in query and getattr(self._registry, "has_page", False)
+                and _page_format(choose_encoder(req.headers.get("accept", ""))[0]) is not None)
+
+    def _answer(self, request: _Request) -> tuple[bytes, bool]:
+        """The response, and whether the connection closes after it."""
         try:
             payload = self._respond(request)
         except Exception as exc:  # a defect must cost one response, not the connection's worker
             log.error("metrics endpoint: could not answer", error=repr(exc), target=request.target[:200])
             payload = _simple(500, "Internal Server Error", "internal error\n", keep=False)
             request.keep_alive = False
-        self._done.append((c, payload, not request.keep_alive))
+        return payload, not request.keep_alive
+
+    def _work(self, c: _Conn, request: _Request) -> None:
+        self._done.append((c, *self._answer(request)))
         self._wake()
 
     def _respond(self, req: _Request) -> bytes:
@@ -433,13 +459,36 @@ class MetricsEndpoint:
         except ValueError:
             return _simple(400, "Bad Request", "too many query parameters\n", keep, head_only=head_only)
         encoder, content_type = choose_encoder(req.headers.get("accept", ""))
-        registry = _Restricted(self._registry, params["name[]"]) if "name[]" in params else self._registry
-        body = encoder(registry)
+        if "name[]" in params:
+            body = encoder(_Restricted(self._registry, params["name[]"]))
+        else:
+            body = self._page(encoder)
         extra: tuple[str, ...] = ("Vary: Accept-Encoding",)
         if gzip_accepted(req.headers.get("accept-encoding", "")):
-            body = gzip.compress(body, compresslevel=1)  # the fastest level: ~8x smaller on this text already
+            body = self._gzip(body)
             extra += ("Content-Encoding: gzip",)
         return _response(200, "OK", body, content_type, keep, extra, head_only)
+
+    def _page(self, encoder: Callable[[Any], bytes]) -> bytes:
+        """The registry's own cached page where it has one and the format is one it renders (the text format and
+        OpenMetrics 1.0.0 as Prometheus asks for them); otherwise the encoder's rendering of the registry."""
+        fmt = _page_format(encoder)
+        if fmt is not None and getattr(self._registry, "has_page", False):
+            body = self._registry.page(*fmt, encoder)
+            if body is not None:
+                return body
+        return encoder(self._registry)
+
+    def _gzip(self, body: bytes) -> bytes:
+        """Compressed once per page: an unchanged page (the same bytes object) reuses its compression."""
+        cache = self._gzipped
+        for plain, packed in cache:
+            if plain is body:
+                return packed
+        # The fastest level: ~8x smaller on this text already. mtime 0: the same page, the same bytes.
+        packed = gzip.compress(body, compresslevel=1, mtime=0)
+        self._gzipped = [(body, packed), *cache[:_GZIP_KEPT - 1]]  # one per format a scraper asks for
+        return packed
 
     def _authorized(self, cfg: web_config.WebConfig, header: str) -> bool:
         scheme, _, token = header.strip().partition(" ")
@@ -451,6 +500,28 @@ class MetricsEndpoint:
             return False
         assert self._web is not None
         return bool(sep) and self._web.authorized(cfg, user, password)
+
+
+def _page_format(encoder: Callable[[Any], bytes]) -> tuple[bool, str] | None:
+    """(OpenMetrics?, escaping) of the encoder prometheus-client chose, where a registry's own page renders the
+    same bytes: the text format 0.0.4, or OpenMetrics 1.0.0, with names escaped by underscores or allowed as
+    UTF-8 (the same text for legacy names). None for anything else (the encoder renders it)."""
+    if encoder is text_latest:
+        return False, "underscores"
+    if encoder is openmetrics_latest:  # prometheus-client before escaping was negotiated
+        return True, "underscores"
+    if not isinstance(encoder, partial) or encoder.args:
+        return None
+    kw = encoder.keywords
+    escaping = kw.get("escaping", "underscores")
+    if escaping not in ("underscores", "allow-utf-8"):
+        return None
+    if encoder.func is text_latest and set(kw) <= {"escaping"}:
+        return False, escaping
+    if encoder.func is openmetrics_latest and set(kw) <= {"escaping", "version"} and \
+            kw.get("version", "1.0.0") == "1.0.0":
+        return True, escaping
+    return None
 
 
 def _parse_head(head: bytes) -> _Request | bytes:
