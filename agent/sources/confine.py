@@ -5,8 +5,10 @@ a device could act on open). Live reads (root "/") are not confined.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import time
 from pathlib import Path
 
 from ..errors import SourceError
@@ -19,21 +21,71 @@ def scenario_prefix(root: Path | str) -> str | None:
     return None if real == "/" else real.rstrip("/") + "/"
 
 
+# The resolved form of each directory read under a scenario, for a short while: resolving a path costs a system call
+# per component (a dozen in a recorded sysfs), and a preflight reads hundreds of files from a few dozen directories.
+# Only directories are kept: a file's own name is never resolved from here (see open_file). Within DIR_TTL_S a
+# directory that becomes a link is followed where it led when it was resolved, as a race between resolving and opening
+# would; after that it is resolved again.
+DIR_TTL_S = 1.0
+_DIR_CACHE_MAX = 4096
+_dirs: dict[str, tuple[float, str]] = {}
+
+
+def _real_dir(text: str) -> str:
+    now = time.monotonic()
+    hit = _dirs.get(text)
+    if hit is not None and now - hit[0] < DIR_TTL_S:
+        return hit[1]
+    real = os.path.realpath(text)
+    if len(_dirs) >= _DIR_CACHE_MAX:
+        _dirs.clear()
+    _dirs[text] = (now, real)
+    return real
+
+
+def _inside(real: str, prefix: str) -> bool:
+    return (real + "/").startswith(prefix)
+
+
 def check(path: str | Path, prefix: str | None) -> str:
-    """`path` as a string when it resolves inside the scenario (or `prefix` is None); else a SourceError."""
+    """`path` as a string when it resolves inside the scenario (or `prefix` is None); else a SourceError. Under a
+    scenario the string is the resolved path: what is opened or listed is what was checked."""
     text = os.fspath(path)
-    if prefix is not None and not (os.path.realpath(text) + "/").startswith(prefix):
+    if prefix is None:
+        return text
+    real = os.path.realpath(text)
+    if not _inside(real, prefix):
         raise SourceError(f"{text}: resolves outside the recorded node; not read")
-    return text
+    return real
+
+
+def _resolved_parent(text: str, prefix: str) -> str | None:
+    """The path of `text` with its directory resolved (from the cache) when that lies inside the scenario; None when
+    the directory does not, or the name is one resolving would change ("", ".", "..")."""
+    head, _, name = text.rpartition("/")
+    if not head or name in ("", ".", ".."):
+        return None
+    real = _real_dir(head)
+    return real.rstrip("/") + "/" + name if _inside(real, prefix) else None
 
 
 def open_file(path: str | Path, prefix: str | None) -> int:
     """A read-only descriptor of `path`, confined to the scenario and, there, to regular files. Raises OSError as
     os.open does (the caller words it), SourceError when refused."""
-    text = check(path, prefix)
+    text = os.fspath(path)
     if prefix is None:
         return os.open(text, os.O_RDONLY | os.O_CLOEXEC)
-    fd = os.open(text, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    fast = _resolved_parent(text, prefix)
+    fd = -1
+    if fast is not None:
+        try:  # the name itself is not followed: a link there (ELOOP) is resolved in full below
+            fd = os.open(fast, flags | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+    if fd < 0:
+        fd = os.open(check(text, prefix), flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SourceError(f"{text}: not a regular file; not read")
