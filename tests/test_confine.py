@@ -21,6 +21,9 @@ def test_a_directory_turned_into_a_link_out_is_refused_once_its_resolution_is_st
     assert sysfs.read("/sys/a/state") == "4: ACTIVE"
     os.rename(root / "sys/a", root / "sys/was-a")
     (root / "sys/a").symlink_to(outside)
+    fresh = Sysfs(root)  # the resolutions are the source's own: another one resolves anew
+    with pytest.raises(SourceError, match="resolves outside the recorded node"):
+        fresh.read("/sys/a/state")
     monkeypatch.setattr(confine, "DIR_TTL_S", 0.0)
     with pytest.raises(SourceError, match="resolves outside the recorded node"):
         sysfs.read("/sys/a/state")
