@@ -169,6 +169,8 @@ def decide_link(link: Link, entity: Entity, judge_speed: bool) -> list[Finding]:
 
 @dataclass(frozen=True)
 class NvmlLink:
+    """A GPU's PCIe link as NVML reports it."""
+
     gen: int
     max_gen: int  # NVML: the highest generation both the GPU and the system support
     width: int
