@@ -18,7 +18,8 @@ def test_a_directory_turned_into_a_link_out_is_refused_once_its_resolution_is_st
     (root / "sys/a/state").write_text("4: ACTIVE\n")
     (outside / "state").write_text("secret\n")
     sysfs = Sysfs(root)
-    assert sysfs.read("/sys/a/state") == "4: ACTIVE"
+    assert sysfs.read("/sys/a/state") == "4: ACTIVE" and sysfs.read_bytes("/sys/a/state") == b"4: ACTIVE\n"
+    assert sysfs.listdir("/sys/a") == ["state"]
     os.rename(root / "sys/a", root / "sys/was-a")
     (root / "sys/a").symlink_to(outside)
     fresh = Sysfs(root)  # the resolutions are the source's own: another one resolves anew

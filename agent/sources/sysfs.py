@@ -53,7 +53,7 @@ class Sysfs:
 
     def read_bytes(self, kernel_path: str) -> bytes:
         """The file's bytes as they are (a cmdline's NULs kept); OSError as open() raises it, SourceError if refused."""
-        return confine.read_bytes(self._str(kernel_path), self._inside, self._dirs)
+        return confine.read_bytes(self._str(kernel_path), self._inside, dirs=self._dirs)
 
     def open_fd(self, kernel_path: str) -> int:
         """A descriptor kept open for re-reading with os.pread(fd, n, 0): sysfs regenerates an attribute on every
