@@ -108,7 +108,7 @@ def open_file(path: str | Path, prefix: str | None, dirs: Dirs | None = None) ->
     return fd
 
 
-def read_bytes(path: str | Path, prefix: str | None, limit: int | None = None, dirs: Dirs | None = None) -> bytes:
+def read_bytes(path: str | Path, prefix: str | None, limit: int | None = None, *, dirs: Dirs | None = None) -> bytes:
     """The whole file, confined as open_file(); with `limit`, at most limit + 1 bytes (a caller that sees more than
     `limit` knows the file is too large without having read it all). Raises OSError as open() does, SourceError when
     refused."""
