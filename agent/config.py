@@ -214,7 +214,8 @@ def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = 
         return cfg
     tables = data.get("checks")
     if forms is not None and isinstance(tables, Mapping):
-        more = [n for n in tables if n in check_names and n not in cfg.checks]
+        # A table that sets nothing (the packaged config lists every check's, its keys commented out) needs no check.
+        more = [n for n, table in tables.items() if n in check_names and n not in cfg.checks and table != {}]
         if more:
             specs += [s for s in forms(more) if s.name not in cfg.checks]
             cfg = defaults(specs)
@@ -286,8 +287,9 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
                 if name not in check_names:
                     known = ", ".join(sorted(check_names))
                     raise ConfigError(f"{origin}: unknown check 'checks.{name}' (known: {known})")
-                _merge(cfg, cfg.checks[name], _table(table, f"checks.{name}", origin), f"checks.{name}", origin,
-                       choices)
+                values = _table(table, f"checks.{name}", origin)
+                if values or name in cfg.checks:  # an empty table sets nothing, whether its check is loaded or not
+                    _merge(cfg, cfg.checks[name], values, f"checks.{name}", origin, choices)
         else:
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], "
                               "[topology] and [checks.<name>])")

@@ -78,6 +78,11 @@ def test_a_config_loaded_lazily_checks_the_tables_its_file_sets(tmp_path):
     for name in ("rdma_loopback", "ib_port", "burnin"):
         assert cfg.for_check(name) == whole.for_check(name), name
     assert cfg.for_check("rdma_loopback")["ignore_ports"] == ["mlx5_3/1"]  # read from [checks.ib_port]
+    path.write_text("[checks.burnin]\n[checks.xid]\n")  # tables that set nothing: no check is loaded for them
+    cfg = config.load((), path, names=checks.NAMES, forms=checks.forms)
+    assert not cfg.checks
+    config.extend(cfg, checks.forms(["burnin"]))
+    assert cfg.for_check("burnin") == config.defaults(checks.all_specs()).for_check("burnin")
     path.write_text("[checks.burnin]\nsecond = 5.0\n")
     with pytest.raises(ConfigError, match="unknown key 'checks.burnin.second'"):
         config.load((), path, names=checks.NAMES, forms=checks.forms)
@@ -104,9 +109,14 @@ def test_a_quick_preflight_imports_only_the_checks_it_runs(tmp_path):
     quick = {m for name, level, modules in checks.CONCERNS if level == "quick" for m in modules}
     assert quick <= loaded
     assert not loaded & {m for name, level, modules in checks.CONCERNS if level != "quick" for m in modules}
-    # a check named in the config file is loaded, and only it
+    # the packaged config names every check's table, with every key commented out: nothing more is loaded
+    proc = subprocess.run([*run, "--config", str(ROOT / "packaging" / "gpuwarden.toml")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert checks_in(proc.stderr) == loaded
+    # a check whose table the config file sets is loaded, and only it
     path = tmp_path / "gpuwarden.toml"
-    path.write_text('[agent]\nchecks = ["xid"]\n[checks.thermal]\n')
+    path.write_text('[agent]\nchecks = ["xid"]\n[checks.thermal]\nsustain_s = 30.0\n[checks.burnin]\n')
     proc = subprocess.run([*run, "--config", str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     loaded = checks_in(proc.stderr)
