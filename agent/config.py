@@ -293,7 +293,9 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
         else:
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], "
                               "[topology] and [checks.<name>])")
-    if "sweep" in data:  # the criteria's keys, against their own ranges (and small below large)
+    # The criteria's keys, against their own ranges (and small below large). A [sweep] that sets nothing but empty
+    # tables (the packaged config's) leaves the defaults, which hold: the sweep's code is then not loaded.
+    if any(v != {} for v in data.get("sweep", {}).values()):
         from .sweep_criteria import check_policy
 
         check_policy(cfg.sweep, f"{origin}: [sweep]")
@@ -313,9 +315,10 @@ def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefi
     for key, value in values.items():
         full = f"{prefix}.{key}"
         if full == "sweep.baselines":  # a table of tables: the sweep's criteria check every entry
-            from .sweep_criteria import parse_baselines
+            if value != {}:
+                from .sweep_criteria import parse_baselines
 
-            parse_baselines(_table(value, full, origin), f"{origin}: [{full}]")
+                parse_baselines(_table(value, full, origin), f"{origin}: [{full}]")
             target[key] = {k: dict(v) for k, v in value.items()}
             continue
         if prefix in _FREE_TABLES:
