@@ -26,6 +26,8 @@ class Analyzer:
 
 @dataclass(frozen=True)
 class CheckSpec:
+    """A preflight check: its name (and config table), what it runs, and how the runner treats it."""
+
     name: str
     summary: str
     run: "Callable[[Node, Mapping[str, Any]], Iterable[Finding]]"

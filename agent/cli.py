@@ -377,14 +377,15 @@ def _emit(report: Report, as_json: bool) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from gpuwarden.checks import ALL, all_specs
+    from gpuwarden import checks
 
     from . import config as config_mod
     from .model import Report
     from .render import Progress
     from .runner import run_checks
 
-    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
+    # Only the checks this run needs are imported: those it runs, and those whose table the config file sets.
+    cfg = config_mod.load((), args.config, explicit=args.config is not None, names=checks.NAMES, forms=checks.forms)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     if args.check_timeout is not None:
         config_mod.set_flag(cfg, "check_timeout_s", args.check_timeout, "--check-timeout")
@@ -392,12 +393,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         config_mod.set_flag(cfg, "budget_s", args.budget, "--budget")
     level = args.level or cfg.agent["level"]
     names = [n for arg in args.checks for n in arg.split(",") if n] or cfg.agent["checks"]
-    known = {s.name: s for s in ALL}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise GpuwardenError(f"unknown check '{unknown[0]}' (known: {', '.join(known)})")
-    # Named checks run whatever their level; otherwise the level picks them.
-    specs = [known[n] for n in names] if names else [s for s in ALL if level == "full" or s.level == "quick"]
+    try:
+        # Named checks run whatever their level; otherwise the level picks them.
+        specs = checks.chosen(names, level)
+    except ValueError as exc:
+        raise GpuwardenError(str(exc)) from None
+    config_mod.extend(cfg, checks.forms(s.name for s in specs))
     node = _node(args.root)
     progress = Progress() if not args.json else None
     try:

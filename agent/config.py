@@ -17,7 +17,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .check import CheckSpec
 from .errors import ConfigError
@@ -191,11 +191,16 @@ def defaults(specs: Iterable[Any]) -> Config:
     return Config(copy.deepcopy(AGENT_DEFAULTS), tables, list_types=list_types, shared=shared)
 
 
-def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = False) -> Config:
+def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = False,
+         names: Iterable[str] | None = None, forms: "Callable[[Iterable[str]], Iterable[Any]] | None" = None) -> Config:
     """Defaults, overlaid with the file at `path` (or DEFAULT_PATH when it exists).
 
-    `explicit` means the user named the file (--config): then a missing file is an error."""
+    `explicit` means the user named the file (--config): then a missing file is an error. `names`: every check's
+    name (default: those of `specs`); with `forms` (names -> their specs), the file's [checks.<name>] tables of checks
+    not among `specs` are checked against the forms it gives, so a command loads only the checks it runs and those
+    the file sets (`extend` adds more)."""
     specs = list(specs)
+    check_names = {s.name for s in specs} if names is None else set(names)
     cfg = defaults(specs)
     if path is None:
         path = DEFAULT_PATH
@@ -207,10 +212,33 @@ def load(specs: Iterable[CheckSpec], path: Path | None = None, explicit: bool = 
         if explicit:
             raise ConfigError(f"{path}: config file not found") from None
         return cfg
-    apply(cfg, data, str(path), {s.name for s in specs}, spec_choices(specs))
+    tables = data.get("checks")
+    if forms is not None and isinstance(tables, Mapping):
+        # A table that sets nothing (the packaged config lists every check's, its keys commented out) needs no check.
+        more = [n for n, table in tables.items() if n in check_names and n not in cfg.checks and table != {}]
+        if more:
+            specs += [s for s in forms(more) if s.name not in cfg.checks]
+            cfg = defaults(specs)
+    apply(cfg, data, str(path), check_names, spec_choices(specs))
     cfg.files.append(str(path))
     cfg.source = str(path)
     return cfg
+
+
+def extend(cfg: Config, specs: Iterable[Any]) -> None:
+    """Add the default tables of the checks among `specs` that `cfg` has none of (a check chosen after the config
+    was loaded; the file set nothing of it, or its table would be there). `specs` holds every form of those checks
+    and of the checks whose keys they read."""
+    new = [s for s in specs if s.name not in cfg.checks]
+    if not new:
+        return
+    more = defaults([*new, *(s for s in specs if s.name in cfg.checks)])
+    for name, table in more.checks.items():
+        if name not in cfg.checks:
+            cfg.checks[name] = table
+            cfg.list_types |= {k: t for k, t in more.list_types.items() if k.startswith(f"checks.{name}.")}
+            if name in more.shared:
+                cfg.shared[name] = more.shared[name]
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -259,12 +287,15 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
                 if name not in check_names:
                     known = ", ".join(sorted(check_names))
                     raise ConfigError(f"{origin}: unknown check 'checks.{name}' (known: {known})")
-                _merge(cfg, cfg.checks[name], _table(table, f"checks.{name}", origin), f"checks.{name}", origin,
-                       choices)
+                values = _table(table, f"checks.{name}", origin)
+                if values or name in cfg.checks:  # an empty table sets nothing, whether its check is loaded or not
+                    _merge(cfg, cfg.checks[name], values, f"checks.{name}", origin, choices)
         else:
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], "
                               "[topology] and [checks.<name>])")
-    if "sweep" in data:  # the criteria's keys, against their own ranges (and small below large)
+    # The criteria's keys, against their own ranges (and small below large). A [sweep] that sets nothing but empty
+    # tables (the packaged config's) leaves the defaults, which hold: the sweep's code is then not loaded.
+    if any(v != {} for v in data.get("sweep", {}).values()):
         from .sweep_criteria import check_policy
 
         check_policy(cfg.sweep, f"{origin}: [sweep]")
@@ -284,9 +315,10 @@ def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefi
     for key, value in values.items():
         full = f"{prefix}.{key}"
         if full == "sweep.baselines":  # a table of tables: the sweep's criteria check every entry
-            from .sweep_criteria import parse_baselines
+            if value != {}:
+                from .sweep_criteria import parse_baselines
 
-            parse_baselines(_table(value, full, origin), f"{origin}: [{full}]")
+                parse_baselines(_table(value, full, origin), f"{origin}: [{full}]")
             target[key] = {k: dict(v) for k, v in value.items()}
             continue
         if prefix in _FREE_TABLES:

@@ -115,6 +115,8 @@ class Finding:
 
 @dataclass(frozen=True)
 class CheckResult:
+    """How one check ended: its status, what it found, and why it could not look when it could not."""
+
     check: str
     status: Status
     findings: tuple[Finding, ...] = ()

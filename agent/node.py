@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-import socket
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,8 @@ NVIDIA_VENDOR = "0x10de"
 
 @dataclass
 class NodeInfo:
+    """Who the node is: node.toml of a recorded node, the hostname and boot of a live one."""
+
     hostname: str
     sku: str = "unknown"
     rack: str | None = None
@@ -163,7 +165,7 @@ class Node:
             boot_id = sysfs.read(BOOT_ID)
         except SourceError:
             pass
-        info = NodeInfo(hostname=socket.gethostname(), boot_id=boot_id)
+        info = NodeInfo(hostname=os.uname().nodename, boot_id=boot_id)  # what gethostname() returns on Linux
         node = cls(info, None, sysfs, KernelLog(DEV_KMSG, live=True, boot_id=boot_id), ToolRunner(), Nvml.live)
         try:
             gpus = node.nvml.gpus()

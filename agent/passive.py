@@ -36,6 +36,8 @@ class MetricSample:
 
 @dataclass(frozen=True)
 class Judgement:
+    """What a judge returns: the state to persist, the findings that hold now, and the samples to export."""
+
     state: dict[str, Any]  # persisted; must round-trip through json
     findings: tuple[Finding, ...] = ()
     metrics: tuple[MetricSample, ...] = ()
@@ -46,6 +48,8 @@ class Judgement:
 
 @dataclass(frozen=True)
 class PassiveSpec:
+    """A daemon check: its name (and config table), how it samples and judges, and how often."""
+
     name: str
     summary: str
     sample: "Callable[[Node, Mapping[str, Any], Mapping[str, Any]], Any]"

@@ -172,13 +172,13 @@ def act(adapter: Any, node: str, report: Report, on_unknown: str) -> tuple[int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.checks import ALL, all_specs
+    from gpuwarden import checks
 
     from .adapters.slurm import SlurmAdapter
     from .cli import _node, _tools_end_on_signals
     from .runner import run_checks
 
-    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
+    cfg = config_mod.load((), args.config, explicit=args.config is not None, names=checks.NAMES, forms=checks.forms)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     budget = args.budget if args.budget is not None else BUDGET_S[args.mode]
     budget = config_mod.coerce("agent.budget_s", budget, 0.0, "command line", name="--budget")
@@ -187,12 +187,11 @@ def run(args: argparse.Namespace) -> int:
     if not budget or not timeout:
         raise GpuwardenError("--budget and --scontrol-timeout must be more than 0")
     node = node_name(args.node, cfg)
-    known = {s.name: s for s in ALL}
-    names = [n for arg in args.checks for n in arg.split(",") if n]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise GpuwardenError(f"unknown check '{unknown[0]}' (known: {', '.join(known)})")
-    specs = [known[n] for n in names] if names else [s for s in ALL if s.level == "quick"]
+    try:
+        specs = checks.chosen([n for arg in args.checks for n in arg.split(",") if n], "quick")
+    except ValueError as exc:
+        raise GpuwardenError(str(exc)) from None
+    config_mod.extend(cfg, checks.forms(s.name for s in specs))
     table = dict(cfg.remediation.get("slurm", {}))
     table["timeout_s"] = timeout  # Slurm's limit on this program is what bounds each call here
     try:

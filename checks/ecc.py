@@ -15,6 +15,8 @@ CHECK_NAME = "ecc"
 
 @dataclass(frozen=True)
 class EccReading:
+    """One GPU's ECC mode, error counts and row-remapper state, as NVML reports them."""
+
     ecc_mode: Mapping[str, int]
     errors: Mapping[str, Mapping[str, int]]  # volatile/aggregate -> corrected/uncorrected
     remapped: Mapping[str, Any] | None  # None: the GPU has no row remapper (pre-Ampere)

@@ -67,12 +67,13 @@ def parse_speed(text: str) -> float | None:
     return float(m[1]) if m else None
 
 
-def pci_path(sysfs: Any, bdf: str) -> list[tuple[str, str]]:
+def pci_path(sysfs: Any, bdf: str, root: Path | None = None) -> list[tuple[str, str]]:
     """(name, kernel path) of each level from the host bridge ("pci0000:15") down to `bdf`, where
-    /sys/bus/pci/devices/<bdf> links into /sys/devices/pci...; just [(bdf, its path)] for a flat capture."""
+    /sys/bus/pci/devices/<bdf> links into /sys/devices/pci...; just [(bdf, its path)] for a flat capture. `root`: the
+    sysfs root resolved (a caller walking every device resolves it once)."""
     link = f"{PCI_DEVICES}/{bdf}"
     try:
-        root = sysfs.root.resolve()
+        root = root or sysfs.root.resolve()
         parts = sysfs.path(link).resolve(strict=True).relative_to(root).parts
     except (OSError, ValueError):
         return [(bdf, link)]
@@ -109,6 +110,7 @@ def read_links(sysfs: Any, ignore: Iterable[str] = ()) -> tuple[list[Link], list
     links: dict[str, Link] = {}
     problems: list[Finding] = []
     slots: set[str] = set()
+    root = sysfs.root.resolve()
     for bdf in sysfs.listdir(PCI_DEVICES):
         base = f"{PCI_DEVICES}/{bdf}"
         try:
@@ -119,7 +121,7 @@ def read_links(sysfs: Any, ignore: Iterable[str] = ()) -> tuple[list[Link], list
                 or bdf.rsplit(".", 1)[0] in slots):
             continue
         slots.add(bdf.rsplit(".", 1)[0])
-        levels = [lv for lv in pci_path(sysfs, bdf) if _BDF.match(lv[0])]
+        levels = [lv for lv in pci_path(sysfs, bdf, root) if _BDF.match(lv[0])]
         # Below a root port the ports alternate downstream/upstream (root port, switch up, switch down, ...,
         # device), so the physical links pair them up; an odd chain (a legacy bridge) keeps only the last link.
         pairs = ([(levels[i], levels[i + 1]) for i in range(0, len(levels), 2)] if len(levels) % 2 == 0
@@ -169,6 +171,8 @@ def decide_link(link: Link, entity: Entity, judge_speed: bool) -> list[Finding]:
 
 @dataclass(frozen=True)
 class NvmlLink:
+    """A GPU's PCIe link as NVML reports it."""
+
     gen: int
     max_gen: int  # NVML: the highest generation both the GPU and the system support
     width: int

@@ -22,7 +22,16 @@ HEAVY = ("structlog", "prometheus_client", "sqlite3", "yaml", "asyncio", "email"
          "gpuwarden.agent.plan_command", "gpuwarden.agent.plan_capacity", "gpuwarden.agent.plan_risk",
          "gpuwarden.agent.plan_simulate", "gpuwarden.agent.plan_defrag", "gpuwarden.agent.sim_fleet",
          "gpuwarden.agent.topology", "gpuwarden.agent.slurm_healthcheck", "gpuwarden.agent.adapters.slurm",
-         "gpuwarden.agent.adapters.local", "gpuwarden.agent.adapters.kubernetes", "gpuwarden.agent.remediation")
+         "gpuwarden.agent.adapters.local", "gpuwarden.agent.adapters.kubernetes", "gpuwarden.agent.remediation",
+         "socket")
+# What only the full checks and the daemon's own checks use: a quick preflight runs none of them.
+FULL_ONLY = ("gpuwarden.checks.burnin", "gpuwarden.checks.peer_p2p", "gpuwarden.checks.nccl_allreduce",
+             "gpuwarden.checks.rdma_loopback", "gpuwarden.checks.dcgm_diag", "gpuwarden.checks.ecc_memtest",
+             "gpuwarden.checks.clock_events", "gpuwarden.checks.thermal", "gpuwarden.checks.nccl_sweep",
+             "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_nccl_tests",
+             "gpuwarden.checks.parse_perftest", "gpuwarden.checks.parse_nvbandwidth", "gpuwarden.agent.sources.gemm",
+             "gpuwarden.agent.sources.perftest", "gpuwarden.agent.sweep", "gpuwarden.agent.adapters.base",
+             "gpuwarden.agent.sweep_criteria", "gpuwarden.agent.sweep_history", "statistics")
 
 
 def loaded_by(*argv: str) -> tuple[set[str], subprocess.CompletedProcess]:
@@ -60,10 +69,12 @@ def test_help_loads_no_check_and_nothing_heavy(argv):
     assert "gpuwarden.checks" not in modules and "gpuwarden.agent.config" not in modules
 
 
-def test_preflight_on_a_recorded_node_loads_nothing_heavy():
-    modules, proc = loaded_by("preflight", "--root", str(NODES / "h100-hgx-healthy"), "--json")
+@pytest.mark.parametrize("config", [(), ("--config", str(ROOT / "packaging" / "gpuwarden.toml"))],
+                         ids=["no-config", "packaged-config"])
+def test_preflight_on_a_recorded_node_loads_nothing_heavy(config):
+    modules, proc = loaded_by("preflight", "--root", str(NODES / "h100-hgx-healthy"), "--json", *config)
     assert proc.returncode == 0 and json.loads(proc.stdout)["status"] == "ok"
-    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+    assert not modules & {*HEAVY, *FULL_ONLY}, sorted(modules & {*HEAVY, *FULL_ONLY})
     assert "gpuwarden.checks.xid" in modules  # it did run the checks
 
 

@@ -21,6 +21,7 @@ class Sysfs:
         # parsing was most of the cost of a 1 s IB-port poll.
         self._prefix = str(self.root).rstrip("/") + "/"
         self._inside = confine.scenario_prefix(self.root)  # None live: no per-read cost there
+        self._dirs: confine.Dirs = {}  # directories resolved under a recorded root (confine.py)
 
     def path(self, kernel_path: str) -> Path:
         """Map an absolute kernel path ("/sys/class/infiniband") under the root."""
@@ -37,7 +38,7 @@ class Sysfs:
         p = self._str(kernel_path)
         try:
             # os-level reads: a text-mode open() costs three times as much, and the daemon polls these every second.
-            fd = confine.open_file(p, self._inside)
+            fd = confine.open_file(p, self._inside, self._dirs)
             try:
                 chunks = [os.read(fd, 65536)]
                 while chunks[-1]:  # sysfs attributes fit one read; a recorded /proc file may not
@@ -52,14 +53,14 @@ class Sysfs:
 
     def read_bytes(self, kernel_path: str) -> bytes:
         """The file's bytes as they are (a cmdline's NULs kept); OSError as open() raises it, SourceError if refused."""
-        return confine.read_bytes(self._str(kernel_path), self._inside)
+        return confine.read_bytes(self._str(kernel_path), self._inside, dirs=self._dirs)
 
     def open_fd(self, kernel_path: str) -> int:
         """A descriptor kept open for re-reading with os.pread(fd, n, 0): sysfs regenerates an attribute on every
         read at offset 0, without the path lookup an open() costs (and a removed device's file then fails)."""
         p = self._str(kernel_path)
         try:
-            return confine.open_file(p, self._inside)
+            return confine.open_file(p, self._inside, self._dirs)
         except OSError as exc:
             raise SourceError(f"{p}: cannot open: {exc.strerror or exc}") from None
 
@@ -74,7 +75,7 @@ class Sysfs:
         """Sorted entries; a missing directory is an empty list (absence is the caller's signal)."""
         p = self._str(kernel_path)
         try:
-            return sorted(os.listdir(p if self._inside is None else confine.check(p, self._inside)))
+            return sorted(os.listdir(p if self._inside is None else confine.check_dir(p, self._inside, self._dirs)))
         except FileNotFoundError:
             return []
         except OSError as exc:
