@@ -111,6 +111,7 @@ class RecordedNvml:
         self._path, self._view, self._stamp = path, snapshot, _mtime(path)
         self._sets: dict[int, _EventSet] = {}
         self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
+        self._field_answers: dict[int, dict[tuple[int, int], tuple[int, int | None]]] = {}
         # Wakes a waiting event set when nvml.json's folder is written (a test appends an XID to the file).
         self._waiter = FolderWaiter(Path(path).parent) if path is not None else None
 
@@ -259,8 +260,10 @@ class RecordedNvml:
         a call that succeeds: with the error nvml.json records for the function that reads the same counter, with
         INVALID_ARGUMENT for a link the GPU does not have, NOT_SUPPORTED for a field not recorded."""
         gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
+        # A field's answer is fixed for the life of this instance (nvml.json read once; a rewritten file makes a new
+        # instance): worked out once per GPU and field, as (value, NVML error code or None).
+        answers = self._field_answers.setdefault(self._index(handle), {})
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
-        links: dict[int, Any] | None = None  # the GPU's nvlinks by link number, built at the first link field
         for i, entry in enumerate(fieldIds):
             # pynvml takes a field id or a (field id, scope id) pair.
             field_id, scope = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 0)
@@ -268,19 +271,22 @@ class RecordedNvml:
             field_id, scope = _uint(field_id, 2), _uint(scope, 2)
             _write(fv, "fieldId", field_id)
             _write(fv, "scopeId", scope)
-            try:
-                if links is None and field_id in _NVLINK_FIELDS:
-                    links = {int(e["link"]): e for e in self._record(gpu, "nvlinks", _NVLINK_FIELDS[field_id][0])}
-                value = self._field_value(gpu, field_id, scope, links)
-            except pynvml.NVMLError as exc:
-                _write(fv, "nvmlReturn", exc.value)
+            answer = answers.get((field_id, scope))
+            if answer is None:
+                try:
+                    answer = (self._field_value(gpu, field_id, scope), None)
+                except pynvml.NVMLError as exc:
+                    answer = (0, exc.value)
+                answers[(field_id, scope)] = answer
+            if answer[1] is not None:
+                _write(fv, "nvmlReturn", answer[1])
                 continue
             _write(fv, "nvmlReturn", _SUCCESS)
             _write(fv, "valueType", _ULL)
-            ctypes.Structure.__getattribute__(fv, "value").ullVal = value
+            ctypes.Structure.__getattribute__(fv, "value").ullVal = answer[0]
         return values
 
-    def _field_value(self, gpu: dict[str, Any], field_id: int, scope: int, links: dict[int, Any] | None) -> int:
+    def _field_value(self, gpu: dict[str, Any], field_id: int, scope: int) -> int:
         """One field's value, or the NVMLError NVML would report for it."""
         if field_id == _MEMORY_TEMP:
             temps = self._record(gpu, "temperature", "nvmlDeviceGetFieldValues")
@@ -297,8 +303,8 @@ class RecordedNvml:
         link_field = _NVLINK_FIELDS.get(field_id)
         if link_field is not None:
             call, name, link = link_field
-            self._record(gpu, "nvlinks", call)  # the error recorded for the function that reads it fails the field
-            entry = (links or {}).get(scope if link is None else link)
+            link = scope if link is None else link
+            entry = next((e for e in self._record(gpu, "nvlinks", call) if int(e["link"]) == link), None)
             if entry is None:
                 raise _error("INVALID_ARGUMENT")  # what NVML answers for a link the GPU does not have
             if name == "state":
