@@ -156,8 +156,11 @@ def judge(state: Mapping[str, Any], sample: ClockSample, cfg: Mapping[str, Any],
 
 
 def quiet(state: Mapping[str, Any]) -> bool:
-    """No judged reason active at the last reading: the same readings again only add unthrottled time."""
-    return not any(active_reasons(int(g.get("last_mask", 0))) for g in state.get("gpus", {}).values())
+    """No judged reason active at the last reading: the same readings again only add unthrottled time. Reasons that
+    are not judged (an idle GPU's gpu_idle, a power cap) do not count: the same readings again cannot make a finding
+    of them."""
+    return not any(r in JUDGED for g in state.get("gpus", {}).values()
+                   for r in active_reasons(int(g.get("last_mask", 0))))
 
 
 SPEC = PassiveSpec(
