@@ -236,3 +236,14 @@ def test_a_value_type_not_known_and_a_failed_field_are_errors_of_that_field():
 def test_the_ecc_field_table_covers_every_count_the_check_reads():
     assert {(g, n) for g, n in ECC_FIELDS if g in ("volatile", "aggregate")} == {
         (c, k) for c in ("volatile", "aggregate") for k in ("corrected", "uncorrected")}
+
+
+def test_the_field_array_is_read_in_the_layout_the_bindings_declare():
+    """field_values reads nvmlFieldValue_t as bytes: the layout must be the one the installed bindings declare."""
+    import ctypes
+
+    from gpuwarden.agent.sources import nvml as source
+
+    fv = pynvml.c_nvmlFieldValue_t
+    assert source._FV_SIZE == ctypes.sizeof(fv)
+    assert (fv.valueType.offset, fv.nvmlReturn.offset, fv.value.offset, fv.value.size) == (24, 28, 32, 8)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,15 +96,17 @@ ECC_FIELDS = {
     ("remapped", "pending"): const("NVML_FI_DEV_REMAPPED_PENDING"),
     ("remapped", "failure"): const("NVML_FI_DEV_REMAPPED_FAILURE"),
 }
-# nvmlValueType_t -> the member of nvmlValue_t that holds it (UNSIGNED_SHORT exists only in newer releases).
-_VALUE_MEMBER = {const(f"NVML_VALUE_TYPE_{t}"): m for t, m in (
-    ("DOUBLE", "dVal"), ("UNSIGNED_INT", "uiVal"), ("UNSIGNED_LONG", "ulVal"), ("UNSIGNED_LONG_LONG", "ullVal"),
-    ("SIGNED_LONG_LONG", "sllVal"), ("SIGNED_INT", "siVal"), ("UNSIGNED_SHORT", "usVal"))
+# nvmlFieldValue_t as nvml.h lays it out (fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value: 40
+# bytes, native order): valueType, nvmlReturn and the 8 bytes of the value union.
+_FV_LAYOUT = struct.Struct("=8x8x8xII8s")
+_FV_SIZE = _FV_LAYOUT.size
+# nvmlValueType_t -> how the union holds it (UNSIGNED_SHORT exists only in newer releases; unsigned long is 64-bit
+# on the Linux the agent runs on).
+_VALUE_DECODE = {const(f"NVML_VALUE_TYPE_{t}"): struct.Struct(f"={c}") for t, c in (
+    ("DOUBLE", "d"), ("UNSIGNED_INT", "I"), ("UNSIGNED_LONG", "Q"), ("UNSIGNED_LONG_LONG", "Q"),
+    ("SIGNED_LONG_LONG", "q"), ("SIGNED_INT", "i"), ("UNSIGNED_SHORT", "H"))
     if hasattr(pynvml, f"NVML_VALUE_TYPE_{t}")}
 _SUCCESS = const("NVML_SUCCESS")
-# A field of a bindings structure read by ctypes itself: pynvml's structures route every attribute read through a
-# Python __getattribute__ (bytes to str), which costs more than the read when a poll reads a few hundred fields.
-_read = ctypes.Structure.__getattribute__
 # Field ids by number -> name, for error messages.
 FIELD_NAMES: dict[int, str] = {}
 for _n in dir(pynvml):
@@ -239,19 +242,23 @@ class Nvml:
         ids = [fid if scope is None else (fid, scope) for _, fid, scope in fields]
         values = self._dev(gpu, "nvmlDeviceGetFieldValues", ids)
         out: dict[Any, int | float | NvmlError] = {}
-        for (key, fid, scope), fv in zip(fields, values, strict=True):
-            ret = int(_read(fv, "nvmlReturn"))
+        # The array read as bytes in one pass (nvmlFieldValue_t: the layout every supported release declares),
+        # rather than a few hundred attribute reads through the bindings' structure class.
+        raw = bytes(values)
+        if len(raw) != len(fields) * _FV_SIZE:
+            raise NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
+                            f"{len(raw)} bytes for {len(fields)} fields")
+        for (key, fid, scope), (kind, ret, value) in zip(fields, _FV_LAYOUT.iter_unpack(raw), strict=True):
             if ret != _SUCCESS:
                 where = FIELD_NAMES.get(fid, f"field {fid}") + ("" if scope is None else f" scope {scope}")
                 out[key] = NvmlError("nvmlDeviceGetFieldValues", ERROR_NAMES.get(ret, f"CODE_{ret}"), gpu.index, where)
                 continue
-            kind = int(_read(fv, "valueType"))
-            member = _VALUE_MEMBER.get(kind)
-            if member is None:
+            decode = _VALUE_DECODE.get(kind)
+            if decode is None:
                 out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
                                      f"{FIELD_NAMES.get(fid, fid)}: value type {kind} not known")
                 continue
-            out[key] = getattr(_read(fv, "value"), member)
+            out[key] = decode.unpack_from(value)[0]
         return out
 
     def ecc_counters(self, gpu: Gpu) -> dict[str, Any]:

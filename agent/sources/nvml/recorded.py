@@ -112,6 +112,7 @@ class RecordedNvml:
         self._sets: dict[int, _EventSet] = {}
         self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
         self._field_answers: dict[int, dict[tuple[int, int], tuple[int, int | None]]] = {}
+        self._field_arrays: dict[tuple[int, tuple[Any, ...]], bytes] = {}
         # Wakes a waiting event set when nvml.json's folder is written (a test appends an XID to the file).
         self._waiter = FolderWaiter(Path(path).parent) if path is not None else None
 
@@ -260,10 +261,16 @@ class RecordedNvml:
         a call that succeeds: with the error nvml.json records for the function that reads the same counter, with
         INVALID_ARGUMENT for a link the GPU does not have, NOT_SUPPORTED for a field not recorded."""
         gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
-        # A field's answer is fixed for the life of this instance (nvml.json read once; a rewritten file makes a new
-        # instance): worked out once per GPU and field, as (value, NVML error code or None).
-        answers = self._field_answers.setdefault(self._index(handle), {})
-        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        # The answers are fixed for the life of this instance (nvml.json read once; a rewritten file makes a new
+        # instance): the same request is answered with a copy of the array built the first time.
+        index = self._index(handle)
+        array = pynvml.c_nvmlFieldValue_t * len(fieldIds)
+        request = (index, tuple(fieldIds))
+        built = self._field_arrays.get(request)
+        if built is not None:
+            return array.from_buffer_copy(built)
+        answers = self._field_answers.setdefault(index, {})
+        values = array()
         for i, entry in enumerate(fieldIds):
             # pynvml takes a field id or a (field id, scope id) pair.
             field_id, scope = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 0)
@@ -284,6 +291,8 @@ class RecordedNvml:
             _write(fv, "nvmlReturn", _SUCCESS)
             _write(fv, "valueType", _ULL)
             ctypes.Structure.__getattribute__(fv, "value").ullVal = answer[0]
+        if len(self._field_arrays) < 4096:  # bounded: a caller asking ever new field lists is answered afresh
+            self._field_arrays[request] = bytes(values)
         return values
 
     def _field_value(self, gpu: dict[str, Any], field_id: int, scope: int) -> int:
