@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import structlog
-import yaml
 
 from .adapters.base import AdapterError, NodeView
 from .errors import ConfigError, NvmlError
@@ -433,6 +432,8 @@ def render_yaml(topo: FleetTopology) -> str:
              *("# " + h for h in _HEADER),
              *(f"# {b.name}: NVLink domain {b.domain}, {len(b.nodes)} node(s)" for b in topo.blocks),
              *("# " + c for c in _comments(topo))]
+    import yaml  # here: the one YAML this module writes; the daemon, which imports the module, never does
+
     return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 

@@ -18,8 +18,9 @@ def test_arena_limit_and_trim_take_on_glibc():
 
 
 def test_the_daemons_modules_leave_out_what_it_does_not_use():
-    code = ("import sys; import gpuwarden.agent.daemon, gpuwarden.checks, gpuwarden.agent.sources.nvml; "
-            "print(' '.join(m for m in ('statistics', 'fractions', 'decimal') if m in sys.modules))")
+    code = ("import sys; import gpuwarden.agent.daemon, gpuwarden.checks, gpuwarden.agent.sources.nvml, "
+            "gpuwarden.agent.topology; "
+            "print(' '.join(m for m in ('statistics', 'fractions', 'decimal', 'yaml') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == []
 
