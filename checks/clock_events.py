@@ -158,9 +158,11 @@ def judge(state: Mapping[str, Any], sample: ClockSample, cfg: Mapping[str, Any],
 def quiet(state: Mapping[str, Any]) -> bool:
     """No judged reason active at the last reading: the same readings again only add unthrottled time. Reasons that
     are not judged (an idle GPU's gpu_idle, a power cap) do not count: the same readings again cannot make a finding
-    of them."""
-    return not any(r in JUDGED for g in state.get("gpus", {}).values()
-                   for r in active_reasons(int(g.get("last_mask", 0))))
+    of them. A GPU read only once is not quiet: its second reading gives the window its first observed time (and the
+    ratios their first value)."""
+    gpus = state.get("gpus", {}).values()
+    return all(g.get("buckets") for g in gpus) and not any(
+        r in JUDGED for g in gpus for r in active_reasons(int(g.get("last_mask", 0))))
 
 
 SPEC = PassiveSpec(

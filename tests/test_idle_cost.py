@@ -30,9 +30,12 @@ def test_an_idle_gpu_is_a_quiet_clock_state():
     daemon does not judge and write the same unthrottled readings every 10 s; a judged reason makes it not quiet."""
     from gpuwarden.checks import clock_events
 
-    def state(*masks):
-        return {"gpus": {f"GPU-{i}": {"last_mask": m, "last_t": 0.0, "buckets": []} for i, m in enumerate(masks)}}
+    def state(*masks, read_once=False):
+        buckets = [] if read_once else [{"t": 0.0, "obs": 10.0, "on": {"gpu_idle": 10.0}}]
+        return {"gpus": {f"GPU-{i}": {"last_mask": m, "last_t": 10.0, "buckets": buckets}
+                         for i, m in enumerate(masks)}}
 
     assert clock_events.quiet(state(0x1, 0x1 | 0x4, 0x10 | 0x2, 0x0))
     for judged in ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown"):
         assert not clock_events.quiet(state(0x1, 0x1 | clock_events.REASONS[judged]))
+    assert not clock_events.quiet(state(0x1, read_once=True))  # the second reading gives the ratios a value
