@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -110,6 +109,8 @@ def block_name(domain: str) -> str:
         raise ValueError(f"not a valid NVLink domain: {_shown(domain)}")
     if len(domain) <= MAX_BLOCK_NAME and domain[0].isalpha() and "." not in domain:
         return domain
+    import hashlib  # here: OpenSSL's libcrypto is megabytes of the daemon's memory, for a name it may never need
+
     return "nvl" + hashlib.sha256(domain.encode()).hexdigest()[:12]
 
 
