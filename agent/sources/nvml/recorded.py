@@ -12,7 +12,6 @@ entry again after a restart (docs/scenario-format.md).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import threading
 import time
@@ -579,6 +578,8 @@ class _EventSet:
 
 
 def _digest(entries: list[Any]) -> str:
+    import hashlib  # here: OpenSSL's libcrypto is megabytes of a daemon's memory; only a node with XID events asks
+
     return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
 
 
