@@ -247,3 +247,25 @@ def test_the_field_array_is_read_in_the_layout_the_bindings_declare():
     fv = pynvml.c_nvmlFieldValue_t
     assert source._FV_SIZE == ctypes.sizeof(fv)
     assert (fv.valueType.offset, fv.nvmlReturn.offset, fv.value.offset, fv.value.size) == (24, 28, 32, 8)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_value_that_is_not_a_finite_number_is_an_error_of_that_field(value):
+    from gpuwarden.agent.sources.nvml import FI_MEMORY_TEMP, Gpu
+
+    (err,) = Nvml(Typed("DOUBLE", value), "test").field_values(Gpu(1, handle=object()),
+                                                                 [("t", FI_MEMORY_TEMP, None)]).values()
+    assert isinstance(err, NvmlError) and err.code == "UNKNOWN" and "not a finite number" in str(err)
+
+
+def test_an_answer_that_is_not_the_field_array_is_an_nvml_error():
+    from gpuwarden.agent.sources.nvml import FI_MEMORY_TEMP, Gpu
+
+    class Short(Typed):
+        def nvmlDeviceGetFieldValues(self, handle, fieldIds):
+            return super().nvmlDeviceGetFieldValues(handle, fieldIds[:-1])  # one element fewer than asked
+
+    for lib in (Short("UNSIGNED_LONG_LONG", 1), type("Odd", (), {"nvmlDeviceGetFieldValues": lambda s, h, i: 7})()):
+        with pytest.raises(NvmlError) as exc:
+            Nvml(lib, "test").field_values(Gpu(0, handle=object()), [("a", FI_MEMORY_TEMP, None), ("b", 1, None)])
+        assert exc.value.code == "UNKNOWN" and "for 2 fields" in str(exc.value)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -244,7 +245,10 @@ class Nvml:
         out: dict[Any, int | float | NvmlError] = {}
         # The array read as bytes in one pass (nvmlFieldValue_t: the layout every supported release declares),
         # rather than a few hundred attribute reads through the bindings' structure class.
-        raw = bytes(values)
+        try:
+            raw = bytes(memoryview(values))
+        except TypeError:
+            raw = b""
         if len(raw) != len(fields) * _FV_SIZE:
             raise NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
                             f"{len(raw)} bytes for {len(fields)} fields")
@@ -258,7 +262,12 @@ class Nvml:
                 out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
                                      f"{FIELD_NAMES.get(fid, fid)}: value type {kind} not known")
                 continue
-            out[key] = decode.unpack_from(value)[0]
+            number = decode.unpack_from(value)[0]
+            if number != number or number in (math.inf, -math.inf):
+                out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
+                                     f"{FIELD_NAMES.get(fid, fid)}: not a finite number ({number})")
+                continue
+            out[key] = number
         return out
 
     def ecc_counters(self, gpu: Gpu) -> dict[str, Any]:
