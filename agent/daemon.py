@@ -30,6 +30,7 @@ from .daemon_devices import DeviceLoop
 from .daemon_events import KMSG_CHECK, EventLoops
 from .daemon_polls import PollLoops, InFlight
 from .metrics import DaemonCollector, Snapshot
+from . import memory
 from .model import Action, CheckResult, Finding, Status, fold_status
 from .passive import Judgement, KernelConsumer, MetricSample, PassiveSpec
 from .sources.kmsg import Cursor
@@ -41,6 +42,7 @@ from .systemd import name_this_thread
 log = logs.get_logger("gpuwarden.daemon")
 STORE_CHECK = "store"  # the state store, reported like a check on /metrics (never an input of the node state)
 Intent = tuple[str, str, dict[str, Any]]  # (idempotency key, action, detail)
+ARENAS = 2  # malloc arenas for the daemon's dozen threads: they allocate little and rarely at the same time
 
 
 @dataclass
@@ -158,6 +160,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             self._new_intents.extend(started)
             self.engine.enqueue(started)
             self._write_wanted.set()
+        memory.limit_arenas(ARENAS)  # before the loops' threads exist (agent/memory.py)
         self._spawn("writer", self._writer_loop)
         self._spawn("actions", self._action_loop)
         for spec in self.passive:

@@ -14,6 +14,7 @@ from typing import Any
 from . import logs
 from .model import Status
 from .passive import PassiveSpec
+from . import memory
 from .runner import could_not_look
 from .sources.tools import Scope
 from .store import CheckRecord
@@ -153,10 +154,14 @@ class PollLoops:
         """Reports a sample that overran its timeout as UNKNOWN while it is still running. It wakes every shortest
         timeout, so an overrun is reported at most two timeouts after the sample began."""
         period = max(0.01, min(s.timeout_s for s in self.passive))
+        trim_at: float | None = time.monotonic() + TRIM_AFTER_S
         try:
             while not self.stop_event.is_set():
                 self._beat("watchdog", period)
                 self._wait_aligned(period)
+                if trim_at is not None and time.monotonic() >= trim_at:
+                    trim_at = None
+                    memory.trim()  # once: what start-up and the first samples freed goes back to the system
                 try:
                     self._report_overruns()
                 except Exception as exc:  # noqa: BLE001 - the reporter must outlive its own bugs
@@ -195,3 +200,6 @@ class InFlight:
     deadline: float  # time.monotonic() by which the sample should have returned
     timeout_s: float
     reported: bool = False  # the watchdog has reported it UNKNOWN: its late result is discarded
+
+
+TRIM_AFTER_S = 15.0  # start-up is over and every poll has sampled once (the longest interval's first tick aside)

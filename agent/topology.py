@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -47,8 +46,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
-
-import yaml
 
 from . import logs
 from .adapters.base import AdapterError, NodeView
@@ -111,6 +108,8 @@ def block_name(domain: str) -> str:
         raise ValueError(f"not a valid NVLink domain: {_shown(domain)}")
     if len(domain) <= MAX_BLOCK_NAME and domain[0].isalpha() and "." not in domain:
         return domain
+    import hashlib  # here: OpenSSL's libcrypto is megabytes of the daemon's memory, for a name it may never need
+
     return "nvl" + hashlib.sha256(domain.encode()).hexdigest()[:12]
 
 
@@ -433,6 +432,8 @@ def render_yaml(topo: FleetTopology) -> str:
              *("# " + h for h in _HEADER),
              *(f"# {b.name}: NVLink domain {b.domain}, {len(b.nodes)} node(s)" for b in topo.blocks),
              *("# " + c for c in _comments(topo))]
+    import yaml  # here: the one YAML this module writes; the daemon, which imports the module, never does
+
     return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 

@@ -58,7 +58,7 @@ def decide(runs: list[GpuGemm], floor: float | None, policy: Mapping[str, Any]) 
                      "the same GEMM gave a different result at the end of the run than at the start: the GPU "
                      "computes wrong (silent data corruption)") for r in runs if not r.result.stable]
     drop = float(policy["relative_drop"])
-    from statistics import median
+    from statistics import median  # here: the daemon, which imports every check, has no other use for it
 
     medians = {key: median(r.result.tflops for r in members) for key, members in groups.items()}
     for r in runs:

@@ -156,8 +156,13 @@ def judge(state: Mapping[str, Any], sample: ClockSample, cfg: Mapping[str, Any],
 
 
 def quiet(state: Mapping[str, Any]) -> bool:
-    """No judged reason active at the last reading: the same readings again only add unthrottled time."""
-    return not any(active_reasons(int(g.get("last_mask", 0))) for g in state.get("gpus", {}).values())
+    """No judged reason active at the last reading: the same readings again only add unthrottled time. Reasons that
+    are not judged (an idle GPU's gpu_idle, a power cap) do not count: the same readings again cannot make a finding
+    of them. A GPU read only once is not quiet: its second reading gives the window its first observed time (and the
+    ratios their first value)."""
+    gpus = state.get("gpus", {}).values()
+    return all(g.get("buckets") for g in gpus) and not any(
+        r in JUDGED for g in gpus for r in active_reasons(int(g.get("last_mask", 0))))
 
 
 SPEC = PassiveSpec(

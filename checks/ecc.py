@@ -71,16 +71,19 @@ def decide(entity: Entity, r: EccReading, policy: Mapping[str, Any]) -> list[Fin
 
 
 def read_gpu(node: Any, gpu: Any) -> EccReading:
-    """One GPU's ECC mode, counts, remapped rows and histogram (the last two None before Ampere)."""
+    """One GPU's ECC mode, counts, remapped rows (one NVML field read) and histogram (the last two None before
+    Ampere)."""
     nvml = node.nvml
-    remapped = histogram = None
-    try:
-        remapped = nvml.remapped_rows(gpu)
-        histogram = nvml.row_remapper_histogram(gpu)
-    except NvmlError as err:
-        if not err.not_supported:
-            raise
-    return EccReading(nvml.ecc_mode(gpu), nvml.ecc_errors(gpu), remapped, histogram)
+    counters = nvml.ecc_counters(gpu)
+    remapped, histogram = counters["remapped_rows"], None
+    if remapped is not None:
+        try:
+            histogram = nvml.row_remapper_histogram(gpu)
+        except NvmlError as err:
+            if not err.not_supported:
+                raise
+            remapped = None
+    return EccReading(counters["ecc_mode"], counters["ecc_errors"], remapped, histogram)
 
 
 def run(node: Any, cfg: Mapping[str, Any]) -> Iterable[Finding]:

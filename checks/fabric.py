@@ -20,6 +20,8 @@ Sources:
 """
 from __future__ import annotations
 
+import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -94,7 +96,7 @@ def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> Fabri
         readings, problems = read_each_gpu(node, CHECK_NAME, lambda gpu: node.nvml.fabric_info(gpu))
     except NotApplicable:
         readings, problems = [], []  # no GPU with fabric info: the Fabric Manager may still be this node's
-    switches = nvswitches_on_bus(node.sysfs) if mode == "auto" else None
+    switches = _nvswitches(node.sysfs) if mode == "auto" else None
     fm_scope = scope(mode, node.info.sku, CHECK_NAME, switches, [int(info["state"]) for _, info in readings])
     gpus = tuple(GpuFabric(g.index, g.entity.id, g.pci, info) for g, info in readings if info["state"] != 0)
     if not gpus and not problems and not fm_scope.watched:
@@ -102,6 +104,20 @@ def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> Fabri
                             f"{fm_scope.why}")
     fm = read_fabric_manager(node, float(cfg["tool_timeout_s"])) if fm_scope.watched else None
     return FabricSample(node.hostname, gpus, tuple(problems), fm, fm_scope)
+
+
+NVSWITCH_RELIST_S = 300.0
+_listed: "weakref.WeakKeyDictionary[Any, tuple[float, list[str] | None]]" = weakref.WeakKeyDictionary()
+
+
+def _nvswitches(sysfs: Any) -> list[str] | None:
+    """nvswitches_on_bus, listed again every NVSWITCH_RELIST_S: the listing reads every PCI function's vendor (hundreds
+    on a GPU node) and NVSwitches do not come and go while the node runs; a fresh Node (preflight) lists afresh."""
+    now = time.monotonic()
+    got = _listed.get(sysfs)
+    if got is None or now - got[0] >= NVSWITCH_RELIST_S:
+        got = _listed[sysfs] = (now, nvswitches_on_bus(sysfs))
+    return got[1]
 
 
 def judge(state: Mapping[str, Any], smp: FabricSample, cfg: Mapping[str, Any], now: float) -> Judgement:

@@ -166,7 +166,14 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
         reported = {int(link["link"]): link for link in g.links}
         for n, link in reported.items():
             lrec = links.setdefault(str(n), {"active_seen": False})
-            _advance(lrec, {c: int(link["errors"].get(c, 0)) for c in COUNTERS}, now, float(cfg["rate_window_s"]))
+            unread = link.get("unread")
+            if unread:
+                # Could not look at these counters: the link's counts stay where they were (the next good read
+                # covers the whole interval), and each counter is UNKNOWN with NVML's reason.
+                findings.append(_unread(Entity("nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n), g, unread))
+            else:  # a counter NVML does not offer on this GPU (NOT_SUPPORTED) is absent: it counts nothing
+                _advance(lrec, {c: int(link["errors"].get(c, 0)) for c in COUNTERS}, now,
+                         float(cfg["rate_window_s"]))
             lrec["state"] = int(link["state"])
             lrec["active_seen"] = lrec["active_seen"] or lrec["state"] == 1
         expected = set(range(smp.expected_links)) | {int(n) for n, lr in links.items() if lr.get("active_seen")}
@@ -182,11 +189,11 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
             elif lrec.get("down_since") is None:
                 lrec["down_since"] = now
             per_gpu.add({"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}, up, n in expected,
-                        lrec if n in reported else None)
+                        lrec if n in reported and "counters" in lrec else None)
             if n in expected and not up and g.uuid not in smp.fabric_pending:
                 findings.append(_down(entity, g, lrec, n in reported, smp.expected_links, now,
                                       rec.get("baseline_active")))
-            elif up:
+            elif up and "counters" in lrec:
                 findings.extend(_rate_findings(entity, lrec, cfg))
         metrics.extend(per_gpu.samples({"gpu": str(g.index), "uuid": g.uuid}))
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
@@ -252,6 +259,13 @@ def _down(entity: Entity, g: GpuLinks, lrec: Mapping[str, Any], reported: bool, 
                    {"state": lrec.get("state"), "reported": reported, "was_active": bool(lrec.get("active_seen")),
                     "expected_links": sku_links, "active_at_first_sample": baseline, "down_since": since,
                     "down_seconds": now - since})
+
+
+def _unread(entity: Entity, g: GpuLinks, unread: Mapping[str, str]) -> Finding:
+    what = ", ".join(f"{c} (NVML_ERROR_{code})" for c, code in sorted(unread.items()))
+    return Finding(CHECK_NAME, "nvlink-counters-unread", entity, Status.UNKNOWN,
+                   f"{entity.label()} ({g.uuid}): NVML could not read {what}: their rates are not judged until a "
+                   "read succeeds", Action.NONE, {"unread": dict(unread)})
 
 
 def _rate_findings(entity: Entity, lrec: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[Finding]:

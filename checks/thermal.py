@@ -3,7 +3,6 @@ else the SKU table's), and the HBM-over-core gradient against the node's other G
 liquid-cooled tray shows as one GPU's growing gap), each only when sustained."""
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -188,7 +187,7 @@ def _notes(s: ThermalSample) -> list[Finding]:
 def judge(state: Mapping[str, Any], sample: ThermalSample, cfg: Mapping[str, Any], now: float) -> Judgement:
     old = state.get("gpus", {})
     gradients = [mem - core for _, core, mem in sample.readings if mem is not None]
-    median = float(statistics.median(gradients)) if len(gradients) >= MIN_GPUS_FOR_MEDIAN else None
+    median = _median(gradients) if len(gradients) >= MIN_GPUS_FOR_MEDIAN else None
     gpus: dict[str, Any] = {}
     findings: list[Finding] = list(sample.problems) + _notes(sample)
     metrics: list[MetricSample] = []
@@ -205,6 +204,12 @@ def judge(state: Mapping[str, Any], sample: ThermalSample, cfg: Mapping[str, Any
     if sample.device_limits:
         new_state["device_limits"] = {k: dict(v) for k, v in sample.device_limits.items()}
     return Judgement(new_state, tuple(findings), tuple(metrics))
+
+
+def _median(values: list[int]) -> float:
+    # statistics.median, without importing statistics (fractions, decimal) into the daemon for one median
+    ordered, mid = sorted(values), len(values) // 2
+    return float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def durable(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -230,4 +235,7 @@ SPEC = PassiveSpec(
     },
     timeout_s=10.0,
     durable=durable,
+    # No condition holding: the same temperatures judged again change only the time of the last reading (a run
+    # breaks after sustain_s without one, longer than quiet_rejudge_s).
+    quiet=lambda state: not any(g.get("runs") for g in state.get("gpus", {}).values()),
 )

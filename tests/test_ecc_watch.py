@@ -68,7 +68,9 @@ def test_an_nvml_error_on_one_gpu_is_unknown_for_that_gpu_only(scenario_copy):
     edit_nvml(root, lambda s: s["gpus"][4].update(errors={"nvmlDeviceGetTotalEccErrors": "UNKNOWN"}))
     j = drive(root).tick()
     (f,) = j.findings
-    assert (f.entity.index, f.status) == (4, Status.UNKNOWN) and "nvmlDeviceGetTotalEccErrors" in f.message
+    # The counts are one field read: the message names the count that failed and its NVML field.
+    assert (f.entity.index, f.status) == (4, Status.UNKNOWN)
+    assert "ECC errors, volatile corrected: NVML_FI_DEV_ECC_SBE_VOL_TOTAL" in f.message
     assert {m.labels["gpu"] for m in j.metrics} == {str(i) for i in range(8)} - {"4"}
 
 

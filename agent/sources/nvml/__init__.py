@@ -6,6 +6,10 @@ types). Every failure of a library call (pynvml.NVMLError, a ctypes.ArgumentErro
 raise) becomes an `NvmlError` naming the call and the GPU: no error type of ctypes or pynvml leaves this package.
 `Nvml.xid_events()` subscribes to NVML's XID events (events.py).
 
+Counters a poll reads (NVLink state and error counters, ECC counts and remapped rows) come from one
+nvmlDeviceGetFieldValues call per GPU (`field_values`), not one library call per counter: a field that fails on its
+own inside the call is that counter's error, the others still count.
+
 Works with every nvidia-ml-py from 12.550.52 (the first with nvmlDeviceGetGpuFabricInfoV) to the newest: constants
 are read through `const()`, which undoes the bindings' slips (every release defines `NVML_P2P_CAPS_INDEX_READ = 0,`,
 a tuple, which ctypes refuses), and the fabric info is read into nvml.h's own layout (bindings.py).
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
+import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +70,50 @@ TEMPERATURE_THRESHOLDS = {
 }
 SNAPSHOT_FORMAT = 1
 
+# Per-link NVLink fields (nvml.h NVML_FI_DEV_NVLINK_*, scopeId = the link), all in every supported nvidia-ml-py.
+# DL_CRC is the link's flow-control (FLIT) CRC count, the "CRC Errors" nvidia-smi nvlink -e prints; the data CRC count
+# has a field only for links 0-11 (NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L0..L11, unscoped).
+NVLINK_STATE_FIELD = const("NVML_FI_DEV_NVLINK_GET_STATE")
+NVLINK_COUNTER_FIELDS = {
+    "replay": const("NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY"),
+    "recovery": const("NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY"),
+    "crc_flit": const("NVML_FI_DEV_NVLINK_ERROR_DL_CRC"),
+}
+NVLINK_RELEARN_EVERY = 20  # every 20th read asks for every link again (a link the driver offers late is seen)
+NVLINK_CRC_DATA_FIELDS: dict[int, int] = {
+    n: const(f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{n}") for n in range(64)
+    if hasattr(pynvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{n}")
+}
+# ECC counts (single bit = corrected, double bit = uncorrected in NVML's field names), mode and remapped rows.
+ECC_FIELDS = {
+    ("mode", "current"): const("NVML_FI_DEV_ECC_CURRENT"),
+    ("mode", "pending"): const("NVML_FI_DEV_ECC_PENDING"),
+    ("volatile", "corrected"): const("NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),
+    ("volatile", "uncorrected"): const("NVML_FI_DEV_ECC_DBE_VOL_TOTAL"),
+    ("aggregate", "corrected"): const("NVML_FI_DEV_ECC_SBE_AGG_TOTAL"),
+    ("aggregate", "uncorrected"): const("NVML_FI_DEV_ECC_DBE_AGG_TOTAL"),
+    ("remapped", "correctable"): const("NVML_FI_DEV_REMAPPED_COR"),
+    ("remapped", "uncorrectable"): const("NVML_FI_DEV_REMAPPED_UNC"),
+    ("remapped", "pending"): const("NVML_FI_DEV_REMAPPED_PENDING"),
+    ("remapped", "failure"): const("NVML_FI_DEV_REMAPPED_FAILURE"),
+}
+# nvmlFieldValue_t as nvml.h lays it out (fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value: 40
+# bytes, native order): valueType, nvmlReturn and the 8 bytes of the value union.
+_FV_LAYOUT = struct.Struct("=8x8x8xII8s")
+_FV_SIZE = _FV_LAYOUT.size
+# nvmlValueType_t -> how the union holds it (UNSIGNED_SHORT exists only in newer releases; unsigned long is 64-bit
+# on the Linux the agent runs on).
+_VALUE_DECODE = {const(f"NVML_VALUE_TYPE_{t}"): struct.Struct(f"={c}") for t, c in (
+    ("DOUBLE", "d"), ("UNSIGNED_INT", "I"), ("UNSIGNED_LONG", "Q"), ("UNSIGNED_LONG_LONG", "Q"),
+    ("SIGNED_LONG_LONG", "q"), ("SIGNED_INT", "i"), ("UNSIGNED_SHORT", "H"))
+    if hasattr(pynvml, f"NVML_VALUE_TYPE_{t}")}
+_SUCCESS = const("NVML_SUCCESS")
+# Field ids by number -> name, for error messages.
+FIELD_NAMES: dict[int, str] = {}
+for _n in dir(pynvml):
+    if _n.startswith("NVML_FI_DEV_") and isinstance(const(_n), int):
+        FIELD_NAMES.setdefault(const(_n), _n)
+
 
 def canonical_bdf(nvml_bus_id: str) -> str:
     """NVML prints an 8-hex-digit domain ("00000008:01:00.0"); sysfs and findings use 4 ("0008:01:00.0")."""
@@ -87,6 +137,10 @@ class Gpu:
     bus_id: str | None = None  # as NVML prints it, "00000008:01:00.0"
     error: NvmlError | None = None  # set when the device could not be opened or identified
     _errors: dict[str, NvmlError] = field(default_factory=dict, repr=False)
+    # The NVLinks the GPU has (fixed by the board), learnt at a read of every link: the reads between ask for those
+    # alone (NVML_NVLINK_MAX_LINKS is 36 in newer bindings, twice what any GPU has).
+    _links: tuple[int, ...] | None = field(default=None, repr=False)
+    _link_reads: int = field(default=0, repr=False)
 
     @property
     def entity(self) -> Entity:
@@ -182,6 +236,79 @@ class Nvml:
         current, pending = self._dev(gpu, "nvmlDeviceGetEccMode")
         return {"current": int(current), "pending": int(pending)}
 
+    def field_values(self, gpu: Gpu, fields: list[tuple[Any, int, int | None]]) -> dict[Any, int | float | NvmlError]:
+        """One nvmlDeviceGetFieldValues call for `fields` ([(key, field id, scope or None)]): each key's value, or the
+        NvmlError of that field alone (NVML reports a per-field failure inside a call that succeeds). Raises NvmlError
+        when the call itself fails (GPU lost, no field values on this driver)."""
+        ids = [fid if scope is None else (fid, scope) for _, fid, scope in fields]
+        values = self._dev(gpu, "nvmlDeviceGetFieldValues", ids)
+        out: dict[Any, int | float | NvmlError] = {}
+        # The array read as bytes in one pass (nvmlFieldValue_t: the layout every supported release declares),
+        # rather than a few hundred attribute reads through the bindings' structure class.
+        try:
+            raw = bytes(memoryview(values))
+        except TypeError:
+            raw = b""
+        if len(raw) != len(fields) * _FV_SIZE:
+            raise NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
+                            f"{len(raw)} bytes for {len(fields)} fields")
+        for (key, fid, scope), (kind, ret, value) in zip(fields, _FV_LAYOUT.iter_unpack(raw), strict=True):
+            if ret != _SUCCESS:
+                where = FIELD_NAMES.get(fid, f"field {fid}") + ("" if scope is None else f" scope {scope}")
+                out[key] = NvmlError("nvmlDeviceGetFieldValues", ERROR_NAMES.get(ret, f"CODE_{ret}"), gpu.index, where)
+                continue
+            decode = _VALUE_DECODE.get(kind)
+            if decode is None:
+                out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
+                                     f"{FIELD_NAMES.get(fid, fid)}: value type {kind} not known")
+                continue
+            number = decode.unpack_from(value)[0]
+            if number != number or number in (math.inf, -math.inf):
+                out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
+                                     f"{FIELD_NAMES.get(fid, fid)}: not a finite number ({number})")
+                continue
+            out[key] = number
+        return out
+
+    def ecc_counters(self, gpu: Gpu) -> dict[str, Any]:
+        """ECC mode, counts and remapped rows in one field read: {"ecc_mode", "ecc_errors", "remapped_rows"} in the
+        shapes of ecc_mode(), ecc_errors() and remapped_rows(); "remapped_rows" None where the GPU has no row remapper
+        (NOT_SUPPORTED). Raises NvmlError for a mode or count NVML could not read, naming its field."""
+        try:
+            got = self.field_values(gpu, [(key, fid, None) for key, fid in ECC_FIELDS.items()])
+        except NvmlError as exc:
+            if not exc.not_supported:
+                raise
+            return self._ecc_counters_each(gpu)  # no field values on this GPU or driver
+        remapped: dict[str, Any] | None = {}
+        out: dict[str, Any] = {"ecc_mode": {}, "ecc_errors": {"volatile": {}, "aggregate": {}}}
+        for (group, name), value in got.items():
+            if isinstance(value, NvmlError):
+                if group == "remapped" and value.not_supported:
+                    remapped = None  # before Ampere: no row remapper
+                    continue
+                what = "ECC mode" if group == "mode" else "remapped rows" if group == "remapped" else "ECC errors"
+                raise NvmlError(value.call, value.code, gpu.index,
+                                f"{what}, {group} {name}: {FIELD_NAMES.get(ECC_FIELDS[(group, name)])}")
+            if group == "mode":
+                out["ecc_mode"][name] = int(value)
+            elif group == "remapped":
+                if remapped is not None:
+                    remapped[name] = bool(value) if name in ("pending", "failure") else int(value)
+            else:
+                out["ecc_errors"][group][name] = int(value)
+        out["remapped_rows"] = remapped
+        return out
+
+    def _ecc_counters_each(self, gpu: Gpu) -> dict[str, Any]:
+        try:
+            remapped: dict[str, Any] | None = self.remapped_rows(gpu)
+        except NvmlError as exc:
+            if not exc.not_supported:
+                raise
+            remapped = None
+        return {"ecc_mode": self.ecc_mode(gpu), "ecc_errors": self.ecc_errors(gpu), "remapped_rows": remapped}
+
     def ecc_errors(self, gpu: Gpu) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for counter, ctype in (("volatile", const("NVML_VOLATILE_ECC")), ("aggregate", const("NVML_AGGREGATE_ECC"))):
@@ -232,21 +359,58 @@ class Nvml:
         return out
 
     def nvlinks(self, gpu: Gpu) -> list[dict[str, Any]]:
-        links = []
-        for link in range(const("NVML_NVLINK_MAX_LINKS")):
-            try:
-                state = int(self._dev(gpu, "nvmlDeviceGetNvLinkState", link))
-            except NvmlError as exc:
-                # Links a SKU does not have answer NOT_SUPPORTED / INVALID_ARGUMENT: not a fault.
-                if exc.not_supported or exc.code == "INVALID_ARGUMENT":
-                    continue
+        """Every NVLink the GPU has: {"link", "state", "errors": {counter: count}}, read in one field call. A link
+        NVML answers NOT_SUPPORTED / INVALID_ARGUMENT for is one the SKU does not have: left out. A counter NVML
+        does not offer (NOT_SUPPORTED) is left out of "errors"; one it failed to read is in "unread" with NVML's error
+        name (a lost GPU raises).
+        The data CRC count of a link without a field of its own (12 and up) is the one count read by its own call;
+        where NVML has no field values at all (NOT_SUPPORTED), every value is."""
+        every = gpu._links is None or not gpu._links or gpu._link_reads % NVLINK_RELEARN_EVERY == 0
+        links = range(const("NVML_NVLINK_MAX_LINKS")) if every else gpu._links
+        gpu._link_reads += 1
+        fields: list[tuple[Any, int, int | None]] = []
+        for link in links:
+            fields.append(((link, "state"), NVLINK_STATE_FIELD, link))
+            fields += [((link, name), fid, link) for name, fid in NVLINK_COUNTER_FIELDS.items()]
+            if link in NVLINK_CRC_DATA_FIELDS:
+                fields.append(((link, "crc_data"), NVLINK_CRC_DATA_FIELDS[link], None))
+        try:
+            got = self.field_values(gpu, fields)
+        except NvmlError as exc:
+            if not exc.not_supported:
                 raise
-            errors = {
-                name: int(self._dev(gpu, "nvmlDeviceGetNvLinkErrorCounter", link, counter))
-                for name, counter in NVLINK_COUNTERS.items()
-            }
-            links.append({"link": link, "state": state, "errors": errors})
-        return links
+            got = {}  # no field values on this GPU or driver: each value by its own call below
+        out = []
+        for link in links:
+            try:
+                state = got[(link, "state")] if got else int(self._dev(gpu, "nvmlDeviceGetNvLinkState", link))
+            except NvmlError as exc:
+                state = exc
+            if isinstance(state, NvmlError):
+                # Links a SKU does not have answer NOT_SUPPORTED / INVALID_ARGUMENT: not a fault.
+                if state.not_supported or state.code == "INVALID_ARGUMENT":
+                    continue
+                raise state
+            entry: dict[str, Any] = {"link": link, "state": int(state), "errors": {}}
+            for name in NVLINK_COUNTERS:
+                if (link, name) in got:
+                    value: Any = got[(link, name)]
+                else:
+                    try:
+                        value = int(self._dev(gpu, "nvmlDeviceGetNvLinkErrorCounter", link, NVLINK_COUNTERS[name]))
+                    except NvmlError as exc:
+                        value = exc
+                if isinstance(value, NvmlError):
+                    if value.gpu_lost:
+                        raise value  # the GPU's fact, not one counter's
+                    if not value.not_supported:
+                        entry.setdefault("unread", {})[name] = value.code
+                    continue
+                entry["errors"][name] = int(value)
+            out.append(entry)
+        if every:
+            gpu._links = tuple(e["link"] for e in out)
+        return out
 
     def fabric_info(self, gpu: Gpu) -> dict[str, Any]:
         info = GpuFabricInfoV2(version=GPU_FABRIC_INFO_V2)

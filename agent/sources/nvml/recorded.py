@@ -12,7 +12,6 @@ entry again after a restart (docs/scenario-format.md).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import threading
 import time
@@ -52,6 +51,37 @@ def _uint_in(value: Any, bits: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
 
 
+# Field id -> (the function that reads the same counter, the nvml.json key, the path below it).
+_ECC_FIELDS: dict[int, tuple[str, str, tuple[str, ...]]] = {
+    const("NVML_FI_DEV_ECC_CURRENT"): ("nvmlDeviceGetEccMode", "ecc_mode", ("current",)),
+    const("NVML_FI_DEV_ECC_PENDING"): ("nvmlDeviceGetEccMode", "ecc_mode", ("pending",)),
+    const("NVML_FI_DEV_ECC_SBE_VOL_TOTAL"): ("nvmlDeviceGetTotalEccErrors", "ecc_errors", ("volatile", "corrected")),
+    const("NVML_FI_DEV_ECC_DBE_VOL_TOTAL"): ("nvmlDeviceGetTotalEccErrors", "ecc_errors", ("volatile", "uncorrected")),
+    const("NVML_FI_DEV_ECC_SBE_AGG_TOTAL"): ("nvmlDeviceGetTotalEccErrors", "ecc_errors", ("aggregate", "corrected")),
+    const("NVML_FI_DEV_ECC_DBE_AGG_TOTAL"): ("nvmlDeviceGetTotalEccErrors", "ecc_errors",
+                                            ("aggregate", "uncorrected")),
+    const("NVML_FI_DEV_REMAPPED_COR"): ("nvmlDeviceGetRemappedRows", "remapped_rows", ("correctable",)),
+    const("NVML_FI_DEV_REMAPPED_UNC"): ("nvmlDeviceGetRemappedRows", "remapped_rows", ("uncorrectable",)),
+    const("NVML_FI_DEV_REMAPPED_PENDING"): ("nvmlDeviceGetRemappedRows", "remapped_rows", ("pending",)),
+    const("NVML_FI_DEV_REMAPPED_FAILURE"): ("nvmlDeviceGetRemappedRows", "remapped_rows", ("failure",)),
+}
+# NVLink field id -> (the function that reads the same value, the nvlinks entry's name, the link: None = scopeId).
+_NVLINK_FIELDS: dict[int, tuple[str, str, int | None]] = {
+    const("NVML_FI_DEV_NVLINK_GET_STATE"): ("nvmlDeviceGetNvLinkState", "state", None),
+    const("NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY"): ("nvmlDeviceGetNvLinkErrorCounter", "replay", None),
+    const("NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY"): ("nvmlDeviceGetNvLinkErrorCounter", "recovery", None),
+    const("NVML_FI_DEV_NVLINK_ERROR_DL_CRC"): ("nvmlDeviceGetNvLinkErrorCounter", "crc_flit", None),
+    **{const(f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{n}"): ("nvmlDeviceGetNvLinkErrorCounter", "crc_data", n)
+       for n in range(64) if hasattr(pynvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{n}")},
+}
+
+
+_MEMORY_TEMP = const("NVML_FI_DEV_MEMORY_TEMP")
+_SUCCESS = const("NVML_SUCCESS")
+_ULL = const("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG")
+_write = ctypes.Structure.__setattr__  # past pynvml's Python __setattr__ (str to bytes): ints only here
+
+
 _DEVICES: list[Any] = []
 _DEVICES_LOCK = threading.Lock()
 
@@ -80,6 +110,8 @@ class RecordedNvml:
         self._path, self._view, self._stamp = path, snapshot, _mtime(path)
         self._sets: dict[int, _EventSet] = {}
         self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
+        self._field_answers: dict[int, dict[tuple[int, int], tuple[int, int | None]]] = {}
+        self._field_arrays: dict[tuple[int, tuple[Any, ...]], bytes] = {}
         # Wakes a waiting event set when nvml.json's folder is written (a test appends an XID to the file).
         self._waiter = FolderWaiter(Path(path).parent) if path is not None else None
 
@@ -223,19 +255,83 @@ class RecordedNvml:
         return int(temps["gpu"])
 
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
-        temps = self._field(handle, "nvmlDeviceGetFieldValues", "temperature")
-        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
-        for i, field_id in enumerate(fieldIds):
-            field_id = _uint(field_id, 2)
-            values[i].fieldId = field_id
-            if field_id == const("NVML_FI_DEV_MEMORY_TEMP") and temps.get("memory") is not None:
-                values[i].nvmlReturn = const("NVML_SUCCESS")
-                values[i].valueType = const("NVML_VALUE_TYPE_UNSIGNED_INT")
-                values[i].value.uiVal = int(temps["memory"])
-            else:
-                # Real NVML reports a per-field failure inside a successful call.
-                values[i].nvmlReturn = const("NVML_ERROR_NOT_SUPPORTED")
+        """The fields nvml.json holds (memory temperature, ECC mode and counts, remapped rows, NVLink state and error
+        counters), each from the same record the per-counter functions read. As live, a field fails on its own inside
+        a call that succeeds: with the error nvml.json records for the function that reads the same counter, with
+        INVALID_ARGUMENT for a link the GPU does not have, NOT_SUPPORTED for a field not recorded."""
+        gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
+        # The answers are fixed for the life of this instance (nvml.json read once; a rewritten file makes a new
+        # instance): the same request is answered with a copy of the array built the first time.
+        index = self._index(handle)
+        array = pynvml.c_nvmlFieldValue_t * len(fieldIds)
+        request = (index, tuple(fieldIds))
+        built = self._field_arrays.get(request)
+        if built is not None:
+            return array.from_buffer_copy(built)
+        answers = self._field_answers.setdefault(index, {})
+        values = array()
+        for i, entry in enumerate(fieldIds):
+            # pynvml takes a field id or a (field id, scope id) pair.
+            field_id, scope = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 0)
+            fv = values[i]
+            field_id, scope = _uint(field_id, 2), _uint(scope, 2)
+            _write(fv, "fieldId", field_id)
+            _write(fv, "scopeId", scope)
+            answer = answers.get((field_id, scope))
+            if answer is None:
+                try:
+                    answer = (self._field_value(gpu, field_id, scope), None)
+                except pynvml.NVMLError as exc:
+                    answer = (0, exc.value)
+                answers[(field_id, scope)] = answer
+            if answer[1] is not None:
+                _write(fv, "nvmlReturn", answer[1])
+                continue
+            _write(fv, "nvmlReturn", _SUCCESS)
+            _write(fv, "valueType", _ULL)
+            ctypes.Structure.__getattribute__(fv, "value").ullVal = answer[0]
+        if len(self._field_arrays) < 4096:  # bounded: a caller asking ever new field lists is answered afresh
+            self._field_arrays[request] = bytes(values)
         return values
+
+    def _field_value(self, gpu: dict[str, Any], field_id: int, scope: int) -> int:
+        """One field's value, or the NVMLError NVML would report for it."""
+        if field_id == _MEMORY_TEMP:
+            temps = self._record(gpu, "temperature", "nvmlDeviceGetFieldValues")
+            if temps.get("memory") is None:
+                raise _error("NOT_SUPPORTED")  # no HBM sensor reported
+            return int(temps["memory"])
+        ecc = _ECC_FIELDS.get(field_id)
+        if ecc is not None:
+            call, key, path = ecc
+            value = self._record(gpu, key, call)
+            for part in path:
+                value = value[part]
+            return int(value)
+        link_field = _NVLINK_FIELDS.get(field_id)
+        if link_field is not None:
+            call, name, link = link_field
+            link = scope if link is None else link
+            entry = next((e for e in self._record(gpu, "nvlinks", call) if int(e["link"]) == link), None)
+            if entry is None:
+                raise _error("INVALID_ARGUMENT")  # what NVML answers for a link the GPU does not have
+            if name == "state":
+                return int(entry["state"])
+            if name in (entry.get("unread") or {}):
+                raise _error(str(entry["unread"][name]))  # recorded as NVML failed to read it
+            if name not in entry["errors"]:
+                raise _error("NOT_SUPPORTED")  # a counter NVML did not offer when recorded
+            return int(entry["errors"][name])
+        raise _error("NOT_SUPPORTED")
+
+    def _record(self, gpu: dict[str, Any], key: str, call: str) -> Any:
+        """gpu[key] for a field that reads what `call` reads: the error nvml.json records for `call` fails the field."""
+        errors = gpu.get("errors", {})
+        if call in errors:
+            raise _error(errors[call])
+        if key not in gpu:
+            raise KeyError(f"{self._origin}: GPU {gpu.get('index')} has no '{key}' recorded (needed by {call})")
+        return gpu[key]
 
     def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
         # "temperature_thresholds" {"shutdown", "slowdown", "gpu_max", "mem_max"}: a limit not recorded (a scenario
@@ -266,7 +362,12 @@ class RecordedNvml:
                  const("NVML_NVLINK_ERROR_DL_CRC_FLIT"): "crc_flit", const("NVML_NVLINK_ERROR_DL_CRC_DATA"): "crc_data"}
         if counter not in names:
             raise _error("INVALID_ARGUMENT")
-        return int(entry["errors"][names[counter]])
+        name = names[counter]
+        if name in (entry.get("unread") or {}):
+            raise _error(str(entry["unread"][name]))  # recorded as NVML failed to read it
+        if name not in entry["errors"]:
+            raise _error("NOT_SUPPORTED")  # a counter NVML did not offer when recorded
+        return int(entry["errors"][name])
 
     def _pcie(self, handle: Any, call: str, key: str) -> int:
         return int(self._field(handle, call, "pcie")[key])
@@ -477,6 +578,8 @@ class _EventSet:
 
 
 def _digest(entries: list[Any]) -> str:
+    import hashlib  # here: OpenSSL's libcrypto is megabytes of a daemon's memory; only a node with XID events asks
+
     return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
 
 
