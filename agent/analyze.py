@@ -45,6 +45,9 @@ def analyze_file(path: Path) -> CheckResult:
     except OSError as exc:
         return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
                            duration_s=time.monotonic() - start, source=str(path))
+    except GpuwardenError as exc:  # kernel_scan.ScanError: a process reading a part of it failed
+        return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
+                           source=str(path))
 
 
 def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:

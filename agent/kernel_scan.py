@@ -114,17 +114,17 @@ class ScanError(GpuwardenError):
     """The file was not read whole: a process reading a part of it failed. Names the file and the part."""
 
 
-def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: bytes = b"",
-         chunk: int = CHUNK, line_max: int = LINE_MAX, workers: int | None = None, part: int = PART) -> ScanResult:
+def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: bytes = b"", chunk: int = CHUNK,
+         line_max: int = LINE_MAX, workers: int | None = None, part: int | None = None) -> ScanResult:
     """Reads ``f`` (after ``first``, bytes already read from it) to its end; the findings of ``consumers``
     (KernelConsumers: their ``interest`` texts pick the lines, their judges decide) in their order.
 
-    ``workers``: processes that read parts of ``part`` bytes (None: one per CPU this process may use, for a regular
-    file of PARALLEL_MIN bytes or more; 1: read here)."""
+    ``workers``: processes that read parts of ``part`` bytes (PART if None) each; None: one per CPU this process may
+    use, for a regular file of PARALLEL_MIN bytes or more; 1: read here."""
     judges = _Judges(consumers)
     needles = list(dict.fromkeys(t.encode() for c in consumers for t in c.interest))
     probes = _probes(needles)
-    plan = _plan(f, first, workers, part)
+    plan = _plan(f, first, workers, PART if part is None else part)
     if plan is not None:
         return _scan_parts(f.fileno(), source, kmsg, judges, needles, probes, chunk, line_max, *plan)
     records: list[LogRecord] = []
