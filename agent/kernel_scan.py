@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import GpuwardenError, ParseError
-from .kernel_log import HEAD_CHARS, LogRecord, _LogRecordBuilder, parse_line
+from .kernel_log import HEAD_CHARS, LogRecord, _classify, _LogRecordBuilder, parse_line
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
@@ -494,7 +494,14 @@ def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: b
         return n
 
     def hit(raw: bytes | bytearray, lineno: int) -> None:
-        one = parse_line(raw.decode("utf-8", "replace"), lineno, source, kmsg)
+        line = raw.decode("utf-8", "replace")
+        if not kmsg:
+            # parse_line's text branch without its record: the row is what is sent.
+            if line and not line.isspace():
+                _, message, timestamp, usec, priority, seq = _classify(line)
+                rows.append((message, lineno, seq, usec, priority, timestamp, None))
+            return
+        one = parse_line(line, lineno, source, kmsg)
         if one is None:
             return
         if type(one) is ParseError:

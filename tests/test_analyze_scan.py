@@ -326,21 +326,21 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     import os
     import signal
 
-    real = kernel_scan.parse_line
+    real = kernel_scan._classify  # what a reader calls on each text line it reads
 
-    def failing(line, lineno, source, kmsg):
+    def failing(line):
         if "0000:db:00" in line:  # a line in the middle of the file
             if how == "raises":
                 raise MemoryError("no room")
             if how == "dies":
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(line, lineno, source, kmsg)
+        return real(line)
 
     data = generated(8, "dmesg", 3000)
     path = tmp_path / "f.log"
     path.write_bytes(data)
-    monkeypatch.setattr(kernel_scan, "parse_line", failing)
+    monkeypatch.setattr(kernel_scan, "_classify", failing)
     with pytest.raises(kernel_scan.ScanError) as caught:
         in_parts(path, 2, 5000, source=str(path))
     assert str(caught.value).startswith(f"{path}: reading bytes ") and "the file was not read whole" in str(
