@@ -30,6 +30,7 @@ import codecs
 import gc
 import marshal
 import os
+import re
 import signal
 import stat
 import struct
@@ -52,6 +53,9 @@ PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
 MAX_WORKERS = 8
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
 _RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, before searching for the texts instead
+# A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
+# one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
+_SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
 
 
 def read_head(f: BinaryIO, chars: int = HEAD_CHARS) -> tuple[bytes, str]:
@@ -155,7 +159,8 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
         if cut <= MAX_NOTES:
             notes.append(_cut_note(source, lineno, size, line_max))
 
-    lines, blank = _read_lines(_reader(f, first), needles, probes, kmsg, chunk, line_max, True, hit, long_line)
+    lines, blank = _read_lines(_reader(f, first), needles, probes, kmsg, bytearray(chunk + line_max), chunk,
+                               line_max, True, hit, long_line)
     judges.judge(records)
     return _result(judges, errors, lines, blank, notes, source, cut, malformed, line_max)
 
@@ -191,14 +196,13 @@ def _reader(f: BinaryIO, first: bytes) -> Callable[[memoryview], int]:
 
 
 def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
-                probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], kmsg: bool, chunk: int, line_max: int,
-                final: bool, hit: Callable[[bytes | bytearray, int], None],
+                probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], kmsg: bool, buf: bytearray, chunk: int,
+                line_max: int, final: bool, hit: Callable[[bytes | bytearray, int], None],
                 long_line: Callable[[int, int], None]) -> tuple[int, bool]:
     """Reads lines from ``read`` to its end: each line that holds one of ``needles`` goes to ``hit`` with its line
     number (counted from 1 at the first byte read), each line longer than ``line_max`` to ``long_line`` (its
     number, its length). ``final``: the end read is the file's end (in raw kmsg its last line is read in any case).
-    Returns (lines read, nothing but white space)."""
-    buf = bytearray(chunk + line_max)
+    ``buf``, of chunk + line_max bytes, is where they are read. Returns (lines read, nothing but white space)."""
     view = memoryview(buf)
     lines = 0  # newlines before buf[0]
     have = 0  # bytes of a partial line at the front of buf
@@ -244,7 +248,8 @@ def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
         if final:
             ls = rfind(b"\n", start, stop - 1) + 1 or start
             last = (lines, bytes(buf[ls:stop - 1]))
-        if blank and buf[start:stop].strip() and not buf[start:stop].decode("utf-8", "replace").isspace():
+        if blank and (_SURELY_TEXT(buf, start, stop) or (
+                buf[start:stop].strip() and not buf[start:stop].decode("utf-8", "replace").isspace())):
             blank = False
 
     while True:
@@ -458,9 +463,10 @@ def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequenc
     code = 1
     try:
         gc.disable()  # the rows hold only str, int and None: no cycles to collect
+        buf = bytearray(chunk + line_max)  # one for every part: a buffer this size anew is fresh pages each time
         for i, (start, stop) in parts:
-            _send(out, ("part", _read_part(fd, start, stop, i == nparts - 1, source, kmsg, needles, probes, chunk,
-                                           line_max)))
+            _send(out, ("part", _read_part(fd, start, stop, i == nparts - 1, source, kmsg, needles, probes, buf,
+                                           chunk, line_max)))
         code = 0
     except BaseException as exc:  # noqa: BLE001  # any failure is reported to the parent, which names the file
         try:
@@ -472,7 +478,7 @@ def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequenc
 
 
 def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: bool, needles: Sequence[bytes],
-               probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], chunk: int,
+               probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], buf: bytearray, chunk: int,
                line_max: int) -> tuple[Any, ...]:
     """One part's result: (rows of the records, malformed kmsg records (what, line), their count, lines read cut
     (line, length), their count, lines, blank); line numbers from 1 at the part's first line."""
@@ -516,7 +522,7 @@ def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: b
         if len(cuts) < MAX_NOTES:
             cuts.append((lineno, size))
 
-    lines, blank = _read_lines(read, needles, probes, kmsg, chunk, line_max, final, hit, long_line)
+    lines, blank = _read_lines(read, needles, probes, kmsg, buf, chunk, line_max, final, hit, long_line)
     return rows, errs, counts[0], cuts, counts[1], lines, blank
 
 
