@@ -15,17 +15,26 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable
 
 from .errors import GpuwardenError
 from .kernel_log import format_of_votes, format_votes
 from .model import CheckResult, Report, Status, fold_status
 
 TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
+# The texts the kernel-log checks read (the interest of _kernel_consumers(), which a test holds them to), known
+# before the checks are loaded: the readers of a large file start while they load.
+KERNEL_INTEREST = ("NVRM: ", "SXid", "NVSwitch")
 # Line formats that only a kernel log has (one a line); "plain" and "embedded" (a driver line quoted in other text)
 # are not among them.
 _KERNEL_FORMATS = frozenset(("kmsg", "dmesg", "dmesg-ctime", "dmesg-iso", "dmesg-decode", "dmesg-decode-ctime",
                              "dmesg-decode-iso", "journal", "journal-iso", "syslog"))
+
+
+def _kernel_consumers() -> tuple[Any, ...]:
+    from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
+
+    return xid.CONSUMER, nvswitch_sxid.SXID_CONSUMER
 
 
 def _kernel_lines_lead(votes: dict[str, int]) -> bool:
@@ -68,11 +77,9 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
 def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float) -> CheckResult:
     """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
     them (each check's findings under its own name)."""
-    from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
-
     from .kernel_scan import scan
 
-    result = scan(f, str(path), fmt == "kmsg", (xid.CONSUMER, nvswitch_sxid.SXID_CONSUMER), first=head)
+    result = scan(f, str(path), fmt == "kmsg", _kernel_consumers, first=head, interest=KERNEL_INTEREST)
     findings = result.findings
     status = fold_status(findings)
     error = None

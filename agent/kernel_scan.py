@@ -118,19 +118,24 @@ class ScanError(GpuwardenError):
     """The file was not read whole: a process reading a part of it failed. Names the file and the part."""
 
 
-def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: bytes = b"", chunk: int = CHUNK,
-         line_max: int = LINE_MAX, workers: int | None = None, part: int | None = None) -> ScanResult:
+def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
+         first: bytes = b"", chunk: int = CHUNK, line_max: int = LINE_MAX, workers: int | None = None,
+         part: int | None = None, interest: Sequence[str] | None = None) -> ScanResult:
     """Reads ``f`` (after ``first``, bytes already read from it) to its end; the findings of ``consumers``
     (KernelConsumers: their ``interest`` texts pick the lines, their judges decide) in their order.
 
-    ``workers``: processes that read parts of ``part`` bytes (PART if None) each; None: one per CPU this process may
-    use, for a regular file of PARALLEL_MIN bytes or more; 1: read here."""
-    judges = _Judges(consumers)
-    needles = list(dict.fromkeys(t.encode() for c in consumers for t in c.interest))
+    ``consumers`` may be a function that loads them, given the texts they read as ``interest``: a large file's
+    readers then start while they load. ``workers``: processes that read parts of ``part`` bytes (PART if None)
+    each; None: one per CPU this process may use, for a regular file of PARALLEL_MIN bytes or more; 1: read here."""
+    if interest is None:
+        assert not callable(consumers), "the texts the consumers read come with a function that loads them"
+        interest = [t for c in consumers for t in c.interest]
+    needles = list(dict.fromkeys(t.encode() for t in interest))
     probes = _probes(needles)
     plan = _plan(f, first, workers, PART if part is None else part)
     if plan is not None:
-        return _scan_parts(f.fileno(), source, kmsg, judges, needles, probes, chunk, line_max, *plan)
+        return _scan_parts(f.fileno(), source, kmsg, consumers, needles, probes, chunk, line_max, *plan)
+    judges = _Judges(consumers() if callable(consumers) else consumers)
     records: list[LogRecord] = []
     errors: list[ParseError] = []
     notes: list[str] = []
@@ -368,7 +373,8 @@ def _line_start(fd: int, at: int, size: int) -> int:
     return size
 
 
-def _scan_parts(fd: int, source: str, kmsg: bool, judges: _Judges, needles: Sequence[bytes],
+def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
+                needles: Sequence[bytes],
                 probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], chunk: int, line_max: int,
                 parts: list[tuple[int, int]], workers: int) -> ScanResult:
     procs: list[tuple[int, int]] = []  # (pid, read end of its pipe), in the order started
@@ -386,6 +392,7 @@ def _scan_parts(fd: int, source: str, kmsg: bool, judges: _Judges, needles: Sequ
                                 [(i, parts[i]) for i in range(w, len(parts), workers)], len(parts))
             os.close(wr)
             procs.append((pid, r))
+        judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
         records: list[LogRecord] = []
         errors: list[ParseError] = []
         notes: list[str] = []
@@ -412,15 +419,17 @@ def _scan_parts(fd: int, source: str, kmsg: bool, judges: _Judges, needles: Sequ
                     notes.append(_cut_note(source, line + offset, size, line_max))
             cut += part_cut - len(cuts)
             blank = blank and part_blank
-            for message, line, seq, usec, priority, timestamp, facility in rows:
-                one = build(message, line + offset, source, seq, usec, priority, timestamp, facility)
-                one.__class__ = record_type
-                records.append(one)
-                held += len(message)
-                if len(records) >= BATCH or held >= BATCH_BYTES:
-                    judges.judge(records)
-                    records.clear()
-                    held = 0
+            for at in range(0, len(rows), BATCH):
+                built = [build(message, line + offset, source, seq, usec, priority, timestamp, facility)
+                         for message, line, seq, usec, priority, timestamp, facility in rows[at:at + BATCH]]
+                for one in built:
+                    one.__class__ = record_type
+                    records.append(one)
+                    held += len(one.message)
+                    if len(records) >= BATCH or held >= BATCH_BYTES:
+                        judges.judge(records)
+                        records.clear()
+                        held = 0
             offset += lines
         judges.judge(records)
         for pid, _ in procs:

@@ -396,3 +396,9 @@ def test_parts_start_at_line_starts(tmp_path):
             assert all(data[s - 1:s] == b"\n" and e - s >= min(part, len(data) - s) for s, e in parts[1:])
     finally:
         os.close(fd)
+
+
+def test_the_texts_analyze_reads_are_the_kernel_log_checks_interest():
+    consumers = analyze_mod._kernel_consumers()
+    assert consumers == CONSUMERS
+    assert analyze_mod.KERNEL_INTEREST == tuple(t for c in consumers for t in c.interest)
