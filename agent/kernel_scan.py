@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import GpuwardenError, ParseError
-from .kernel_log import HEAD_CHARS, LogRecord, _classify, _LogRecordBuilder, parse_line
+from .kernel_log import _HOST_KERNEL, _MONO, HEAD_CHARS, LogRecord, _classify, _LogRecordBuilder, _usec, parse_line
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
@@ -56,6 +56,7 @@ _RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, befo
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
 # one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
 _SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
+_dmesg_stamp, _journal_host = _MONO.match, _HOST_KERNEL.match  # kernel_log's own patterns, as _classify reads
 
 
 def read_head(f: BinaryIO, chars: int = HEAD_CHARS) -> tuple[bytes, str]:
@@ -511,8 +512,12 @@ def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: b
     def hit(raw: bytes | bytearray, lineno: int) -> None:
         line = raw.decode("utf-8", "replace")
         if not kmsg:
-            # parse_line's text branch without its record: the row is what is sent.
-            if line and not line.isspace():
+            # parse_line's text branch without its record: the row is what is sent. A dmesg line, "[secs.frac] "
+            # and no journal host after it, is read at once as _classify reads it; any other through it.
+            stamp = _dmesg_stamp(line)
+            if stamp is not None and _journal_host(line, stamp.end()) is None:
+                rows.append((line[stamp.end():], lineno, None, _usec(stamp[1], stamp[2]), None, None, None))
+            elif line and not line.isspace():
                 _, message, timestamp, usec, priority, seq = _classify(line)
                 rows.append((message, lineno, seq, usec, priority, timestamp, None))
             return

@@ -326,7 +326,7 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     import os
     import signal
 
-    real = kernel_scan._classify  # what a reader calls on each text line it reads
+    real = kernel_scan._classify  # what a reader calls on each syslog line it reads
 
     def failing(line):
         if "0000:db:00" in line:  # a line in the middle of the file
@@ -337,7 +337,7 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
             os.kill(os.getpid(), signal.SIGKILL)
         return real(line)
 
-    data = generated(8, "dmesg", 3000)
+    data = generated(8, "syslog", 3000)
     path = tmp_path / "f.log"
     path.write_bytes(data)
     monkeypatch.setattr(kernel_scan, "_classify", failing)
@@ -402,3 +402,19 @@ def test_the_texts_analyze_reads_are_the_kernel_log_checks_interest():
     consumers = analyze_mod._kernel_consumers()
     assert consumers == CONSUMERS
     assert analyze_mod.KERNEL_INTEREST == tuple(t for c in consumers for t in c.interest)
+
+
+def test_a_reader_reads_each_stamp_as_a_whole_parse(tmp_path):
+    """A reader takes a "[secs.frac] " line at once; journalctl's monotonic form (a host after the stamp), a stamp
+    after white space, and a stamp of another shape are read as a whole parse reads them."""
+    xid_line = "NVRM: Xid (PCI:0000:19:00): {}, pid=1, name=a, text"
+    lines = [f"[{i:6d}.{i:06d}] node17 kernel: " + xid_line.format(13) for i in range(1, 200)]
+    lines += [f"  [{i:6d}.{i:06d}] " + xid_line.format(31) for i in range(200, 400)]
+    lines += [f"[{i}.5]" + xid_line.format(43) for i in range(400, 600)]  # no space after the stamp
+    lines += [f"[{i:6d}.{i:09d}] " + xid_line.format(48) for i in range(600, 800)]
+    data = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / "mono.log"
+    path.write_bytes(data)
+    expected = (*whole(data, "p.log"), lines_in(data))
+    assert {f.code for f in expected[1]} == {"13", "31", "43", "48"}
+    assert in_parts(path, 2, 3000) == expected
