@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
 from .errors import GpuwardenError
-from .kernel_log import format_of_votes, format_votes
+from .kernel_log import HEAD_CHARS, HEAD_LINES, format_of_votes, format_votes
 from .model import CheckResult, Report, Status, fold_status
 
 TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
 # The texts the kernel-log checks read (the interest of _kernel_consumers(), which a test holds them to), known
 # before the checks are loaded: the readers of a large file start while they load.
 KERNEL_INTEREST = ("NVRM: ", "SXid", "NVSwitch")
+VOTE_CHARS = 1 << 18  # characters of the head read first: HEAD_LINES kernel-log lines of up to ~130 characters
 # Line formats that only a kernel log has (one a line); "plain" and "embedded" (a driver line quoted in other text)
 # are not among them.
 _KERNEL_FORMATS = frozenset(("kmsg", "dmesg", "dmesg-ctime", "dmesg-iso", "dmesg-decode", "dmesg-decode-ctime",
@@ -62,10 +63,19 @@ def analyze_file(path: Path) -> CheckResult:
 def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
     from .kernel_scan import read_head
 
-    head, head_text = read_head(f)
+    # The vote reads the head's first HEAD_LINES lines: where a shorter head holds them (or the whole file), the rest
+    # of the head is read only for the tools' detectors, which a kernel log does not need.
+    head, head_text = read_head(f, VOTE_CHARS)
+    whole_head = len(head_text) < VOTE_CHARS
+    if not whole_head and head_text.count("\n") < HEAD_LINES:
+        head, head_text = read_head(f, HEAD_CHARS, have=head)
+        whole_head = True
     votes = format_votes(head_text)
     if not _kernel_lines_lead(votes):
         from gpuwarden.checks import ALL
+
+        if not whole_head:
+            head, head_text = read_head(f, HEAD_CHARS, have=head)
 
         for spec in ALL:
             for analyzer in spec.analyzers:

@@ -20,9 +20,19 @@ In a raw /dev/kmsg file, a malformed record is reported (a note with file:line) 
 or the file's last line, where a cut-off write leaves one; malformed records elsewhere, which the checks would skip
 anyway, are not looked for (a full parse validates every line at ~4x the cost).
 
-Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes, records judged in batches of BATCH
-records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the daemon's
-does), notes capped at MAX_NOTES.
+A large file (a regular file of PARALLEL_MIN bytes or more, where this process may use more than one CPU and can
+fork) is read by forked processes, one per CPU up to MAX_WORKERS: it is cut at line starts into parts of about PART
+bytes, part i read by process i mod N, which sends back (marshal, through a pipe) the part's lines the checks read,
+parsed, numbered from the part's first line, and its newline count. This process takes the parts in file order,
+numbers their lines on from the parts before, and judges them as they come: the judges see the records a single
+reader gives, in the same order (the tests compare both, with a part boundary at every line end). A reader that
+fails (an exception, an exit, a signal) is a ScanError naming the file and the part's bytes, never a partial result.
+The judging stays here, in order, because each check's judge carries its state from record to record.
+
+Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes in each reader, records judged in batches
+of BATCH records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the
+daemon's does), notes capped at MAX_NOTES; with readers, at most one finished part per reader waits (in its pipe of
+PIPE_SIZE bytes, or in the reader until it is taken) besides the one being judged.
 """
 from __future__ import annotations
 
@@ -38,7 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import GpuwardenError, ParseError
-from .kernel_log import _HOST_KERNEL, _MONO, HEAD_CHARS, LogRecord, _classify, _LogRecordBuilder, _usec, parse_line
+from .kernel_log import (_HOST_KERNEL, _MONO, HEAD_CHARS, LogRecord, _classify, _gc_paused, _LogRecordBuilder, _usec,
+                         parse_line)
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
@@ -50,7 +61,7 @@ MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; pas
 _PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
 PART = 1 << 20  # bytes of a large file read by one process at a time (the first result comes after one)
 PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
-MAX_WORKERS = 8
+MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
 _RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, before searching for the texts instead
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
@@ -59,22 +70,23 @@ _SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
 _dmesg_stamp, _journal_host = _MONO.match, _HOST_KERNEL.match  # kernel_log's own patterns, as _classify reads
 
 
-def read_head(f: BinaryIO, chars: int = HEAD_CHARS) -> tuple[bytes, str]:
+def read_head(f: BinaryIO, chars: int = HEAD_CHARS, have: bytes = b"") -> tuple[bytes, str]:
     """The file's first bytes, and their text: the first ``chars`` characters of the file's text (or all of it),
-    exactly as a decode of the whole file begins. Reads at most 4 * chars + 4 bytes."""
+    exactly as a decode of the whole file begins. ``have``: its first bytes, read already. Reads at most
+    4 * chars + 4 bytes in all."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    raw: list[bytes] = []
-    text: list[str] = []
-    have = 0
-    while have < chars:
-        piece = f.read(min(1 << 16, 4 * (chars - have) + 4))
+    raw: list[bytes] = [have]
+    text: list[str] = [decoder.decode(have)]
+    got = len(text[0])
+    while got < chars:
+        piece = f.read(min(1 << 16, 4 * (chars - got) + 4))
         if not piece:
             text.append(decoder.decode(b"", final=True))
             break
         raw.append(piece)
         out = decoder.decode(piece)
         text.append(out)
-        have += len(out)
+        got += len(out)
     return b"".join(raw), "".join(text)[:chars]
 
 
@@ -394,50 +406,8 @@ def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Cal
             os.close(wr)
             procs.append((pid, r))
         judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
-        records: list[LogRecord] = []
-        errors: list[ParseError] = []
-        notes: list[str] = []
-        malformed = cut = held = 0
-        offset = 0  # lines before the part
-        blank = True
-        build, record_type = _LogRecordBuilder, LogRecord
-        for i, (start, stop) in enumerate(parts):
-            pid, r = procs[i % workers]
-            got = _receive(r)
-            if got is None or got[0] != "part":
-                if got is None:
-                    ended[pid] = os.waitpid(pid, 0)[1]
-                why = got[1] if got is not None else _status_text(ended[pid])
-                raise ScanError(f"{source}: reading bytes {start}-{stop} failed ({why}); the file was not read whole")
-            rows, errs, part_malformed, cuts, part_cut, lines, part_blank = got[1]
-            for what, line in errs:
-                if len(errors) < MAX_NOTES:
-                    errors.append(ParseError(what, source, line + offset))
-            malformed += part_malformed
-            for line, size in cuts:
-                cut += 1
-                if cut <= MAX_NOTES:
-                    notes.append(_cut_note(source, line + offset, size, line_max))
-            cut += part_cut - len(cuts)
-            blank = blank and part_blank
-            for at in range(0, len(rows), BATCH):
-                built = [build(message, line + offset, source, seq, usec, priority, timestamp, facility)
-                         for message, line, seq, usec, priority, timestamp, facility in rows[at:at + BATCH]]
-                for one in built:
-                    one.__class__ = record_type
-                    records.append(one)
-                    held += len(one.message)
-                    if len(records) >= BATCH or held >= BATCH_BYTES:
-                        judges.judge(records)
-                        records.clear()
-                        held = 0
-            offset += lines
-        judges.judge(records)
-        for pid, _ in procs:
-            status = ended[pid] = os.waitpid(pid, 0)[1]
-            if status:
-                raise ScanError(f"{source}: a process reading it failed after its parts ({_status_text(status)})")
-        return _result(judges, errors, offset, blank, notes, source, cut, malformed, line_max)
+        with _gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
+            return _take_parts(procs, ended, judges, source, parts, workers, line_max)
     finally:
         for pid, r in procs:
             os.close(r)
@@ -447,6 +417,55 @@ def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Cal
                     os.waitpid(pid, 0)
                 except OSError:
                     pass
+
+
+def _take_parts(procs: list[tuple[int, int]], ended: dict[int, int], judges: _Judges, source: str,
+                parts: list[tuple[int, int]], workers: int, line_max: int) -> ScanResult:
+    """The readers' results, part by part in file order, numbered on and judged."""
+    records: list[LogRecord] = []
+    errors: list[ParseError] = []
+    notes: list[str] = []
+    malformed = cut = held = 0
+    offset = 0  # lines before the part
+    blank = True
+    build, record_type = _LogRecordBuilder, LogRecord
+    for i, (start, stop) in enumerate(parts):
+        pid, r = procs[i % workers]
+        got = _receive(r)
+        if got is None or got[0] != "part":
+            if got is None:
+                ended[pid] = os.waitpid(pid, 0)[1]
+            why = got[1] if got is not None else _status_text(ended[pid])
+            raise ScanError(f"{source}: reading bytes {start}-{stop} failed ({why}); the file was not read whole")
+        rows, errs, part_malformed, cuts, part_cut, lines, part_blank = got[1]
+        for what, line in errs:
+            if len(errors) < MAX_NOTES:
+                errors.append(ParseError(what, source, line + offset))
+        malformed += part_malformed
+        for line, size in cuts:
+            cut += 1
+            if cut <= MAX_NOTES:
+                notes.append(_cut_note(source, line + offset, size, line_max))
+        cut += part_cut - len(cuts)
+        blank = blank and part_blank
+        for at in range(0, len(rows), BATCH):
+            built = [build(message, line + offset, source, seq, usec, priority, timestamp, facility)
+                     for message, line, seq, usec, priority, timestamp, facility in rows[at:at + BATCH]]
+            for one in built:
+                one.__class__ = record_type
+                records.append(one)
+                held += len(one.message)
+                if len(records) >= BATCH or held >= BATCH_BYTES:
+                    judges.judge(records)
+                    records.clear()
+                    held = 0
+        offset += lines
+    judges.judge(records)
+    for pid, _ in procs:
+        status = ended[pid] = os.waitpid(pid, 0)[1]
+        if status:
+            raise ScanError(f"{source}: a process reading it failed after its parts ({_status_text(status)})")
+    return _result(judges, errors, offset, blank, notes, source, cut, malformed, line_max)
 
 
 def _widen(fd: int) -> None:

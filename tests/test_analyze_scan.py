@@ -418,3 +418,30 @@ def test_a_reader_reads_each_stamp_as_a_whole_parse(tmp_path):
     expected = (*whole(data, "p.log"), lines_in(data))
     assert {f.code for f in expected[1]} == {"13", "31", "43", "48"}
     assert in_parts(path, 2, 3000) == expected
+
+
+@pytest.mark.parametrize("content", [
+    "".join(f"[{i:6d}.000001] pci {'x' * (i % 300)} noise\n" for i in range(2500)),  # the vote's lines past the
+    "".join(f"[{i:6d}.000001] pci noise\n" for i in range(2500)),  # first head read, and within it
+    "é" * 300_000 + "\n" + "[ 1.000001] NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=a, gone\n",  # one long line
+])
+def test_the_head_read_in_two_steps_is_the_head(tmp_path, monkeypatch, content):
+    """The vote is taken on the same first lines, and a file that is not a kernel log gets the whole head."""
+    path = tmp_path / "h.log"
+    path.write_text(content)
+    with open(path, "rb") as f:
+        head, text = read_head(f, 1000)
+        assert read_head(f, kernel_scan.HEAD_CHARS, have=head) == read_head(io.BytesIO(path.read_bytes()))
+    seen = []
+    monkeypatch.setattr(analyze_mod, "format_votes", lambda text: seen.append(text) or detect_votes(text))
+    result = analyze_file(path)
+    data = path.read_bytes()
+    fmt = whole(data, str(path))[0]
+    assert result.source.endswith(f"(kernel-log/{fmt})") and list(result.findings) == whole(data, str(path))[1]
+    assert detect_votes(seen[0]) == detect_votes(data.decode()[:kernel_scan.HEAD_CHARS])
+
+
+def detect_votes(text):
+    from gpuwarden.agent.kernel_log import format_votes
+
+    return format_votes(text)
