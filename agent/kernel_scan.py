@@ -62,6 +62,7 @@ _PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
 PART = 1 << 20  # bytes of a large file read by one process at a time (the first result comes after one)
 PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
 MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
+READER_NICE = 5  # the readers' niceness, above this process's
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
 _RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, before searching for the texts instead
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
@@ -492,6 +493,9 @@ def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequenc
     code = 1
     try:
         gc.disable()  # the rows hold only str, int and None: no cycles to collect
+        # This process judges every part in order and is the one the readers wait for: where CPUs are short, it
+        # runs first and the readers fill the time it leaves.
+        os.nice(READER_NICE)
         buf = bytearray(chunk + line_max)  # one for every part: a buffer this size anew is fresh pages each time
         for i, (start, stop) in parts:
             _send(out, ("part", _read_part(fd, start, stop, i == nparts - 1, source, kmsg, needles, probes, buf,
