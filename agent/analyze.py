@@ -6,7 +6,8 @@ decisions give.
   in check order, whether the head (its first kernel_log.HEAD_CHARS characters) is their tool's output, and a file
   none of them reads is read as a kernel log too (any text may hold the driver's lines).
 - A kernel log of any size is streamed (agent/kernel_scan.py: fixed chunks, the checks' lines found by substring
-  search, only those parsed), in flat memory, with the findings of a parse of the whole file.
+  search, only those parsed; a large file's parts read by one process per CPU and judged here in order), in flat
+  memory, with the findings of a parse of the whole file. A reader process that fails makes the file UNKNOWN.
 - A tool's output is read whole up to TOOL_MAX bytes; a larger one is UNKNOWN, naming the file and the limit (no
   real nccl-tests, perftest or dcgmi output comes near it).
 How, and what a streamed read validates: docs/analyze.md.
