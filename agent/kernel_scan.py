@@ -59,7 +59,7 @@ MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; pas
 # Bytes tried first when looking for a text, rarest first: in kernel text upper-case letters are rare, and X and V
 # the rarest of those the checks' texts hold (byte counts over fixtures/logs/kernel and fixtures/nodes/*/kmsg).
 _PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
-PART = 1 << 20  # bytes of a large file read by one process at a time (the first result comes after one)
+PART = 1 << 19  # bytes of a large file read by one process at a time: a part of XID lines only is ~1.5 MiB of rows
 PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
 MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
 READER_NICE = 5  # the readers' niceness, above this process's
@@ -568,9 +568,9 @@ _HEADER = struct.Struct("<Q")
 
 def _send(fd: int, message: tuple[Any, ...]) -> None:
     body = marshal.dumps(message)
-    data = memoryview(_HEADER.pack(len(body)) + body)
-    while data:
-        data = data[os.write(fd, data):]
+    for data in (memoryview(_HEADER.pack(len(body))), memoryview(body)):  # not joined: a copy of a part's result
+        while data:
+            data = data[os.write(fd, data):]
 
 
 def _receive(fd: int) -> Any:
@@ -582,11 +582,13 @@ def _receive(fd: int) -> Any:
     return None if body is None else marshal.loads(body)
 
 
-def _read_exactly(fd: int, n: int) -> bytes | None:
-    got = bytearray()
-    while len(got) < n:
-        piece = os.read(fd, min(n - len(got), 1 << 20))
-        if not piece:
+def _read_exactly(fd: int, n: int) -> bytearray | None:
+    got = bytearray(n)
+    view = memoryview(got)
+    at = 0
+    while at < n:
+        k = os.readv(fd, [view[at:]])
+        if not k:
             return None
-        got += piece
-    return bytes(got)
+        at += k
+    return got
