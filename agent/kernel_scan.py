@@ -399,11 +399,14 @@ def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Cal
             _widen(wr)
             pid = os.fork()
             if pid == 0:  # the reader: never returns
-                os.close(r)
-                for _, other in procs:
-                    os.close(other)
-                _reader_process(fd, wr, source, kmsg, needles, probes, chunk, line_max,
-                                [(i, parts[i]) for i in range(w, len(parts), workers)], len(parts))
+                try:
+                    os.close(r)
+                    for _, other in procs:
+                        os.close(other)
+                    _reader_process(fd, wr, source, kmsg, needles, probes, chunk, line_max,
+                                    [(i, parts[i]) for i in range(w, len(parts), workers)], len(parts))
+                finally:
+                    os._exit(1)  # reached only if the reader could not start: the parent says so
             os.close(wr)
             procs.append((pid, r))
         judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
