@@ -132,6 +132,10 @@ class ScanError(GpuwardenError):
     """The file was not read whole: a process reading a part of it failed. Names the file and the part."""
 
 
+class _NoFork(Exception):
+    """A reader process could not be started."""
+
+
 def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
          first: bytes = b"", chunk: int = CHUNK, line_max: int = LINE_MAX, workers: int | None = None,
          part: int | None = None, interest: Sequence[str] | None = None) -> ScanResult:
@@ -148,7 +152,10 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any] | Callab
     probes = _probes(needles)
     plan = _plan(f, first, workers, PART if part is None else part)
     if plan is not None:
-        return _scan_parts(f.fileno(), source, kmsg, consumers, needles, probes, chunk, line_max, *plan)
+        try:
+            return _scan_parts(f.fileno(), source, kmsg, consumers, needles, probes, chunk, line_max, *plan)
+        except _NoFork:  # no process to be had (a limit on them, no memory): read here, as a small file
+            pass
     judges = _Judges(consumers() if callable(consumers) else consumers)
     records: list[LogRecord] = []
     errors: list[ParseError] = []
@@ -397,7 +404,12 @@ def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Cal
         for w in range(workers):
             r, wr = os.pipe()
             _widen(wr)
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                os.close(r)
+                os.close(wr)
+                raise _NoFork from exc
             if pid == 0:  # the reader: never returns
                 try:
                     os.close(r)

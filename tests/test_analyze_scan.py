@@ -445,3 +445,24 @@ def detect_votes(text):
     from gpuwarden.agent.kernel_log import format_votes
 
     return format_votes(text)
+
+
+def test_no_process_to_be_had_reads_the_file_here(tmp_path, monkeypatch):
+    """fork fails (a limit on processes): the readers started are ended and the file is read by this process."""
+    import errno
+    import os
+
+    real_fork, forks = os.fork, []
+
+    def fork():
+        if forks:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        forks.append(real_fork())
+        return forks[-1]
+
+    data = generated(9, "kmsg")
+    path = tmp_path / "k.log"
+    path.write_bytes(data)
+    monkeypatch.setattr(kernel_scan.os, "fork", fork)
+    assert in_parts(path, 3, 2000) == (*whole(data, "p.log"), lines_in(data))
+    assert len(forks) == 1 and no_child_left()
