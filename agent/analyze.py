@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable
 
 from .errors import GpuwardenError
 from .kernel_log import HEAD_CHARS, HEAD_LINES, format_of_votes, format_votes
-from .model import CheckResult, Report, Status, fold_status
+
+if TYPE_CHECKING:
+    from .model import CheckResult, Report
 
 TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
 # The texts the kernel-log checks read (the interest of _kernel_consumers(), which a test holds them to), known
@@ -44,19 +46,27 @@ def _kernel_lines_lead(votes: dict[str, int]) -> bool:
 
 
 def analyze_file(path: Path) -> CheckResult:
+    # The model is loaded after a large file's readers have started (kernel_scan), not before: the start is what
+    # the readers wait for.
     start = time.monotonic()
     try:
         f = open(path, "rb")  # noqa: SIM115  # closed below, whichever way the file is read
     except OSError as exc:
+        from .model import CheckResult, Status
+
         return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
                            source=str(path))
     try:
         with f:
             return _analyze_open(path, f, start)
     except OSError as exc:
+        from .model import CheckResult, Status
+
         return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
                            duration_s=time.monotonic() - start, source=str(path))
     except GpuwardenError as exc:  # kernel_scan.ScanError: a process reading a part of it failed
+        from .model import CheckResult, Status
+
         return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
                            source=str(path))
 
@@ -91,6 +101,8 @@ def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float) ->
     from .kernel_scan import scan
 
     result = scan(f, str(path), fmt == "kmsg", _kernel_consumers, first=head, interest=KERNEL_INTEREST)
+    from .model import CheckResult, Status, fold_status
+
     findings = result.findings
     status = fold_status(findings)
     error = None
@@ -108,6 +120,8 @@ def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float) ->
 
 def _tool_output(path: Path, f: BinaryIO, head: bytes, check: str, fmt: str, analyze: object,
                  start: float) -> CheckResult:
+    from .model import CheckResult, Status, fold_status
+
     source = f"{path} ({fmt})"
     data = head + f.read(max(0, TOOL_MAX + 1 - len(head)))
     if len(data) > TOOL_MAX:
@@ -126,5 +140,7 @@ def _tool_output(path: Path, f: BinaryIO, head: bytes, check: str, fmt: str, ana
 
 def analyze(paths: Iterable[Path]) -> Report:
     paths = list(paths)
-    return Report(node="-", results=tuple(analyze_file(p) for p in paths),
-                  source=", ".join(str(p) for p in paths), tool="analyze")
+    results = tuple(analyze_file(p) for p in paths)
+    from .model import Report
+
+    return Report(node="-", results=results, source=", ".join(str(p) for p in paths), tool="analyze")

@@ -383,8 +383,10 @@ def _parts(fd: int, start: int, size: int, part: int) -> list[tuple[int, int]]:
 
 def _line_start(fd: int, at: int, size: int) -> int:
     """The offset just past the first newline at or after ``at`` (``size`` if there is none before it)."""
+    step = 512  # a kernel log's lines are short: most boundaries are found in the first read
     while at < size:
-        data = os.pread(fd, min(1 << 16, size - at), at)
+        data = os.pread(fd, min(step, size - at), at)
+        step = min(step * 4, 1 << 16)
         if not data:
             break
         nl = data.find(b"\n")
