@@ -342,7 +342,7 @@ def _long_line(buf: bytearray, line_max: int, have: int, read: Callable[[memoryv
 def _plan(f: BinaryIO, first: bytes, workers: int | None, part: int) -> tuple[list[tuple[int, int]], int] | None:
     """The parts (start, stop byte offsets) of the file from where ``first`` was read, and the processes to read
     them; None to read it here (not a regular file, no fork, one CPU, a small file)."""
-    if workers == 1 or not hasattr(os, "fork"):
+    if workers == 1 or not (hasattr(os, "fork") and hasattr(os, "preadv")):
         return None
     try:
         fd = f.fileno()
