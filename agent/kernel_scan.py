@@ -20,18 +20,36 @@ In a raw /dev/kmsg file, a malformed record is reported (a note with file:line) 
 or the file's last line, where a cut-off write leaves one; malformed records elsewhere, which the checks would skip
 anyway, are not looked for (a full parse validates every line at ~4x the cost).
 
-Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes, records judged in batches of BATCH
-records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the daemon's
-does), notes capped at MAX_NOTES.
+A large file (a regular file of PARALLEL_MIN bytes or more, where this process may use more than one CPU and can
+fork) is read by forked processes, one per CPU up to MAX_WORKERS: it is cut at line starts into parts of about PART
+bytes, part i read by process i mod N, which sends back (marshal, through a pipe) the part's lines the checks read,
+parsed, numbered from the part's first line, and its newline count. This process takes the parts in file order,
+numbers their lines on from the parts before, and judges them as they come: the judges see the records a single
+reader gives, in the same order (the tests compare both, with a part boundary at every line end). A reader that
+fails (an exception, an exit, a signal) is a ScanError naming the file and the part's bytes, never a partial result.
+The judging stays here, in order, because each check's judge carries its state from record to record.
+
+Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes in each reader, records judged in batches
+of BATCH records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the
+daemon's does), notes capped at MAX_NOTES; with readers, at most one finished part per reader waits (in its pipe of
+PIPE_SIZE bytes, or in the reader until it is taken) besides the one being judged.
 """
 from __future__ import annotations
 
 import codecs
+import gc
+import marshal
+import os
+import re
+import signal
+import stat
+import struct
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
-from .errors import ParseError
-from .kernel_log import HEAD_CHARS, LogRecord, parse_line
+from .errors import GpuwardenError, ParseError
+from .kernel_log import (_HOST_KERNEL, _MONO, HEAD_CHARS, LogRecord, _classify, _gc_paused, _LogRecordBuilder, _usec,
+                         parse_line)
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
@@ -41,25 +59,35 @@ MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; pas
 # Bytes tried first when looking for a text, rarest first: in kernel text upper-case letters are rare, and X and V
 # the rarest of those the checks' texts hold (byte counts over fixtures/logs/kernel and fixtures/nodes/*/kmsg).
 _PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
+PART = 1 << 19  # bytes of a large file read by one process at a time: a part of XID lines only is ~1.5 MiB of rows
+PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
+MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
+READER_NICE = 5  # the readers' niceness, above this process's
+PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
 _RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, before searching for the texts instead
+# A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
+# one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
+_SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
+_dmesg_stamp, _journal_host = _MONO.match, _HOST_KERNEL.match  # kernel_log's own patterns, as _classify reads
 
 
-def read_head(f: BinaryIO, chars: int = HEAD_CHARS) -> tuple[bytes, str]:
+def read_head(f: BinaryIO, chars: int = HEAD_CHARS, have: bytes = b"") -> tuple[bytes, str]:
     """The file's first bytes, and their text: the first ``chars`` characters of the file's text (or all of it),
-    exactly as a decode of the whole file begins. Reads at most 4 * chars + 4 bytes."""
+    exactly as a decode of the whole file begins. ``have``: its first bytes, read already. Reads at most
+    4 * chars + 4 bytes in all."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    raw: list[bytes] = []
-    text: list[str] = []
-    have = 0
-    while have < chars:
-        piece = f.read(min(1 << 16, 4 * (chars - have) + 4))
+    raw: list[bytes] = [have]
+    text: list[str] = [decoder.decode(have)]
+    got = len(text[0])
+    while got < chars:
+        piece = f.read(min(1 << 16, 4 * (chars - got) + 4))
         if not piece:
             text.append(decoder.decode(b"", final=True))
             break
         raw.append(piece)
         out = decoder.decode(piece)
         text.append(out)
-        have += len(out)
+        got += len(out)
     return b"".join(raw), "".join(text)[:chars]
 
 
@@ -100,31 +128,41 @@ class _Judges:
             self.states[i], self.findings[i] = j.state, list(j.findings)
 
 
-def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: bytes = b"",
-         chunk: int = CHUNK, line_max: int = LINE_MAX) -> ScanResult:
+class ScanError(GpuwardenError):
+    """The file was not read whole: a process reading a part of it failed. Names the file and the part."""
+
+
+class _NoFork(Exception):
+    """A reader process could not be started."""
+
+
+def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
+         first: bytes = b"", chunk: int = CHUNK, line_max: int = LINE_MAX, workers: int | None = None,
+         part: int | None = None, interest: Sequence[str] | None = None) -> ScanResult:
     """Reads ``f`` (after ``first``, bytes already read from it) to its end; the findings of ``consumers``
-    (KernelConsumers: their ``interest`` texts pick the lines, their judges decide) in their order."""
-    judges = _Judges(consumers)
-    needles = list(dict.fromkeys(t.encode() for c in consumers for t in c.interest))
+    (KernelConsumers: their ``interest`` texts pick the lines, their judges decide) in their order.
+
+    ``consumers`` may be a function that loads them, given the texts they read as ``interest``: a large file's
+    readers then start while they load. ``workers``: processes that read parts of ``part`` bytes (PART if None)
+    each; None: one per CPU this process may use, for a regular file of PARALLEL_MIN bytes or more; 1: read here."""
+    if interest is None:
+        assert not callable(consumers), "the texts the consumers read come with a function that loads them"
+        interest = [t for c in consumers for t in c.interest]
+    needles = list(dict.fromkeys(t.encode() for t in interest))
     probes = _probes(needles)
+    plan = _plan(f, first, workers, PART if part is None else part)
+    if plan is not None:
+        try:
+            return _scan_parts(f.fileno(), source, kmsg, consumers, needles, probes, chunk, line_max, *plan)
+        except _NoFork:  # no process to be had (a limit on them, no memory): read here, as a small file
+            pass
+    judges = _Judges(consumers() if callable(consumers) else consumers)
     records: list[LogRecord] = []
     errors: list[ParseError] = []
     notes: list[str] = []
-    malformed = 0  # malformed kmsg records found
-    cut = 0  # lines longer than line_max
-    buf = bytearray(chunk + line_max)
-    view = memoryview(buf)
-    lines = 0  # newlines before buf[0]
-    have = 0  # bytes of a partial line at the front of buf
-    pending = memoryview(first)
-    blank = True
-    last: tuple[int, bytes] | None = None  # the last complete line: (line number, bytes)
-    read_into = f.readinto
-    count, find, rfind = buf.count, buf.find, buf.rfind
+    malformed = cut = held = 0
 
-    held = 0  # bytes of the lines of the records held for the next batch
-
-    def add(raw: bytes | bytearray, lineno: int) -> None:
+    def hit(raw: bytes | bytearray, lineno: int) -> None:
         nonlocal malformed, held
         one = parse_line(raw.decode("utf-8", "replace"), lineno, source, kmsg)
         if one is None:
@@ -140,6 +178,63 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
             judges.judge(records)
             records.clear()
             held = 0
+
+    def long_line(lineno: int, size: int) -> None:
+        nonlocal cut
+        cut += 1
+        if cut <= MAX_NOTES:
+            notes.append(_cut_note(source, lineno, size, line_max))
+
+    lines, blank = _read_lines(_reader(f, first), needles, probes, kmsg, bytearray(chunk + line_max), chunk,
+                               line_max, True, hit, long_line)
+    judges.judge(records)
+    return _result(judges, errors, lines, blank, notes, source, cut, malformed, line_max)
+
+
+def _cut_note(source: str, lineno: int, size: int, line_max: int) -> str:
+    return f"{source}:{lineno}: line of {size} bytes; its first {line_max} bytes read"
+
+
+def _result(judges: _Judges, errors: list[ParseError], lines: int, blank: bool, notes: list[str], source: str,
+            cut: int, malformed: int, line_max: int) -> ScanResult:
+    if cut > MAX_NOTES:
+        notes.append(f"{source}: {cut - MAX_NOTES} more line(s) longer than {line_max} bytes, read cut")
+    if malformed > len(errors):
+        notes.append(f"{source}: {malformed - len(errors)} more malformed kmsg record(s), not listed")
+    return ScanResult([f for fs in judges.findings for f in fs], errors, lines, blank, notes)
+
+
+def _reader(f: BinaryIO, first: bytes) -> Callable[[memoryview], int]:
+    """readinto for ``first``, then the rest of ``f``."""
+    pending = memoryview(first)
+    read_into = f.readinto
+
+    def read(into: memoryview) -> int:
+        nonlocal pending
+        if pending:
+            n = min(len(into), len(pending))
+            into[:n] = pending[:n]
+            pending = pending[n:]
+            return n
+        return read_into(into) or 0
+
+    return read
+
+
+def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
+                probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], kmsg: bool, buf: bytearray, chunk: int,
+                line_max: int, final: bool, hit: Callable[[bytes | bytearray, int], None],
+                long_line: Callable[[int, int], None]) -> tuple[int, bool]:
+    """Reads lines from ``read`` to its end: each line that holds one of ``needles`` goes to ``hit`` with its line
+    number (counted from 1 at the first byte read), each line longer than ``line_max`` to ``long_line`` (its
+    number, its length). ``final``: the end read is the file's end (in raw kmsg its last line is read in any case).
+    ``buf``, of chunk + line_max bytes, is where they are read. Returns (lines read, nothing but white space)."""
+    view = memoryview(buf)
+    lines = 0  # newlines before buf[0]
+    have = 0  # bytes of a partial line at the front of buf
+    blank = True
+    last: tuple[int, bytes] | None = None  # the last complete line: (line number, bytes)
+    count, find, rfind = buf.count, buf.find, buf.rfind
 
     def hits(start: int, stop: int) -> list[tuple[int, int]]:
         """(start, end) of the lines in buf[start:stop] (complete lines) that hold a text, in order; end is the
@@ -174,24 +269,17 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
         for ls, le in hits(start, stop):
             lines += count(b"\n", at, ls)
             at = ls
-            add(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
+            hit(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
         lines += count(b"\n", at, stop)
-        ls = rfind(b"\n", start, stop - 1) + 1 or start
-        last = (lines, bytes(buf[ls:stop - 1]))
-        if blank and buf[start:stop].strip() and not buf[start:stop].decode("utf-8", "replace").isspace():
+        if final:
+            ls = rfind(b"\n", start, stop - 1) + 1 or start
+            last = (lines, bytes(buf[ls:stop - 1]))
+        if blank and (_SURELY_TEXT(buf, start, stop) or (
+                buf[start:stop].strip() and not buf[start:stop].decode("utf-8", "replace").isspace())):
             blank = False
 
-    def fill(at: int, room: int) -> int:
-        nonlocal pending
-        if pending:
-            n = min(room, len(pending))
-            view[at:at + n] = pending[:n]
-            pending = pending[n:]
-            return n
-        return read_into(view[at:at + room])
-
     while True:
-        n = fill(have, chunk)
+        n = read(view[have:have + chunk])
         end = have + n
         if n == 0:
             break
@@ -199,13 +287,11 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
         if nl < 0:
             have = end
             if have >= line_max:
-                head, size, have = _long_line(buf, line_max, have, fill, chunk)
+                head, size, have = _long_line(buf, line_max, have, read, chunk)
                 lines += 1
-                cut += 1
-                if cut <= MAX_NOTES:
-                    notes.append(f"{source}:{lines}: line of {size} bytes; its first {line_max} bytes read")
+                long_line(lines, size)
                 if any(t in head for t in needles):  # read, as any line, only if it holds a text the checks read
-                    add(head, lines)
+                    hit(head, lines)
                 last = None  # the long line was read as a line of its own
                 if blank and head.strip() and not head.decode("utf-8", "replace").isspace():
                     blank = False
@@ -219,27 +305,23 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any], first: 
         if blank and tail.strip() and not tail.decode("utf-8", "replace").isspace():
             blank = False
         if kmsg or any(t in tail for t in needles):
-            add(tail, lines)
-    elif kmsg and last is not None and last[1] and not any(t in last[1] for t in needles):
+            hit(tail, lines)
+    elif final and kmsg and last is not None and last[1] and not any(t in last[1] for t in needles):
         # The file's last line, if it holds no text (then it was read already): a record cut off by a write that
         # did not finish is found there.
-        add(last[1][:-1] if last[1].endswith(b"\r") else last[1], last[0])
-    if cut > MAX_NOTES:
-        notes.append(f"{source}: {cut - MAX_NOTES} more line(s) longer than {line_max} bytes, read cut")
-    if malformed > len(errors):
-        notes.append(f"{source}: {malformed - len(errors)} more malformed kmsg record(s), not listed")
-    judges.judge(records)
-    return ScanResult([f for fs in judges.findings for f in fs], errors, lines, blank, notes)
+        hit(last[1][:-1] if last[1].endswith(b"\r") else last[1], last[0])
+    return lines, blank
 
 
-def _long_line(buf: bytearray, line_max: int, have: int, fill: Callable[[int, int], int],
+def _long_line(buf: bytearray, line_max: int, have: int, read: Callable[[memoryview], int],
                chunk: int) -> tuple[bytes, int, int]:
     """A line longer than line_max, whose first ``have`` bytes are at the front of buf: (its first line_max bytes,
     its length, the bytes after its newline, now at the front of buf). The rest of the line is read and skipped."""
     head = bytes(buf[:line_max])
     size = have
+    view = memoryview(buf)
     while True:
-        n = fill(0, chunk)
+        n = read(view[0:chunk])
         if n == 0:
             return head, size, 0
         nl = buf.find(b"\n", 0, n)
@@ -247,3 +329,283 @@ def _long_line(buf: bytearray, line_max: int, have: int, fill: Callable[[int, in
             buf[0:n - nl - 1] = buf[nl + 1:n]
             return head, size + nl, n - nl - 1
         size += n
+
+
+# ---------------------------------------------------------------- a large file, read in parts by several processes
+# The search and the newline count of a large file are split over the CPUs: the file is cut at line starts into
+# parts of about PART bytes, forked processes read them (part i by process i mod N, each part in its order), and
+# each sends back one part's lines the checks read, parsed, with line numbers counted from the part's start. This
+# process takes the parts in file order, adds the lines before each part to its numbers and judges the records as
+# they come: the judges see exactly the records, in the order, that one reader gives them. In flight at any time:
+# at most one finished part per process (its next part waits until this one is taken) and the one being judged.
+
+def _plan(f: BinaryIO, first: bytes, workers: int | None, part: int) -> tuple[list[tuple[int, int]], int] | None:
+    """The parts (start, stop byte offsets) of the file from where ``first`` was read, and the processes to read
+    them; None to read it here (not a regular file, no fork, one CPU, a small file)."""
+    if workers == 1 or not (hasattr(os, "fork") and hasattr(os, "preadv")):
+        return None
+    try:
+        fd = f.fileno()
+        st = os.fstat(fd)
+        base = f.tell() - len(first)
+    except (OSError, AttributeError, ValueError):  # io.UnsupportedOperation is both OSError and ValueError
+        return None
+    if not stat.S_ISREG(st.st_mode) or base < 0:
+        return None
+    if workers is None:
+        if st.st_size - base < PARALLEL_MIN or _threads() > 1:  # a fork copies only the calling thread
+            return None
+        workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                      MAX_WORKERS)
+    parts = _parts(fd, base, st.st_size, max(1, part))
+    workers = min(workers, len(parts))
+    return (parts, workers) if workers > 1 else None
+
+
+def _threads() -> int:
+    import threading
+
+    return threading.active_count()
+
+
+def _parts(fd: int, start: int, size: int, part: int) -> list[tuple[int, int]]:
+    """[start, size) cut at line starts into pieces of at least ``part`` bytes (a line is never cut)."""
+    parts = []
+    while start < size:
+        stop = start + part
+        if stop < size:
+            stop = _line_start(fd, stop - 1, size)
+        stop = min(stop, size)
+        parts.append((start, stop))
+        start = stop
+    return parts
+
+
+def _line_start(fd: int, at: int, size: int) -> int:
+    """The offset just past the first newline at or after ``at`` (``size`` if there is none before it)."""
+    step = 512  # a kernel log's lines are short: most boundaries are found in the first read
+    while at < size:
+        data = os.pread(fd, min(step, size - at), at)
+        step = min(step * 4, 1 << 16)
+        if not data:
+            break
+        nl = data.find(b"\n")
+        if nl >= 0:
+            return at + nl + 1
+        at += len(data)
+    return size
+
+
+def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
+                needles: Sequence[bytes],
+                probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], chunk: int, line_max: int,
+                parts: list[tuple[int, int]], workers: int) -> ScanResult:
+    procs: list[tuple[int, int]] = []  # (pid, read end of its pipe), in the order started
+    ended: dict[int, int] = {}  # pid -> wait status
+    try:
+        for w in range(workers):
+            r, wr = os.pipe()
+            _widen(wr)
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                os.close(r)
+                os.close(wr)
+                raise _NoFork from exc
+            if pid == 0:  # the reader: never returns
+                try:
+                    os.close(r)
+                    for _, other in procs:
+                        os.close(other)
+                    _reader_process(fd, wr, source, kmsg, needles, probes, chunk, line_max,
+                                    [(i, parts[i]) for i in range(w, len(parts), workers)], len(parts))
+                finally:
+                    os._exit(1)  # reached only if the reader could not start: the parent says so
+            os.close(wr)
+            procs.append((pid, r))
+        judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
+        with _gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
+            return _take_parts(procs, ended, judges, source, parts, workers, line_max)
+    finally:
+        for pid, r in procs:
+            os.close(r)
+            if pid not in ended:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except OSError:
+                    pass
+
+
+def _take_parts(procs: list[tuple[int, int]], ended: dict[int, int], judges: _Judges, source: str,
+                parts: list[tuple[int, int]], workers: int, line_max: int) -> ScanResult:
+    """The readers' results, part by part in file order, numbered on and judged."""
+    records: list[LogRecord] = []
+    errors: list[ParseError] = []
+    notes: list[str] = []
+    malformed = cut = held = 0
+    offset = 0  # lines before the part
+    blank = True
+    build, record_type = _LogRecordBuilder, LogRecord
+    for i, (start, stop) in enumerate(parts):
+        pid, r = procs[i % workers]
+        got = _receive(r)
+        if got is None or got[0] != "part":
+            if got is None:
+                ended[pid] = os.waitpid(pid, 0)[1]
+            why = got[1] if got is not None else _status_text(ended[pid])
+            raise ScanError(f"{source}: reading bytes {start}-{stop} failed ({why}); the file was not read whole")
+        rows, errs, part_malformed, cuts, part_cut, lines, part_blank = got[1]
+        for what, line in errs:
+            if len(errors) < MAX_NOTES:
+                errors.append(ParseError(what, source, line + offset))
+        malformed += part_malformed
+        for line, size in cuts:
+            cut += 1
+            if cut <= MAX_NOTES:
+                notes.append(_cut_note(source, line + offset, size, line_max))
+        cut += part_cut - len(cuts)
+        blank = blank and part_blank
+        for at in range(0, len(rows), BATCH):
+            built = [build(message, line + offset, source, seq, usec, priority, timestamp, facility)
+                     for message, line, seq, usec, priority, timestamp, facility in rows[at:at + BATCH]]
+            for one in built:
+                one.__class__ = record_type
+                records.append(one)
+                held += len(one.message)
+                if len(records) >= BATCH or held >= BATCH_BYTES:
+                    judges.judge(records)
+                    records.clear()
+                    held = 0
+        offset += lines
+    judges.judge(records)
+    for pid, _ in procs:
+        status = ended[pid] = os.waitpid(pid, 0)[1]
+        if status:
+            raise ScanError(f"{source}: a process reading it failed after its parts ({_status_text(status)})")
+    return _result(judges, errors, offset, blank, notes, source, cut, malformed, line_max)
+
+
+def _widen(fd: int) -> None:
+    """A pipe that holds a part's result: its reader goes on to its next part while this process judges."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+    except (ImportError, AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size: the default
+        pass
+
+
+def _status_text(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"its reader was killed by signal {os.WTERMSIG(status)}"
+    return f"its reader exited with status {os.WEXITSTATUS(status)}"
+
+
+def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequence[bytes],
+                    probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], chunk: int, line_max: int,
+                    parts: list[tuple[int, tuple[int, int]]], nparts: int) -> None:
+    """A forked reader: reads its parts in order and sends each one's result; exits without returning (nothing of
+    the parent's, its buffers or exit handlers, runs twice)."""
+    code = 1
+    try:
+        gc.disable()  # the rows hold only str, int and None: no cycles to collect
+        # This process judges every part in order and is the one the readers wait for: where CPUs are short, it
+        # runs first and the readers fill the time it leaves.
+        os.nice(READER_NICE)
+        buf = bytearray(chunk + line_max)  # one for every part: a buffer this size anew is fresh pages each time
+        for i, (start, stop) in parts:
+            _send(out, ("part", _read_part(fd, start, stop, i == nparts - 1, source, kmsg, needles, probes, buf,
+                                           chunk, line_max)))
+        code = 0
+    except BaseException as exc:  # noqa: BLE001  # any failure is reported to the parent, which names the file
+        try:
+            _send(out, ("error", f"{type(exc).__name__}: {exc}"))
+        except BaseException:  # noqa: BLE001  # the parent is gone or the pipe is broken: the exit status says it
+            pass
+    finally:
+        os._exit(code)
+
+
+def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: bool, needles: Sequence[bytes],
+               probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], buf: bytearray, chunk: int,
+               line_max: int) -> tuple[Any, ...]:
+    """One part's result: (rows of the records, malformed kmsg records (what, line), their count, lines read cut
+    (line, length), their count, lines, blank); line numbers from 1 at the part's first line."""
+    rows: list[tuple[Any, ...]] = []
+    errs: list[tuple[str, int]] = []
+    cuts: list[tuple[int, int]] = []
+    counts = [0, 0]  # malformed, cut
+    at = start
+
+    def read(into: memoryview) -> int:
+        nonlocal at
+        room = min(len(into), stop - at)
+        if room <= 0:
+            return 0
+        n = os.preadv(fd, [into[:room]], at)
+        if n <= 0:
+            raise OSError(f"the file ended at byte {at}, before {stop}: it changed while it was read")
+        at += n
+        return n
+
+    def hit(raw: bytes | bytearray, lineno: int) -> None:
+        line = raw.decode("utf-8", "replace")
+        if not kmsg:
+            # parse_line's text branch without its record: the row is what is sent. A dmesg line, "[secs.frac] "
+            # and no journal host after it, is read at once as _classify reads it; any other through it.
+            stamp = _dmesg_stamp(line)
+            if stamp is not None and _journal_host(line, stamp.end()) is None:
+                rows.append((line[stamp.end():], lineno, None, _usec(stamp[1], stamp[2]), None, None, None))
+            elif line and not line.isspace():
+                _, message, timestamp, usec, priority, seq = _classify(line)
+                rows.append((message, lineno, seq, usec, priority, timestamp, None))
+            return
+        one = parse_line(line, lineno, source, kmsg)
+        if one is None:
+            return
+        if type(one) is ParseError:
+            counts[0] += 1
+            if len(errs) < MAX_NOTES:
+                errs.append((one.what, lineno))
+            return
+        rows.append((one.message, lineno, one.seq, one.usec, one.priority, one.timestamp, one.facility))
+
+    def long_line(lineno: int, size: int) -> None:
+        counts[1] += 1
+        if len(cuts) < MAX_NOTES:
+            cuts.append((lineno, size))
+
+    lines, blank = _read_lines(read, needles, probes, kmsg, buf, chunk, line_max, final, hit, long_line)
+    return rows, errs, counts[0], cuts, counts[1], lines, blank
+
+
+_HEADER = struct.Struct("<Q")
+
+
+def _send(fd: int, message: tuple[Any, ...]) -> None:
+    body = marshal.dumps(message)
+    for data in (memoryview(_HEADER.pack(len(body))), memoryview(body)):  # not joined: a copy of a part's result
+        while data:
+            data = data[os.write(fd, data):]
+
+
+def _receive(fd: int) -> Any:
+    """One message, or None if the writer ended before it was whole."""
+    head = _read_exactly(fd, _HEADER.size)
+    if head is None:
+        return None
+    body = _read_exactly(fd, _HEADER.unpack(head)[0])
+    return None if body is None else marshal.loads(body)
+
+
+def _read_exactly(fd: int, n: int) -> bytearray | None:
+    got = bytearray(n)
+    view = memoryview(got)
+    at = 0
+    while at < n:
+        k = os.readv(fd, [view[at:]])
+        if not k:
+            return None
+        at += k
+    return got

@@ -248,3 +248,221 @@ def test_detection_is_linear_on_hostile_heads(tmp_path, content):
     with deadline():
         result = analyze_file(path)
     assert result.status is Status.UNKNOWN and "not a format gpuwarden reads" in result.error
+
+
+# ---------------------------------------------------------------- a large file read in parts by several processes
+
+def in_parts(path, workers: int, part: int, line_max: int = 1 << 20, source: str = "p.log", chunk: int = 1 << 20):
+    with open(path, "rb") as f:
+        head, head_text = read_head(f)
+        fmt = detect_format(head_text)
+        result = scan(f, source, fmt == "kmsg", CONSUMERS, first=head, chunk=chunk, line_max=line_max, workers=workers,
+                      part=part)
+    return fmt, result.findings, [str(e) for e in result.errors] + result.notes, result.lines
+
+
+def no_child_left() -> bool:
+    """Every process a scan started has ended and been waited for."""
+    import os
+
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("fmt", ["kmsg", "dmesg", "syslog", "journal"])
+def test_parts_read_by_several_processes_give_the_findings_of_a_whole_parse(tmp_path, fmt):
+    """Parts of one byte (every line a part of its own, so a boundary falls at every line end, between every CR
+    and its LF) up to parts of many lines; the last line with no newline, in kmsg a record cut off there."""
+    data = generated(7, fmt) + (b"6,9999,12" if fmt == "kmsg" else b"[ 9999.000001] NVRM: Xid (PCI:0000:19:00): 79,")
+    path = tmp_path / "p.log"
+    path.write_bytes(data)
+    expected = (*whole(data, "p.log"), lines_in(data))
+    assert expected[2] if fmt == "kmsg" else expected[1]
+    for workers, part in ((2, 1), (3, 97), (2, 4096), (5, 50_000), (2, len(data) // 2)):
+        assert in_parts(path, workers, part) == expected, (workers, part)
+    assert no_child_left()
+
+
+def test_a_part_boundary_inside_a_long_line(tmp_path):
+    """A line longer than a part (and than line_max) is read by one process, cut and named with its number."""
+    long_xid = b"[ 5.000000] NVRM: Xid (PCI:0000:3b:00): 31, pid=5, name=a, " + b"y" * 20_000
+    before = generated(4, "dmesg", 300)
+    data = before + long_xid + b"\r\n" + b"q" * 9000 + b"\n" + generated(5, "dmesg", 300)
+    path = tmp_path / "long.log"
+    path.write_bytes(data)
+    one = in_parts(path, 1, 1 << 20, line_max=4096, chunk=1024)
+    at = before.count(b"\n") + 1
+    assert [n for n in one[2] if "line of" in n] == [
+        f"p.log:{at}: line of {len(long_xid) + 1} bytes; its first 4096 bytes read",  # its CR counted
+        f"p.log:{at + 1}: line of 9000 bytes; its first 4096 bytes read"]
+    assert any(f.evidence["first_message"].startswith("NVRM: Xid (PCI:0000:3b:00): 31") for f in one[1])
+    for part in (1, 1000, 5000, 30_000):
+        assert in_parts(path, 2, part, line_max=4096, chunk=1024) == one, part
+    assert in_parts(path, 3, 700) == (*whole(data, "p.log"), lines_in(data))  # no cut: as a whole parse
+
+
+def test_notes_are_bounded_across_parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_scan, "MAX_NOTES", 3)
+    data = (b"q" * 5000 + b"\n") * 7 + b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
+    path = tmp_path / "many.log"
+    path.write_bytes(data)
+    expected = in_parts(path, 1, 1 << 20, line_max=4096, chunk=1024)
+    assert expected[2][-1] == "p.log: 4 more line(s) longer than 4096 bytes, read cut"
+    assert in_parts(path, 2, 6000, line_max=4096, chunk=1024) == expected
+    ok = "6,{0},{0}000,-;pci 0000:19:00.0: enabling device\n"
+    bad = "6,{0},{0}000;NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=a, gone\n"  # no flags: malformed
+    path.write_text("".join((bad if i % 50 == 0 else ok).format(i) for i in range(1, 400)))
+    expected = in_parts(path, 1, 1 << 20)
+    assert len(expected[2]) == 4 and expected[2][-1] == "p.log: 4 more malformed kmsg record(s), not listed"
+    assert in_parts(path, 3, 1000) == expected
+
+
+@pytest.mark.parametrize("how", ["raises", "dies", "killed"])
+def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch, how):
+    """Never a partial result: a reader that raises, exits or is killed makes the file UNKNOWN, named."""
+    import os
+    import signal
+
+    real = kernel_scan._classify  # what a reader calls on each syslog line it reads
+
+    def failing(line):
+        if "0000:db:00" in line:  # a line in the middle of the file
+            if how == "raises":
+                raise MemoryError("no room")
+            if how == "dies":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(line)
+
+    data = generated(8, "syslog", 3000)
+    path = tmp_path / "f.log"
+    path.write_bytes(data)
+    monkeypatch.setattr(kernel_scan, "_classify", failing)
+    with pytest.raises(kernel_scan.ScanError) as caught:
+        in_parts(path, 2, 5000, source=str(path))
+    assert str(caught.value).startswith(f"{path}: reading bytes ") and "the file was not read whole" in str(
+        caught.value)
+    assert {"raises": "MemoryError: no room", "dies": "exited with status 3",
+            "killed": f"killed by signal {signal.SIGKILL}"}[how] in str(caught.value)
+    assert no_child_left()
+    monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(kernel_scan, "PART", 5000)
+    result = analyze_file(path)
+    if len(os.sched_getaffinity(0)) > 1:  # read in parts only where this process may use more than one CPU
+        assert result.status is Status.UNKNOWN and result.error.startswith(f"{path}: reading bytes ")
+    assert no_child_left()
+
+
+def test_a_large_file_is_read_in_parts_by_default(tmp_path, monkeypatch):
+    """Past PARALLEL_MIN bytes, as many processes as CPUs read it: the result is the whole parse's."""
+    import os
+
+    forks = []
+    real_fork = os.fork
+
+    def fork():
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(kernel_scan.os, "fork", fork)
+    monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(kernel_scan, "PART", 4096)
+    path = NODES / "gb200-nvl72-faulty" / "kmsg"
+    data = path.read_bytes()
+    fmt, findings, notes = whole(data, str(path))
+    result = analyze_file(path)
+    assert list(result.findings) == findings and list(result.notes) == notes and findings
+    assert len(forks) == min(len(os.sched_getaffinity(0)), kernel_scan.MAX_WORKERS, -(-len(data) // 4096)) or (
+        len(os.sched_getaffinity(0)) == 1 and not forks)
+
+
+def test_parts_start_at_line_starts(tmp_path):
+    import os
+
+    data = b"a\r\nbb\n\nccc" + b"d" * 100 + b"\n" + b"e"
+    path = tmp_path / "x"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for part in (1, 2, 3, 50, 1000):
+            parts = kernel_scan._parts(fd, 0, len(data), part)
+            assert parts[0][0] == 0 and parts[-1][1] == len(data)
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
+            assert all(data[s - 1:s] == b"\n" and e - s >= min(part, len(data) - s) for s, e in parts[1:])
+    finally:
+        os.close(fd)
+
+
+def test_the_texts_analyze_reads_are_the_kernel_log_checks_interest():
+    consumers = analyze_mod._kernel_consumers()
+    assert consumers == CONSUMERS
+    assert analyze_mod.KERNEL_INTEREST == tuple(t for c in consumers for t in c.interest)
+
+
+def test_a_reader_reads_each_stamp_as_a_whole_parse(tmp_path):
+    """A reader takes a "[secs.frac] " line at once; journalctl's monotonic form (a host after the stamp), a stamp
+    after white space, and a stamp of another shape are read as a whole parse reads them."""
+    xid_line = "NVRM: Xid (PCI:0000:19:00): {}, pid=1, name=a, text"
+    lines = [f"[{i:6d}.{i:06d}] node17 kernel: " + xid_line.format(13) for i in range(1, 200)]
+    lines += [f"  [{i:6d}.{i:06d}] " + xid_line.format(31) for i in range(200, 400)]
+    lines += [f"[{i}.5]" + xid_line.format(43) for i in range(400, 600)]  # no space after the stamp
+    lines += [f"[{i:6d}.{i:09d}] " + xid_line.format(48) for i in range(600, 800)]
+    data = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / "mono.log"
+    path.write_bytes(data)
+    expected = (*whole(data, "p.log"), lines_in(data))
+    assert {f.code for f in expected[1]} == {"13", "31", "43", "48"}
+    assert in_parts(path, 2, 3000) == expected
+
+
+@pytest.mark.parametrize("content", [
+    "".join(f"[{i:6d}.000001] pci {'x' * (i % 300)} noise\n" for i in range(2500)),  # the vote's lines past the
+    "".join(f"[{i:6d}.000001] pci noise\n" for i in range(2500)),  # first head read, and within it
+    "é" * 300_000 + "\n" + "[ 1.000001] NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=a, gone\n",  # one long line
+])
+def test_the_head_read_in_two_steps_is_the_head(tmp_path, monkeypatch, content):
+    """The vote is taken on the same first lines, and a file that is not a kernel log gets the whole head."""
+    path = tmp_path / "h.log"
+    path.write_text(content)
+    with open(path, "rb") as f:
+        head, text = read_head(f, 1000)
+        assert read_head(f, kernel_scan.HEAD_CHARS, have=head) == read_head(io.BytesIO(path.read_bytes()))
+    seen = []
+    monkeypatch.setattr(analyze_mod, "format_votes", lambda text: seen.append(text) or detect_votes(text))
+    result = analyze_file(path)
+    data = path.read_bytes()
+    fmt = whole(data, str(path))[0]
+    assert result.source.endswith(f"(kernel-log/{fmt})") and list(result.findings) == whole(data, str(path))[1]
+    assert detect_votes(seen[0]) == detect_votes(data.decode()[:kernel_scan.HEAD_CHARS])
+
+
+def detect_votes(text):
+    from gpuwarden.agent.kernel_log import format_votes
+
+    return format_votes(text)
+
+
+def test_no_process_to_be_had_reads_the_file_here(tmp_path, monkeypatch):
+    """fork fails (a limit on processes): the readers started are ended and the file is read by this process."""
+    import errno
+    import os
+
+    real_fork, forks = os.fork, []
+
+    def fork():
+        if forks:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        forks.append(real_fork())
+        return forks[-1]
+
+    data = generated(9, "kmsg")
+    path = tmp_path / "k.log"
+    path.write_bytes(data)
+    monkeypatch.setattr(kernel_scan.os, "fork", fork)
+    assert in_parts(path, 3, 2000) == (*whole(data, "p.log"), lines_in(data))
+    assert len(forks) == 1 and no_child_left()
