@@ -24,13 +24,13 @@ import binascii
 import errno
 import gzip
 import os
+import queue
 import resource
 import selectors
 import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -97,6 +97,57 @@ class _Restricted:
                 yield m
 
 
+class _Workers:
+    """A fixed pool of threads running what the I/O thread hands over, each started at its first job (what
+    concurrent.futures' executor does here, without its futures or the logging module it loads)."""
+
+    def __init__(self, count: int, name: str):
+        self._count, self._name = count, name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stopped = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the endpoint's workers are stopped")
+            self._jobs.put((fn, args))
+            if self._idle == 0 and len(self._threads) < self._count:
+                t = threading.Thread(target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            else:
+                self._idle = max(0, self._idle - 1)
+
+    def _run(self) -> None:
+        name_this_thread(self._name)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - a defect costs its one job, never the worker
+                log.error("metrics endpoint: a worker's job failed", error=repr(exc))
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Jobs not yet started are dropped; each worker ends after its current one (not waited for)."""
+        with self._lock:
+            self._stopped = True
+            while True:
+                try:
+                    self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            for _ in self._threads:
+                self._jobs.put(None)
+
+
 @dataclass
 class _Request:
     method: str
@@ -149,7 +200,7 @@ class MetricsEndpoint:
         # Never more than a quarter of what the process may open, whatever the configured cap.
         self._max_conns = max(1, min(self.limits.max_connections,
                                      soft // 4 if soft != resource.RLIM_INFINITY else self.limits.max_connections))
-        family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+        family, _, _, _, addr = socket.getaddrinfo(_host(host), port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -174,8 +225,7 @@ class MetricsEndpoint:
         self._accept_paused_until: float | None = None
         self._refused = 0
         self._refused_logged_at = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="gw-metrics-work",
-                                        initializer=name_this_thread, initargs=("gw-metrics-work",))
+        self._pool = _Workers(self.limits.workers, "gw-metrics-work")
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._gzipped: list[tuple[bytes, bytes]] = []  # (page, its gzip), the latest first
 
@@ -197,7 +247,7 @@ class MetricsEndpoint:
             self._thread.join(timeout_s)
         else:
             self._close_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         with self._pipe_lock:
             if self._pipe_open:
                 self._pipe_open = False
@@ -517,6 +567,14 @@ class MetricsEndpoint:
             return False
         assert self._web is not None
         return bool(sep) and self._web.authorized(cfg, user, password)
+
+
+def _host(host: str) -> str | bytes | None:
+    """The host as getaddrinfo takes it: an ASCII name or address as bytes, which it does not IDNA-encode (the
+    codec loads unicodedata's tables, ~0.5 MB, for an address like 127.0.0.1); anything else as given."""
+    if not host:
+        return None
+    return host.encode("ascii") if host.isascii() else host
 
 
 def _negotiate(accept: str) -> tuple[tuple[bool, str], str] | None:
