@@ -228,6 +228,7 @@ class MetricsEndpoint:
         self._pool = _Workers(self.limits.workers, "gw-metrics-work")
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._gzipped: list[tuple[bytes, bytes]] = []  # (page, its gzip), the latest first
+        client_mirrored()  # looked up once here, not on the first scrape
 
     @property
     def port(self) -> int:
