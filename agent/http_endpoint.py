@@ -24,28 +24,26 @@ import binascii
 import errno
 import gzip
 import os
+import queue
 import resource
 import selectors
 import socket
-import ssl
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from urllib.parse import parse_qs
-
-from prometheus_client.exposition import choose_encoder, gzip_accepted
-from prometheus_client.exposition import generate_latest as text_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from . import logs
 from . import web_config
+from .metrics import client_mirrored
 from .systemd import name_this_thread
+
+if TYPE_CHECKING:  # prometheus-client renders only what the registry's own page does not (see _negotiate)
+    from prometheus_client.metrics_core import Metric
 
 log = logs.get_logger("gpuwarden.http")
 
@@ -89,12 +87,65 @@ class _Restricted:
         self._registry, self._names = registry, frozenset(names)
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.metrics_core import Metric
+
         for metric in self._registry.collect():
             samples = [s for s in metric.samples if s.name in self._names]
             if samples:
                 m = Metric(metric.name, metric.documentation, metric.type, getattr(metric, "unit", ""))
                 m.samples = samples
                 yield m
+
+
+class _Workers:
+    """A fixed pool of threads running what the I/O thread hands over, each started at its first job (what
+    concurrent.futures' executor does here, without its futures or the logging module it loads)."""
+
+    def __init__(self, count: int, name: str):
+        self._count, self._name = count, name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stopped = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the endpoint's workers are stopped")
+            self._jobs.put((fn, args))
+            if self._idle == 0 and len(self._threads) < self._count:
+                t = threading.Thread(target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            else:
+                self._idle = max(0, self._idle - 1)
+
+    def _run(self) -> None:
+        name_this_thread(self._name)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - a defect costs its one job, never the worker
+                log.error("metrics endpoint: a worker's job failed", error=repr(exc))
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Jobs not yet started are dropped; each worker ends after its current one (not waited for)."""
+        with self._lock:
+            self._stopped = True
+            while True:
+                try:
+                    self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            for _ in self._threads:
+                self._jobs.put(None)
 
 
 @dataclass
@@ -137,11 +188,19 @@ class MetricsEndpoint:
         self._registry = registry
         self.limits = limits or Limits()
         self._web = web_config.Watched(Path(web_config_file), log) if web_config_file else None
+        # What a non-blocking TLS socket raises for want of bytes: ssl (and OpenSSL) is loaded only with a web
+        # config, the only way TLS is on; without one nothing raises them and `except ()` catches nothing.
+        self._want_read: tuple[type[BaseException], ...] = ()
+        self._want_write: tuple[type[BaseException], ...] = ()
+        if self._web is not None:
+            import ssl
+
+            self._want_read, self._want_write = (ssl.SSLWantReadError,), (ssl.SSLWantWriteError,)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         # Never more than a quarter of what the process may open, whatever the configured cap.
         self._max_conns = max(1, min(self.limits.max_connections,
                                      soft // 4 if soft != resource.RLIM_INFINITY else self.limits.max_connections))
-        family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+        family, _, _, _, addr = socket.getaddrinfo(_host(host), port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -166,10 +225,10 @@ class MetricsEndpoint:
         self._accept_paused_until: float | None = None
         self._refused = 0
         self._refused_logged_at = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="gw-metrics-work",
-                                        initializer=name_this_thread, initargs=("gw-metrics-work",))
+        self._pool = _Workers(self.limits.workers, "gw-metrics-work")
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._gzipped: list[tuple[bytes, bytes]] = []  # (page, its gzip), the latest first
+        client_mirrored()  # looked up once here, not on the first scrape
 
     @property
     def port(self) -> int:
@@ -189,7 +248,7 @@ class MetricsEndpoint:
             self._thread.join(timeout_s)
         else:
             self._close_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         with self._pipe_lock:
             if self._pipe_open:
                 self._pipe_open = False
@@ -351,9 +410,9 @@ class MetricsEndpoint:
                         self._want(c, selectors.EVENT_READ)
                 else:
                     return
-        except ssl.SSLWantReadError:
+        except self._want_read:
             self._want(c, selectors.EVENT_READ)
-        except ssl.SSLWantWriteError:
+        except self._want_write:
             self._want(c, selectors.EVENT_WRITE)
         except (BlockingIOError, InterruptedError):
             self._want(c, selectors.EVENT_WRITE if c.state == _WRITE else selectors.EVENT_READ)
@@ -424,7 +483,7 @@ class MetricsEndpoint:
         if path != "/metrics":
             return True
         return ("name" not in query and getattr(self._registry, "has_page", False)
-                and _page_format(choose_encoder(req.headers.get("accept", ""))[0]) is not None)
+                and _negotiate(req.headers.get("accept", "")) is not None)
 
     def _answer(self, request: _Request) -> tuple[bytes, bool]:
         """The response, and whether the connection closes after it."""
@@ -458,13 +517,22 @@ class MetricsEndpoint:
             params = parse_qs(query, max_num_fields=_MAX_QUERY_FIELDS)
         except ValueError:
             return _simple(400, "Bad Request", "too many query parameters\n", keep, head_only=head_only)
-        encoder, content_type = choose_encoder(req.headers.get("accept", ""))
-        if "name[]" in params:
-            body = encoder(_Restricted(self._registry, params["name[]"]))
-        else:
-            body = self._page(encoder)
+        accept = req.headers.get("accept", "")
+        known = _negotiate(accept) if "name[]" not in params and getattr(self._registry, "has_page", False) \
+            else None
+        if known is not None:
+            fmt, content_type = known
+            body = self._registry.page(*fmt, partial(_encode, accept))
+        if known is None or body is None:
+            from prometheus_client.exposition import choose_encoder
+
+            encoder, content_type = choose_encoder(accept)
+            if "name[]" in params:
+                body = encoder(_Restricted(self._registry, params["name[]"]))
+            else:
+                body = self._page(encoder)
         extra: tuple[str, ...] = ("Vary: Accept-Encoding",)
-        if gzip_accepted(req.headers.get("accept-encoding", "")):
+        if _gzip_accepted(req.headers.get("accept-encoding", "")):
             body = self._gzip(body)
             extra += ("Content-Encoding: gzip",)
         return _response(200, "OK", body, content_type, keep, extra, head_only)
@@ -502,10 +570,78 @@ class MetricsEndpoint:
         return bool(sep) and self._web.authorized(cfg, user, password)
 
 
+def _host(host: str) -> str | bytes | None:
+    """The host as getaddrinfo takes it: an ASCII name or address as bytes, which it does not IDNA-encode (the
+    codec loads unicodedata's tables, ~0.5 MB, for an address like 127.0.0.1); anything else as given."""
+    if not host:
+        return None
+    return host.encode("ascii") if host.isascii() else host
+
+
+def _negotiate(accept: str) -> tuple[tuple[bool, str], str] | None:
+    """(the page's format (OpenMetrics?, escaping), the Content-Type) that prometheus-client's choose_encoder
+    answers for this Accept header, where it is one the registry's own page renders and this copy of the
+    negotiation (of the version client_mirrored() names) is sure of it; None for anything else, which
+    prometheus-client then negotiates and renders itself (a version this copy does not know, a format or
+    escaping the page does not have, a version number it does not parse)."""
+    if not client_mirrored():
+        return None
+    for accepted in (accept or "").split(","):
+        toks = accepted.split(";")
+        kind = toks[0].strip()
+        if kind not in ("application/openmetrics-text", "text/plain"):
+            continue
+        version, escaping = _token(toks, "version"), _token(toks, "escaping")
+        if escaping not in ("", "underscores", "allow-utf-8"):
+            return None  # dots, values, or a name prometheus-client reads as underscores: its answer
+        escaping = escaping or "underscores"
+        if kind == "application/openmetrics-text":
+            if not version:
+                return (True, "underscores"), "application/openmetrics-text; version=1.0.0; charset=utf-8"
+            if version == "1.0.0":
+                return (True, escaping), \
+                    f"application/openmetrics-text; version=1.0.0; charset=utf-8; escaping={escaping}"
+            if version in ("0.0.1", "0.0.4"):
+                continue  # older than 1.0.0: not this entry
+            return None
+        if version == "1.0.0":
+            return (False, escaping), f"text/plain; version=1.0.0; charset=utf-8; escaping={escaping}"
+        if version not in ("", "0.0.1", "0.0.4"):
+            return None
+    return (False, "underscores"), "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _token(toks: list[str], key: str) -> str:
+    """The first `key=value` parameter's value, as prometheus-client reads it (its _get_version/_get_escaping)."""
+    for tok in toks:
+        if "=" not in tok:
+            continue
+        k, value = tok.strip().split("=", 1)
+        if k == key:
+            return value
+    return ""
+
+
+def _gzip_accepted(header: str) -> bool:
+    """prometheus-client's gzip_accepted."""
+    return any(accepted.split(";")[0].strip().lower() == "gzip" for accepted in (header or "").split(","))
+
+
+def _encode(accept: str, registry: Any) -> bytes:
+    """A registry rendered by the encoder prometheus-client chooses for this Accept header: the page's families
+    whose names are outside the legacy character set (agent/metrics.py render_family)."""
+    from prometheus_client.exposition import choose_encoder
+
+    return choose_encoder(accept)[0](registry)
+
+
 def _page_format(encoder: Callable[[Any], bytes]) -> tuple[bool, str] | None:
     """(OpenMetrics?, escaping) of the encoder prometheus-client chose, where a registry's own page renders the
     same bytes: the text format 0.0.4, or OpenMetrics 1.0.0, with names escaped by underscores or allowed as
     UTF-8 (the same text for legacy names). None for anything else (the encoder renders it)."""
+    from prometheus_client.exposition import generate_latest as text_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+
     if encoder is text_latest:
         return False, "underscores"
     if encoder is openmetrics_latest:  # prometheus-client before escaping was negotiated

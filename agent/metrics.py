@@ -6,24 +6,24 @@ passive checks' judgements (agent/passive.py MetricSample).
 """
 from __future__ import annotations
 
+import math
+import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
-
-from prometheus_client import CollectorRegistry, write_to_textfile
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest as text_latest
-from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 from .model import CheckResult, Status
 from .passive import MetricSample
 from .state import RECOVERY_STEPS, NodeRecord, NodeState
+from .version import VERSION
+
+if TYPE_CHECKING:  # prometheus-client is imported where its own rendering or registry is needed, not by the daemon
+    from prometheus_client.core import Metric
+    from prometheus_client.registry import Collector, CollectorRegistry
 
 
 @dataclass
@@ -39,16 +39,6 @@ class Snapshot:
     kmsg_lost: int = 0
 
 
-def _version() -> str:
-    try:
-        return metadata.version("gpuwarden")
-    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
-
-
-VERSION = _version()
-
-
 class Family(NamedTuple):
     """One metric family as exported: a row is (label values in `labels` order, value). Tuples all the way down,
     so that two families compare (and a cached rendering is found) in C."""
@@ -60,6 +50,8 @@ class Family(NamedTuple):
     rows: tuple[tuple[tuple[str, ...], float], ...]
 
     def metric(self) -> Metric:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
         m = cls(self.name, self.help, labels=self.labels)
         for values, value in self.rows:
@@ -73,7 +65,7 @@ def _family(name: str, kind: str, help: str, labels: Iterable[str], rows: Iterab
     return Family(name, kind, help, tuple(labels), tuple(rows))
 
 
-class DaemonCollector(Collector):
+class DaemonCollector:
     def __init__(self, started: float | None = None) -> None:
         self._lock = threading.Lock()
         self._snap = Snapshot()
@@ -103,6 +95,7 @@ class DaemonCollector(Collector):
         self._live = samples
 
     def collect(self) -> Iterator[Metric]:
+        """The page's families as prometheus-client metrics (what any of its encoders reads)."""
         snap, live = self._read()
         for f in self.families_of(snap, live):
             yield f.metric()
@@ -289,6 +282,9 @@ def render_family(f: Family, openmetrics: bool, encoder: Callable[[Any], bytes] 
     TYPE lines, label names sorted, values as Go prints floats; OpenMetrics also escapes '"' in HELP)."""
     if not (_LEGACY_NAME.fullmatch(f.name) and all(_LEGACY_NAME.fullmatch(k) for k in f.labels)):
         if encoder is None:
+            from prometheus_client.exposition import generate_latest as text_latest
+            from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+
             encoder = openmetrics_latest if openmetrics else text_latest
         text = encoder(_One(f.metric()))
         return text[:-len(b"# EOF\n")] if openmetrics and text.endswith(b"# EOF\n") else text
@@ -300,12 +296,13 @@ def render_family(f: Family, openmetrics: bool, encoder: Callable[[Any], bytes] 
     out = [f"# HELP {head} {doc}\n# TYPE {head} {f.kind}\n"]
     order = sorted(range(len(f.labels)), key=f.labels.__getitem__)
     names = [f.labels[i] for i in order]
+    go_float = _go_float if client_mirrored() else _client_go_float()
     for values, value in f.rows:
         if names:
             labels = ",".join(f'{n}="{_escape(values[i])}"' for n, i in zip(names, order, strict=True))
-            out.append(f"{sample}{{{labels}}} {floatToGoString(value)}\n")
+            out.append(f"{sample}{{{labels}}} {go_float(value)}\n")
         else:
-            out.append(f"{sample} {floatToGoString(value)}\n")
+            out.append(f"{sample} {go_float(value)}\n")
     return "".join(out).encode("utf-8")
 
 
@@ -323,23 +320,44 @@ class _One:
         yield self._metric
 
 
-class DaemonRegistry(CollectorRegistry):
+class DaemonRegistry:
     """A registry for the daemon's collector: what any prometheus-client encoder reads (collect()), and, while it
-    holds that collector alone, the collector's own cached page (DaemonCollector.page) for the endpoint."""
+    holds that collector alone, the collector's own cached page (DaemonCollector.page) for the endpoint.
+    prometheus-client's CollectorRegistry is built only when a collector is registered from outside or one of its
+    other methods is asked for: the daemon's page needs none of it."""
 
     def __init__(self, collector: DaemonCollector):
-        super().__init__(auto_describe=False)
-        self.register(collector)
+        self._own = collector
         self._collector: DaemonCollector | None = collector
+        self._registry: CollectorRegistry | None = None
+
+    def _real(self) -> CollectorRegistry:
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry
+
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(self._own)
+            self._registry = registry
+        return self._registry
 
     def register(self, collector: Collector) -> None:
-        super().register(collector)
-        if getattr(self, "_collector", None) is not None:
-            self._collector = None  # another collector's families are not on the cached page
+        self._real().register(collector)
+        self._collector = None  # another collector's families are not on the cached page
 
     def unregister(self, collector: Collector) -> None:
-        super().unregister(collector)
+        self._real().unregister(collector)
         self._collector = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self._registry is None:
+            return self._own.collect()
+        return self._registry.collect()
+
+    def __getattr__(self, name: str) -> Any:
+        # The rest of CollectorRegistry (restricted_registry, get_sample_value, target info) is its own.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._real(), name)
 
     @property
     def has_page(self) -> bool:
@@ -357,6 +375,71 @@ def registry_for(collector: DaemonCollector) -> DaemonRegistry:
     return DaemonRegistry(collector)
 
 
-def write_textfile(registry: CollectorRegistry, path: Path) -> None:
+def write_textfile(registry: Any, path: Path) -> None:
     """node_exporter textfile collector output (written atomically by prometheus-client)."""
+    from prometheus_client import write_to_textfile
+
     write_to_textfile(str(path), registry)
+
+
+# prometheus-client's content negotiation and float formatting as its version 0.26 has them (byte for byte: a test
+# compares them with the installed one's), so that serving the daemon's page needs no import of it (~5 MB of
+# http.server, email, urllib, importlib.metadata). Where another version is installed, its own are used.
+_MIRRORED_FROM = (0, 26)
+
+
+def _go_float(d: float) -> str:
+    """A float as Go prints it (prometheus-client's utils.floatToGoString)."""
+    d = float(d)
+    if d == math.inf:
+        return "+Inf"
+    if d == -math.inf:
+        return "-Inf"
+    if math.isnan(d):
+        return "NaN"
+    s = repr(d)
+    dot = s.find(".")
+    # Go switches to exponents sooner than Python (only positive values matter for le/quantile).
+    if d > 0 and dot > 6:
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return s
+
+
+def _client_go_float() -> Callable[[float], str]:
+    from prometheus_client.utils import floatToGoString
+
+    return floatToGoString
+
+
+_mirrored: list[bool] = []
+
+
+def client_mirrored() -> bool:
+    """Whether the installed prometheus-client negotiates and formats as the copies here do: its version, read from
+    the name of its metadata folder beside the package (importing it, or importlib.metadata, is what this avoids).
+    Unknown (not found, several, not a version) is False: prometheus-client's own code then answers."""
+    if not _mirrored:
+        _mirrored.append(_client_version() >= _MIRRORED_FROM)
+    return _mirrored[0]
+
+
+def _client_version() -> tuple[int, ...]:
+    for entry in sys.path:
+        base = entry or "."
+        if not os.path.isfile(os.path.join(base, "prometheus_client", "__init__.py")):
+            continue
+        try:
+            names = [n for n in os.listdir(base) if n.startswith("prometheus_client-") and n.endswith(".dist-info")]
+        except OSError:
+            return ()
+        if len(names) != 1:
+            return ()
+        parts = names[0][len("prometheus_client-"):-len(".dist-info")].split(".")
+        numbers = []
+        for part in parts[:3]:
+            if not part.isdigit():
+                break
+            numbers.append(int(part))
+        return tuple(numbers) if len(numbers) >= 2 else ()
+    return ()

@@ -36,7 +36,7 @@ def _listen(text: str) -> tuple[str, int]:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+    from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE
 
     from .cli import _node
     from .daemon import Daemon, DaemonOptions
@@ -45,8 +45,8 @@ def run_daemon(args: argparse.Namespace) -> int:
     from .retest import run_retest
     from .systemd import name_this_thread, notify, watchdog_interval_s
 
-    specs = all_specs()
-    cfg = config_mod.load(specs, args.config, explicit=args.config is not None)
+    specs = daemon_forms()
+    cfg = load_config(specs, args)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     state_dir = Path(args.state_dir or cfg.agent["state_dir"])
     host, port = _listen(args.listen or cfg.agent["listen"])
@@ -130,6 +130,22 @@ def run_daemon(args: argparse.Namespace) -> int:
             os.close(fd)
         log.info("stopped")
     return EXIT_PASS
+
+
+def daemon_forms() -> list[Any]:
+    """Every form of the concerns the daemon runs: its passive checks and its kernel-log consumers. Other checks'
+    modules (burn-in, NCCL, RDMA, DCGM) are not loaded: a config file's tables of those are checked against their
+    forms only where the file sets them, and a retest adds the quick checks it runs (agent/retest.py)."""
+    from gpuwarden import checks
+
+    return checks.forms(dict.fromkeys(s.name for s in (*checks.PASSIVE, *checks.KERNEL_CONSUMERS)))
+
+
+def load_config(specs: list[Any], args: argparse.Namespace) -> Any:
+    from gpuwarden import checks
+
+    return config_mod.load(specs, args.config, explicit=args.config is not None, names=checks.NAMES,
+                           forms=checks.forms)
 
 
 def remediation_setup(cfg: Any, node: Any, state_dir: Path) -> tuple[Settings, Any, str | None]:
@@ -218,7 +234,7 @@ def _drain(fd: int) -> None:
 def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:
     """SIGHUP: read the config again; a bad file is logged and the running config kept."""
     try:
-        daemon.reload(config_mod.load(specs, args.config, explicit=args.config is not None))
+        daemon.reload(load_config(specs, args))
         log.info("config reloaded")
     except ConfigError as exc:
         log.error("config reload failed; keeping the running config", error=str(exc))

@@ -39,13 +39,10 @@ from . import logs
 from .adapters.base import NodeView, Service
 from .model import Action, Entity, Finding, Status
 from .sweep_model import GroupRun, Outcome
+from .sweep_names import CHECK_NAME, FORMAT, MAX_NAME, valid_name  # noqa: F401 - this module's names as before
 
 log = logs.get_logger("gpuwarden.sweep")
 
-CHECK_NAME = "nccl_sweep"
-FORMAT = 1  # of the verdict and report files
-MAX_NAME = 255
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 # The code of a node culprit's finding, by the worst outcome of the failing collectives that name it.
 CODES = {Outcome.WRONG: "sweep-wrong-results", Outcome.HUNG: "sweep-hang", Outcome.FAILED: "sweep-failed",
          Outcome.SLOW: "sweep-slow"}
@@ -54,11 +51,6 @@ WHAT = {Outcome.WRONG: "returned wrong values (silent data corruption)",
         Outcome.FAILED: "crashed or failed", Outcome.SLOW: "ran below its baseline"}
 _RANK = {Outcome.WRONG: 4, Outcome.HUNG: 3, Outcome.FAILED: 2, Outcome.SLOW: 1}
 EXIT_CLEAN, EXIT_CULPRITS, EXIT_UNDECIDED = 0, 1, 2
-
-
-def valid_name(name: Any) -> bool:
-    """A node name usable as a file name and a scheduler name: letters, digits, '.', '_', '-' (no '/', no '..')."""
-    return isinstance(name, str) and _NAME.fullmatch(name) is not None and name not in (".", "..")
 
 
 # -- which nodes, which groups ---------------------------------------------------------------------------------------

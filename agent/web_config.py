@@ -16,24 +16,25 @@ names it, never silently ignored: a TLS setting that is dropped would weaken wha
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import ssl
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import ConfigError
 
+if TYPE_CHECKING:  # ssl (and OpenSSL with it) is loaded only where a web config asks for TLS
+    import ssl
+
 MAX_FILE_BYTES = 1 << 20
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version"}
-_CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
-_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
-             "TLS13": ssl.TLSVersion.TLSv1_3}
+# The ssl module's names of each setting (resolved when a TLS context is built).
+_CLIENT_AUTH = {"NoClientCert": "CERT_NONE", "VerifyClientCertIfGiven": "CERT_OPTIONAL",
+                "RequireAndVerifyClientCert": "CERT_REQUIRED"}
+_VERSIONS = {"TLS10": "TLSv1", "TLS11": "TLSv1_1", "TLS12": "TLSv1_2", "TLS13": "TLSv1_3"}
 _BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
 # A hash to check a password against when the user is unknown, so that a wrong user takes as long as a wrong
 # password (exporter-toolkit does the same). bcrypt of "unknown-user" at cost 10.
@@ -114,10 +115,12 @@ def _tls_context(path: Path, base: Path, cfg: Mapping[str, Any]) -> tuple[ssl.SS
             raise ConfigError(f"{path}: tls_server_config.{key} must be a string")
     if not cfg.get("cert_file") or not cfg.get("key_file"):
         raise ConfigError(f"{path}: tls_server_config needs both cert_file and key_file")
+    import ssl
+
     cert, key = base / cfg["cert_file"], base / cfg["key_file"]
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = _version(path, cfg, "min_version", ssl.TLSVersion.TLSv1_2)
-    ctx.maximum_version = _version(path, cfg, "max_version", ssl.TLSVersion.TLSv1_3)
+    ctx.minimum_version = _version(path, cfg, "min_version", "TLS12")
+    ctx.maximum_version = _version(path, cfg, "max_version", "TLS13")
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
@@ -126,7 +129,7 @@ def _tls_context(path: Path, base: Path, cfg: Mapping[str, Any]) -> tuple[ssl.SS
     mode = cfg.get("client_auth_type", "NoClientCert")
     if mode not in _CLIENT_AUTH:
         raise ConfigError(f"{path}: tls_server_config.client_auth_type must be one of {', '.join(_CLIENT_AUTH)}")
-    ctx.verify_mode = _CLIENT_AUTH[mode]
+    ctx.verify_mode = getattr(ssl, _CLIENT_AUTH[mode])
     if cfg.get("client_ca_file"):
         ca = base / cfg["client_ca_file"]
         try:
@@ -139,12 +142,13 @@ def _tls_context(path: Path, base: Path, cfg: Mapping[str, Any]) -> tuple[ssl.SS
     return ctx, files
 
 
-def _version(path: Path, cfg: Mapping[str, Any], key: str, default: ssl.TLSVersion) -> ssl.TLSVersion:
-    if key not in cfg:
-        return default
-    if cfg[key] not in _VERSIONS:
+def _version(path: Path, cfg: Mapping[str, Any], key: str, default: str) -> ssl.TLSVersion:
+    import ssl
+
+    name = cfg.get(key, default)
+    if name not in _VERSIONS:
         raise ConfigError(f"{path}: tls_server_config.{key} must be one of {', '.join(_VERSIONS)}")
-    return _VERSIONS[cfg[key]]
+    return getattr(ssl.TLSVersion, _VERSIONS[name])
 
 
 class Watched:
@@ -183,6 +187,8 @@ class Watched:
 
     def authorized(self, config: WebConfig, user: str, password: str) -> bool:
         """Whether `user:password` matches; bcrypt runs in the caller's thread (it releases the GIL)."""
+        import hashlib
+
         import bcrypt
 
         hashed = config.users.get(user)

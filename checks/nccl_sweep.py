@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.sweep import CHECK_NAME, FORMAT, valid_name
+from gpuwarden.agent.sweep_names import CHECK_NAME, FORMAT, valid_name
 
 MAX_BYTES = 1 << 20
 MAX_FINDINGS = 64
