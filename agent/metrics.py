@@ -399,7 +399,8 @@ def _go_float(d: float) -> str:
         return "NaN"
     s = repr(d)
     dot = s.find(".")
-    # Go switches to exponents sooner than Python (only positive values matter for le/quantile).
+    # Past 6 integer digits Go writes an exponent where Python's repr does not; bucket bounds (le) and quantiles,
+    # the only floats written as label values, are positive.
     if d > 0 and dot > 6:
         mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
         return f"{mantissa}e+{dot - 1:02d}"
