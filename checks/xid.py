@@ -134,6 +134,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
 
     entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
     xids_on: dict[str, set[int]] = {}
+    entities: dict[str, Entity] = {}  # by PCI address: a node has few GPUs and many incidents on each
     for inc in incidents.values():
         xids_on.setdefault(inc["pci"], set()).add(inc["xid"])
     findings: list[Finding] = []
@@ -147,7 +148,10 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
                 continue
             ends.append(inc["last_at"] + cfg["hold_s"])
         kept[key] = inc
-        finding, samples = _shown(inc, entity_at(inc["pci"]), catalog, action, int(inc["xid"]) in force)
+        entity = entities.get(inc["pci"])
+        if entity is None:
+            entity = entities[inc["pci"]] = entity_at(inc["pci"])
+        finding, samples = _shown(inc, entity, catalog, action, int(inc["xid"]) in force)
         findings.append(finding)
         metrics.extend(samples)
     if unread_lines.standing(unread, now, cfg["hold_s"], hold):
@@ -178,8 +182,7 @@ _SHOWN_MAX = 4096
 
 def _shown(inc: Mapping[str, Any], entity: Entity, catalog: Mapping[int, XidInfo], action: Action,
            forced: bool) -> tuple[Finding, tuple[MetricSample, ...]]:
-    mark = (entity, action, forced, inc["count"], inc.get("kmsg_count"), inc.get("nvml_count"), inc.get("last_seq"),
-            inc.get("last_at"), inc.get("last_detail"), len(inc["pids"]), len(inc["processes"]), len(inc.get("mig", ())))
+    mark = (entity, action, forced, inc["count"], inc.get("last_seq"), inc.get("last_at"))
     hit = _SHOWN.get(id(inc))
     if hit is not None and hit[0] is inc and hit[1] == mark:
         return hit[2], hit[3]
