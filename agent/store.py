@@ -4,7 +4,9 @@ state and latest findings, the kernel-log cursor, and the journal of remediation
 Every write is one transaction (check states + findings + cursors + node record + transitions + intents), taken
 from one consistent cut of the daemon's memory, so a crash or kill -9 at any point leaves either the state before
 or the state after it: never an XID counted twice or lost, never a downtime accumulator behind its cursor. WAL
-mode: readers (`gpuwarden status`) do not block the daemon.
+mode: readers (`gpuwarden status`) do not block the daemon; the WAL is checkpointed and cut back, so it stays about a
+MiB. A check's state entries (an incident, a port) and findings are rows of their own, each written only when it
+changed: a commit costs what moved, however many incidents the node holds.
 
 What can go wrong with the file is told apart: a write that fails (disk full, database locked) is a StoreError
 the caller retries; a database that cannot be read (not a database, malformed, a value that is not what was
@@ -325,7 +327,7 @@ class Store:
         (key, at) or (key, at, outcome). Returns
         the intent keys newly written. Raises StoreError (nothing written) when the write fails."""
         transitions = [transition] if isinstance(transition, Transition) else list(transition or ())
-        checks = list(checks)
+        checks = list({c.name: c for c in checks}.values())  # one record per check: the last one given
         new_keys: list[str] = []
         with self._lock:
             try:

@@ -179,3 +179,18 @@ def test_a_running_daemon_counts_every_xid_appended_in_pieces_that_split_lines(t
         assert {(i["pci"], int(i["xid"])): i["kmsg_count"] for i in incidents.values()} == injected
     finally:
         reopened.close()
+
+
+def test_live_kmsg_records_are_scanned_as_the_parser_reads_them(tmp_path):
+    """/dev/kmsg hands over whole records: the scan of what one poll read equals the record-by-record parse (a
+    regular file read as /dev/kmsg is, until EOF)."""
+    path = tmp_path / "kmsg"
+    path.write_bytes(HOSTILE.encode("latin-1"))
+    want = as_rows(*parse_kmsg_filtered(HOSTILE.encode("latin-1").decode(errors="replace"), "kmsg", KEEP))
+    f = KmsgFollower(KernelLog(path, live=True, boot_id="b"), Cursor("b", -10), KEEP)
+    try:
+        got = f.poll()
+        assert [(r.message, r.line, r.seq) for r in got] == [(m, n, s) for m, n, s, *_ in want[0]]
+        assert [(e.what, e.line) for e in f.parse_errors] == want[1] and f.cursor.seq == want[2] == 10
+    finally:
+        f.close()

@@ -88,7 +88,7 @@ class KernelLog:
                 raise SourceError(f"{self.path}: cannot read kernel log: {exc.strerror or exc}") from None
         fd = _open_kmsg(self.path)
         try:
-            return _read_available(fd, self.path)[0]
+            return _read_available_bytes(fd, self.path)[0].decode(errors="replace")
         finally:
             os.close(fd)
 
@@ -156,8 +156,8 @@ class KmsgFollower:
             time.sleep(min(timeout_s, poll_tick_s))
 
     def poll(self) -> list[LogRecord]:
-        if not self.log.live and isinstance(self.keep, Interest) and self.keep.raw is not None:
-            scanned = self._scan_file()
+        if isinstance(self.keep, Interest) and self.keep.raw is not None:
+            scanned = self._scan_live() if self.log.live else self._scan_file()
             if scanned is None:
                 return []
             (records, errors, last), first = scanned
@@ -183,11 +183,23 @@ class KmsgFollower:
         return fresh
 
     def _read_live(self) -> str:
+        return self._read_live_bytes().decode(errors="replace")
+
+    def _read_live_bytes(self) -> bytes:
         if self._fd is None:
             self._fd = _open_kmsg(self.log.path)
-        text, lost = _read_available(self._fd, self.log.path)
+        data, lost = _read_available_bytes(self._fd, self.log.path)
         self.lost += lost
-        return text
+        return data
+
+    def _scan_live(self) -> "tuple[KmsgBatch, int | None] | None":
+        """The records /dev/kmsg has now, scanned as a recorded file's pieces are (each record ends with a newline)."""
+        data = self._read_live_bytes()
+        if not data:
+            return None
+        scan = _Scan(self.log.name, self.keep)
+        scan.feed(data, len(data))
+        return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
     def _read_file(self) -> str:
         try:
@@ -366,7 +378,7 @@ def _open_kmsg(path: Path) -> int:
         raise SourceError(f"{path}: cannot open kernel log: {exc.strerror or exc}") from None
 
 
-def _read_available(fd: int, path: Path) -> tuple[str, int]:
+def _read_available_bytes(fd: int, path: Path) -> tuple[bytes, int]:
     """Every record /dev/kmsg has for this descriptor now, and how many overwrites (EPIPE) were met.
 
     /dev/kmsg returns one record per read() and EAGAIN when caught up (non-blocking); a regular file
@@ -386,4 +398,4 @@ def _read_available(fd: int, path: Path) -> tuple[str, int]:
         if not data:
             break
         chunks.append(data if data.endswith(b"\n") else data + b"\n")
-    return b"".join(chunks).decode(errors="replace"), lost
+    return b"".join(chunks), lost
