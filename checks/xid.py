@@ -138,22 +138,24 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     for inc in incidents.values():
         xids_on.setdefault(inc["pci"], set()).add(inc["xid"])
     findings: list[Finding] = []
-    metrics: list[MetricSample] = []
+    metrics: list[MetricSample] = []  # _metrics' order: every incident's gpuwarden_xid_events, then per source
+    by_source: list[MetricSample] = []
     kept: dict[str, dict[str, Any]] = {}
     ends: list[float] = []  # when each held incident stops holding
     for key, inc in incidents.items():
-        action = _action(inc, xids_on, catalog, force)
+        pci = inc["pci"]
+        entity = entities.get(pci)
+        if entity is None:
+            entity = entities[pci] = entity_at(pci)
+        action, finding, events_sample, source_samples = _shown(inc, entity, xids_on, catalog, force)
         if hold and action < Action.REBOOT:
             if now - inc["last_at"] > cfg["hold_s"]:
                 continue
             ends.append(inc["last_at"] + cfg["hold_s"])
         kept[key] = inc
-        entity = entities.get(inc["pci"])
-        if entity is None:
-            entity = entities[inc["pci"]] = entity_at(inc["pci"])
-        finding, samples = _shown(inc, entity, catalog, action, int(inc["xid"]) in force)
         findings.append(finding)
-        metrics.extend(samples)
+        metrics.extend(events_sample)
+        by_source.extend(source_samples)
     if unread_lines.standing(unread, now, cfg["hold_s"], hold):
         findings.append(unread_lines.finding(CHECK_NAME, _UNREAD, "XID", unread))
         if (end := unread_lines.ends_at(unread, cfg["hold_s"], hold)) is not None:
@@ -169,7 +171,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         new_state["unread"] = unread
     if nvml_error:
         new_state["nvml_error"] = nvml_error
-    return Judgement(new_state, tuple(findings), _metrics_order(metrics), wake_at=min(ends, default=None))
+    return Judgement(new_state, tuple(findings), (*metrics, *by_source), wake_at=min(ends, default=None))
 
 
 # An incident's finding and samples, by the incident object they were made from: an incident no batch touched is the
@@ -180,24 +182,22 @@ _SHOWN: dict[int, tuple[Any, ...]] = {}
 _SHOWN_MAX = 4096
 
 
-def _shown(inc: Mapping[str, Any], entity: Entity, catalog: Mapping[int, XidInfo], action: Action,
-           forced: bool) -> tuple[Finding, tuple[MetricSample, ...]]:
-    mark = (entity, action, forced, inc["count"], inc.get("last_seq"), inc.get("last_at"))
+def _shown(inc: Mapping[str, Any], entity: Entity, xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
+           force: set[int]) -> tuple[Action, Finding, tuple[MetricSample, ...], tuple[MetricSample, ...]]:
+    """The incident's action, finding, and samples (its gpuwarden_xid_events, then its per-source ones)."""
+    xid = inc["xid"]
+    # What the action depends on besides the incident: for XID 45 whether other XIDs share its GPU; the policy.
+    mark = (entity, xid == 45 and bool(xids_on[inc["pci"]] - {45}), xid in force, inc["count"], inc.get("last_at"))
     hit = _SHOWN.get(id(inc))
     if hit is not None and hit[0] is inc and hit[1] == mark:
-        return hit[2], hit[3]
-    finding = _finding(inc, entity, catalog.get(int(inc["xid"])), action, forced=forced)
+        return hit[2]
+    action = _action(inc, xids_on, catalog, force)
     samples = _metrics({"": inc})
+    shown = (action, _finding(inc, entity, catalog.get(int(xid)), action, forced=mark[2]), samples[:1], samples[1:])
     if len(_SHOWN) >= _SHOWN_MAX:
         _SHOWN.clear()
-    _SHOWN[id(inc)] = (inc, mark, finding, samples)  # holds the incident: its id is not reused while cached
-    return finding, samples
-
-
-def _metrics_order(samples: list[MetricSample]) -> tuple[MetricSample, ...]:
-    """_metrics' order: every incident's gpuwarden_xid_events first, then the per-source samples."""
-    return tuple(s for s in samples if s.name == "gpuwarden_xid_events") + \
-        tuple(s for s in samples if s.name != "gpuwarden_xid_events")
+    _SHOWN[id(inc)] = (inc, mark, shown)  # holds the incident: its id is not reused while cached
+    return shown
 
 
 def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:
