@@ -393,7 +393,8 @@ class Store:
                 order = next_ord.get(part, 0)
                 next_ord[part] = order + 1
             text = json.dumps(value.to_dict() if part == _FINDING else value)
-            self._db.execute("INSERT OR REPLACE INTO check_parts VALUES (?, ?, ?, ?, ?)", (c.name, part, sub, order, text))
+            self._db.execute("INSERT OR REPLACE INTO check_parts VALUES (?, ?, ?, ?, ?)",
+                             (c.name, part, sub, order, text))
             known[key] = (value, order)
         gone = [(c.name, part, sub) for (part, sub) in old if (part, sub) not in parts]
         if gone:

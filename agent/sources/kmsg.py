@@ -25,8 +25,9 @@ from .inotify import FolderWaiter
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
-# A followed file is read in pieces this size: each piece is scanned several times (once per substring a consumer
-# reads, once for malformed lines), and a piece that fits the CPU's cache makes those passes cost one read of memory.
+# A followed file is read in pieces this size, each scanned once per substring a consumer reads and once for malformed
+# lines (measured: pieces of 64 KiB to 1 MiB scan alike, ~2.3M lines/s on a 2-core VM against ~0.9M for the
+# record-by-record parse; bench/stream.py).
 _PIECE = 1 << 18
 _POLL_BYTES = 16 << 20  # read per poll at most; the rest is `more` (memory stays flat on a backlog of any size)
 _MAX_LINE = 1 << 16  # a "line" this long without a newline is not a kmsg record: reported and skipped
@@ -41,8 +42,8 @@ class Cursor:
 
 class Interest:
     """What the kernel-log consumers read: a message is kept when it holds one of `needles`. Callable on a message
-    (the record-by-record filter); the follower of a recorded file searches its raw bytes for the needles instead,
-    so that only the lines holding one (and malformed lines, which are reported) are decoded and parsed."""
+    (the record-by-record filter); the follower searches the raw bytes it reads for the needles instead, so that only
+    the lines holding one (and malformed lines, which are reported) are decoded and parsed."""
 
     def __init__(self, needles: "tuple[str, ...] | list[str]"):
         self.needles = tuple(dict.fromkeys(needles))
@@ -178,7 +179,8 @@ class KmsgFollower:
         fresh = [r for r in records if r.seq is not None and r.seq > self.cursor.seq]
         if last is not None and last > self.cursor.seq:
             # kmsg numbers records consecutively within a boot, so the seq step counts what was read, kept or not.
-            self.advanced += last - (self.cursor.seq if self.cursor.seq >= 0 else (first if first is not None else last) - 1)
+            before = self.cursor.seq if self.cursor.seq >= 0 else (first if first is not None else last) - 1
+            self.advanced += last - before
             self.cursor = Cursor(self.log.boot_id, last)
         return fresh
 
@@ -217,7 +219,6 @@ class KmsgFollower:
         data = self._pending + data
         complete, _, self._pending = data.rpartition(b"\n")  # a line still being written waits for its newline
         return (complete + b"\n").decode(errors="replace") if complete else ""
-
 
     def _scan_file(self) -> "tuple[KmsgBatch, int | None] | None":
         """What was appended to the recorded file since the last poll, as parse_kmsg_filtered would give it for the
