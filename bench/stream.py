@@ -1,7 +1,7 @@
 """Kernel-log streaming and the state store of a running daemon:
 
   appended  lines/s through a daemon that is already running (in this process, on a copy of gb200-nvl72-healthy,
-            the kernel-log consumers only) while a writer thread appends to the followed kernel log in pieces of
+            the kernel-log consumers only) while a writer process appends to the followed kernel log in pieces of
             4-64 KiB (split anywhere, a line cut in two across writes), as fast as it can: time from the first write
             until the daemon has read every record, the daemon's CPU per 100k lines (its gw-* threads' run time),
             and every injected XID counted once per (GPU, XID) (nothing lost, nothing twice)
@@ -18,8 +18,9 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -111,48 +112,65 @@ def counted(d: Daemon) -> dict[tuple[str, int], int]:
     return out
 
 
+_WRITER = """
+import os, sys
+data = open(sys.argv[1], "rb").read()
+sizes = [int(n) for n in open(sys.argv[2]).read().split()]
+fd = os.open(sys.argv[3], os.O_WRONLY | os.O_APPEND)
+view, pos = memoryview(data), 0
+print("ready", flush=True)
+sys.stdin.buffer.read(1)
+for n in sizes:
+    os.write(fd, view[pos:pos + n])
+    pos += n
+os.close(fd)
+"""
+
+
 def appended_once(lines: int, xid_every: int, pairs: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        d, root, store = new_daemon(Path(tmp))
+        work = Path(tmp)
+        d, root, store = new_daemon(work)
         seq, boot_records = last_seq(root / "kmsg")
         data, injected = flood_text(seq + 1, lines, xid_every, pairs)
         rng = random.Random(seed)
-        cuts, pos = [], 0
+        sizes, pos = [], 0
         while pos < len(data):
-            n = rng.randint(4096, 65536)
-            cuts.append((pos, min(len(data), pos + n)))
-            pos += n
+            sizes.append(rng.randint(4096, 65536))
+            pos += sizes[-1]
+        (work / "flood").write_bytes(data)
+        (work / "sizes").write_text(" ".join(map(str, sizes)))
+        # The writer is a process of its own, as the kernel is: in a thread it would wait for this interpreter's lock
+        # between writes, and the daemon's pace would set the writer's.
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(work / "flood"), str(work / "sizes"),
+                                   str(root / "kmsg")], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         d.start()
         try:
             wait(lambda: d._kmsg_records >= boot_records and "xid" in d.results(), 60)
+            if writer.stdout.readline() != b"ready\n":
+                raise SystemExit("the writer did not start")
             start_records = d._kmsg_records
             cpu0 = thread_cpu_s()
-
-            def writer() -> None:
-                view = memoryview(data)
-                fd = os.open(root / "kmsg", os.O_WRONLY | os.O_APPEND)
-                try:
-                    for a, b in cuts:
-                        os.write(fd, view[a:b])
-                finally:
-                    os.close(fd)
-
             t0 = time.perf_counter()
-            w = threading.Thread(target=writer, name="bench-writer")
-            w.start()
+            writer.stdin.write(b"g")
+            writer.stdin.close()
             t1 = wait(lambda: d._kmsg_records - start_records >= lines, 600)
-            w.join()
+            if writer.wait(60) != 0:
+                raise SystemExit(f"the writer failed: {writer.returncode}")
             cpu = thread_cpu_s() - cpu0
             t_write = t1 - t0
             got = counted(d)
             read = d._kmsg_records - start_records
         finally:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
             d.stop()
             store.close()
     lost = sum(max(0, n - got.get(k, 0)) for k, n in injected.items())
     extra = sum(max(0, got.get(k, 0) - n) for k, n in injected.items())
     return {"lines": lines, "seconds": t_write, "lines_per_s": lines / t_write, "cpu_s_per_100k": cpu / lines * 1e5,
-            "writes": len(cuts), "xids_injected": sum(injected.values()), "xids_counted": sum(got.values()),
+            "writes": len(sizes), "xids_injected": sum(injected.values()), "xids_counted": sum(got.values()),
             "xids_lost": lost, "xids_extra": extra, "records_read": read}
 
 
