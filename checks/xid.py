@@ -135,6 +135,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
     xids_on: dict[str, set[int]] = {}
     entities: dict[str, Entity] = {}  # by PCI address: a node has few GPUs and many incidents on each
+    shown: dict[int, tuple[Any, ...]] = {}  # what _shown made or reused in this judgement: the next one's cache
     for inc in incidents.values():
         xids_on.setdefault(inc["pci"], set()).add(inc["xid"])
     findings: list[Finding] = []
@@ -147,7 +148,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         entity = entities.get(pci)
         if entity is None:
             entity = entities[pci] = entity_at(pci)
-        action, finding, events_sample, source_samples = _shown(inc, entity, xids_on, catalog, force)
+        action, finding, events_sample, source_samples = _shown(inc, entity, xids_on, catalog, force, shown)
         if hold and action < Action.REBOOT:
             if now - inc["last_at"] > cfg["hold_s"]:
                 continue
@@ -171,33 +172,34 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         new_state["unread"] = unread
     if nvml_error:
         new_state["nvml_error"] = nvml_error
+    _SHOWN[0] = shown  # the incidents of this judgement only: older copies are not kept alive
     return Judgement(new_state, tuple(findings), (*metrics, *by_source), wake_at=min(ends, default=None))
 
 
-# An incident's finding and samples, by the incident object they were made from: an incident no batch touched is the
-# same object from batch to batch (see _incident), so a node holding many incidents rebuilds only what changed. The
-# key holds what else they depend on, and a fingerprint of the incident's changing fields guards against a caller
-# that changed an incident in place. Bounded: cleared when it outgrows any realistic node.
-_SHOWN: dict[int, tuple[Any, ...]] = {}
-_SHOWN_MAX = 4096
+# An incident's action, finding and samples, by the incident object they were made from: an incident no batch touched
+# is the same object from batch to batch (see _incident), so a node holding many incidents rebuilds only what changed.
+# The mark holds what else they depend on, and a fingerprint of the incident's changing fields guards against a
+# caller that changed an incident in place. Only the last judgement's incidents are kept (its incidents are the next
+# one's): bounded by what a node holds, and a copy an XID replaced is let go.
+_SHOWN: list[dict[int, tuple[Any, ...]]] = [{}]
 
 
 def _shown(inc: Mapping[str, Any], entity: Entity, xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
-           force: set[int]) -> tuple[Action, Finding, tuple[MetricSample, ...], tuple[MetricSample, ...]]:
+           force: set[int], shown: dict[int, tuple[Any, ...]]
+           ) -> tuple[Action, Finding, tuple[MetricSample, ...], tuple[MetricSample, ...]]:
     """The incident's action, finding, and samples (its gpuwarden_xid_events, then its per-source ones)."""
     xid = inc["xid"]
     # What the action depends on besides the incident: for XID 45 whether other XIDs share its GPU; the policy.
     mark = (entity, xid == 45 and bool(xids_on[inc["pci"]] - {45}), xid in force, inc["count"], inc.get("last_at"))
-    hit = _SHOWN.get(id(inc))
+    hit = _SHOWN[0].get(id(inc))
     if hit is not None and hit[0] is inc and hit[1] == mark:
+        shown[id(inc)] = hit
         return hit[2]
     action = _action(inc, xids_on, catalog, force)
     samples = _metrics({"": inc})
-    shown = (action, _finding(inc, entity, catalog.get(int(xid)), action, forced=mark[2]), samples[:1], samples[1:])
-    if len(_SHOWN) >= _SHOWN_MAX:
-        _SHOWN.clear()
-    _SHOWN[id(inc)] = (inc, mark, shown)  # holds the incident: its id is not reused while cached
-    return shown
+    made = (action, _finding(inc, entity, catalog.get(int(xid)), action, forced=mark[2]), samples[:1], samples[1:])
+    shown[id(inc)] = (inc, mark, made)  # holds the incident: its id is not reused while cached
+    return made
 
 
 def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:
