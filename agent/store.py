@@ -110,6 +110,9 @@ class Store:
         # What the database holds of each check's parts, as last written or read: (part, sub) -> (value, ord). A
         # commit compares against it and writes only what differs; a check not here has all its parts rewritten.
         self._parts: dict[str, dict[tuple[str, str], tuple[Any, int]]] = {}
+        # Whether `_parts` holds every check the database has parts of (true after a whole read, until a write fails):
+        # a check not in it then has none, and its first write needs no clean-up.
+        self._parts_complete = False
         if readonly:
             self._db = self._connect(f"{self.path.absolute().as_uri()}?mode=ro", uri=True)
             return
@@ -227,6 +230,7 @@ class Store:
         """A fresh database where the old one was (the folder recreated, the lock taken again)."""
         with self._lock:
             self._parts.clear()
+            self._parts_complete = False
             try:
                 self._db.close()
             except sqlite3.Error:
@@ -265,11 +269,15 @@ class Store:
             rows = self._all("SELECT name, state, status, error, findings, updated, duration_s FROM checks "
                              "ORDER BY name")
             parts = self._all("SELECT name, part, sub, ord, value FROM check_parts ORDER BY name, part, ord") \
-                if rows and self._has_parts() else []
-        by_name: dict[str, list[tuple]] = {}
-        for p in parts:
-            by_name.setdefault(p[0], []).append(p)
-        return [self._assemble(r, by_name.get(r[0], [])) for r in rows]
+                if self._has_parts() else []
+            by_name: dict[str, list[tuple]] = {}
+            for p in parts:
+                by_name.setdefault(p[0], []).append(p)
+            records = [self._assemble(r, by_name.get(r[0], [])) for r in rows]
+            if not self.readonly and not (set(by_name) - {r[0] for r in rows}):
+                self._parts = {r.name: self._parts[r.name] for r in records}
+                self._parts_complete = True
+        return records
 
     def _has_parts(self) -> bool:
         """Whether the parts table is there: a database an older version wrote, read by `status` (read-only) before a
@@ -361,6 +369,7 @@ class Store:
                 # What the database holds of these checks is not known for sure now: their next write is whole.
                 for c in checks:
                     self._parts.pop(c.name, None)
+                self._parts_complete = False
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"{self.path}: write failed: {exc}") from None
                 raise
@@ -372,10 +381,12 @@ class Store:
         caller's transaction); returns what the database then holds of its parts."""
         rest, parts = _split(c)
         old = self._parts.get(c.name)
-        if old is None:  # not known: every part written, whatever an earlier run left removed
-            self._db.execute("DELETE FROM check_parts WHERE name = ?", (c.name,))
+        if old is None:
+            if not self._parts_complete:  # not known: every part written, whatever an earlier run left removed
+                self._db.execute("DELETE FROM check_parts WHERE name = ?", (c.name,))
             old = {}
         known: dict[tuple[str, str], tuple[Any, int]] = {}
+        rows: list[tuple] = []
         next_ord: dict[str, int] = {}
         for (part, _sub), (_value, order) in old.items():
             next_ord[part] = max(next_ord.get(part, 0), order + 1)
@@ -392,10 +403,10 @@ class Store:
             else:
                 order = next_ord.get(part, 0)
                 next_ord[part] = order + 1
-            text = json.dumps(value.to_dict() if part == _FINDING else value)
-            self._db.execute("INSERT OR REPLACE INTO check_parts VALUES (?, ?, ?, ?, ?)",
-                             (c.name, part, sub, order, text))
+            rows.append((c.name, part, sub, order, json.dumps(value.to_dict() if part == _FINDING else value)))
             known[key] = (value, order)
+        if rows:
+            self._db.executemany("INSERT OR REPLACE INTO check_parts VALUES (?, ?, ?, ?, ?)", rows)
         gone = [(c.name, part, sub) for (part, sub) in old if (part, sub) not in parts]
         if gone:
             self._db.executemany("DELETE FROM check_parts WHERE name = ? AND part = ? AND sub = ?", gone)
