@@ -4,15 +4,14 @@ each in its own thread, hand batches to every kernel-log consumer (docs/daemon.m
 from __future__ import annotations
 
 import math
-import re
 import time
-from typing import Any, Callable
+from typing import Any
 
 from . import logs
 from .errors import GpuwardenError, NvmlError
 from .model import Status
 from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
-from .sources.kmsg import Cursor
+from .sources.kmsg import Cursor, Interest
 from .store import CheckRecord
 
 log = logs.get_logger("gpuwarden.daemon")
@@ -59,6 +58,8 @@ class EventLoops:
                 self._beat("kmsg", backoff)
                 self._sleep(backoff)
                 continue
+            if getattr(follower, "more", False):
+                continue  # the poll stopped at its budget with more to read: no wake-up would say so
             # Sleep until a record may have arrived (select on /dev/kmsg, inotify on a recorded file), at the
             # latest until the next idle tick: an idle kernel log costs no wake-up beyond that tick.
             follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s, wake_fd=self._stop_r)
@@ -205,10 +206,8 @@ class EventLoops:
         return lost if subscribed & set(lost) else {}
 
 
-def _keep(consumers: list[KernelConsumer]) -> Callable[[str], object] | None:
-    """One substring test over every consumer's interest; None (keep all) when a consumer reads everything."""
+def _keep(consumers: list[KernelConsumer]) -> Interest | None:
+    """Every consumer's interest as one filter; None (keep all) when a consumer reads everything."""
     if any(not c.interest for c in consumers):
         return None
-    needles = dict.fromkeys(n for c in consumers for n in c.interest)
-    # One compiled alternation: measured ~3x faster per message than any() over the substrings.
-    return re.compile("|".join(re.escape(n) for n in needles)).search
+    return Interest([n for c in consumers for n in c.interest])

@@ -82,12 +82,21 @@ DEFAULT_POLICY: dict[str, Any] = {
 }
 
 
+_CONCERN_RANK = {Status.WARN: Status.WARN.rank, Status.FAIL: Status.FAIL.rank}
+
+
 def _worst(findings: Iterable[Finding]) -> tuple[Status, Action, str]:
-    status, action, reason = Status.OK, Action.NONE, ""
+    """The worst finding's status, action and name (the first of equals): one pass of lookups, since a node can hold
+    many findings (an incident per GPU and XID) and this runs at every observation."""
+    rank, action, worst = Status.OK.rank, Action.NONE, None
+    concern = _CONCERN_RANK.get
     for f in findings:
-        if f.status in (Status.FAIL, Status.WARN) and (f.status.rank, f.action) > (status.rank, action):
-            status, action, reason = f.status, f.action, f"{f.check}/{f.code} on {f.entity.label()}"
-    return status, action, reason
+        r = concern(f.status)
+        if r is not None and (r > rank or (r == rank and f.action > action)):
+            rank, action, worst = r, f.action, f
+    if worst is None:
+        return Status.OK, Action.NONE, ""
+    return worst.status, worst.action, f"{worst.check}/{worst.code} on {worst.entity.label()}"
 
 
 def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[str], now: float,
@@ -102,12 +111,13 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
     outcome of a retest that finished since the last call (None when none did); `held`: whether a process holds
     a GPU of the fault (None: not known), which a GPU reset needs to be False."""
     findings, unknown = list(findings), sorted(unknown)
+    worst = _worst(findings)  # the same at every step of the walk
     # The ladder's first step comes at an observation after the one that quarantined: the drain goes first.
     recover = rec.state is NodeState.QUARANTINED
     first: Transition | None = None
     actions: list[str] = []
     for _ in range(len(NodeState)):  # each step moves forward on the ladder: a bounded walk
-        rec, step = _step(rec, findings, unknown, now, policy, retest, held if recover else _NO_LADDER)
+        rec, step = _step(rec, worst, unknown, now, policy, retest, held if recover else _NO_LADDER)
         if step is None:
             break
         retest = None  # a retest's outcome is used by the step it moves, once
@@ -124,9 +134,9 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
 _NO_LADDER: Any = object()
 
 
-def _step(rec: NodeRecord, findings: list[Finding], unknown: list[str], now: float, policy: Mapping[str, Any],
-          retest: bool | None, held: Any) -> tuple[NodeRecord, Transition | None]:
-    status, action, why = _worst(findings)
+def _step(rec: NodeRecord, worst: tuple[Status, Action, str], unknown: list[str], now: float,
+          policy: Mapping[str, Any], retest: bool | None, held: Any) -> tuple[NodeRecord, Transition | None]:
+    status, action, why = worst
     fault = status is Status.FAIL and action >= Action.DRAIN
     concern = status in (Status.FAIL, Status.WARN) or bool(unknown)
     rec = replace(rec, fault_since=(rec.fault_since if rec.fault_since is not None else now) if concern else None,

@@ -4,7 +4,9 @@ state and latest findings, the kernel-log cursor, and the journal of remediation
 Every write is one transaction (check states + findings + cursors + node record + transitions + intents), taken
 from one consistent cut of the daemon's memory, so a crash or kill -9 at any point leaves either the state before
 or the state after it: never an XID counted twice or lost, never a downtime accumulator behind its cursor. WAL
-mode: readers (`gpuwarden status`) do not block the daemon.
+mode: readers (`gpuwarden status`) do not block the daemon; the WAL is checkpointed and cut back, so it stays about a
+MiB. A check's state entries (an incident, a port) and findings are rows of their own, each written only when it
+changed: a commit costs what moved, however many incidents the node holds.
 
 What can go wrong with the file is told apart: a write that fails (disk full, database locked) is a StoreError
 the caller retries; a database that cannot be read (not a database, malformed, a value that is not what was
@@ -41,8 +43,23 @@ CREATE TABLE IF NOT EXISTS transitions (
 CREATE TABLE IF NOT EXISTS intents (
     key TEXT PRIMARY KEY, action TEXT NOT NULL, created REAL NOT NULL, done REAL, detail TEXT NOT NULL,
     outcome TEXT);
+CREATE TABLE IF NOT EXISTS check_parts (
+    name TEXT NOT NULL, part TEXT NOT NULL, sub TEXT NOT NULL, ord INTEGER NOT NULL, value TEXT NOT NULL,
+    PRIMARY KEY (name, part, sub)) WITHOUT ROWID;
 """
-SCHEMA_VERSION = "2"
+# A check's state and findings are written in parts (table check_parts), each part only when it changed, so a commit
+# costs what changed, not what the check holds (the xid check's incidents, one per GPU and XID, each written when it
+# moved): "state:<key>" / <entry> is one entry of a top-level state value that maps names to objects; "finding" /
+# <index> is one finding. The checks row keeps the rest of the state and the status. Rows an older version wrote
+# (the whole state and findings in the checks row, no parts) read the same.
+SCHEMA_VERSION = "3"
+_FINDING = "finding"
+_STATE = "state:"
+# The WAL is checkpointed into the database every this many pages (PASSIVE, by the committing thread) and cut back
+# to JOURNAL_LIMIT after a checkpoint: it stays about a MiB whatever the daemon's uptime (SQLite's defaults, 1000
+# pages and no limit, leave a file of 4 MB and more that a checkpoint never shrinks).
+WAL_AUTOCHECKPOINT_PAGES = 256
+JOURNAL_LIMIT_BYTES = 1 << 20
 # Columns added after a table's first release, added to an existing database at open (ALTER TABLE ... ADD COLUMN:
 # the rows already there read NULL, what an older daemon would have meant).
 _ADDED_COLUMNS = (("intents", "outcome", "TEXT"),)
@@ -90,6 +107,12 @@ class Store:
         self._lock_fd: int | None = None
         self._want_lock = lock and not readonly
         self._identity: tuple | None = None
+        # What the database holds of each check's parts, as last written or read: (part, sub) -> (value, ord). A
+        # commit compares against it and writes only what differs; a check not here has all its parts rewritten.
+        self._parts: dict[str, dict[tuple[str, str], tuple[Any, int]]] = {}
+        # Whether `_parts` holds every check the database has parts of (true after a whole read, until a write fails):
+        # a check not in it then has none, and its first write needs no clean-up.
+        self._parts_complete = False
         if readonly:
             self._db = self._connect(f"{self.path.absolute().as_uri()}?mode=ro", uri=True)
             return
@@ -124,6 +147,8 @@ class Store:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed write survives a crash
+            db.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+            db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT_BYTES}")
             db.executescript(SCHEMA)
             for table, column, kind in _ADDED_COLUMNS:
                 if column not in _columns(db, table):
@@ -204,6 +229,8 @@ class Store:
     def reopen(self) -> None:
         """A fresh database where the old one was (the folder recreated, the lock taken again)."""
         with self._lock:
+            self._parts.clear()
+            self._parts_complete = False
             try:
                 self._db.close()
             except sqlite3.Error:
@@ -230,13 +257,40 @@ class Store:
         return row[0] if key == "schema" else _decode(f"meta {key!r}", lambda: json.loads(row[0]))
 
     def check(self, name: str) -> CheckRecord | None:
-        row = self._one("SELECT name, state, status, error, findings, updated, duration_s FROM checks WHERE name = ?",
-                        (name,))
-        return _check_record(row) if row else None
+        with self._lock:  # the row and its parts from one snapshot (no write of this store between them)
+            row = self._one("SELECT name, state, status, error, findings, updated, duration_s FROM checks "
+                            "WHERE name = ?", (name,))
+            parts = self._all("SELECT name, part, sub, ord, value FROM check_parts WHERE name = ? "
+                              "ORDER BY name, part, ord", (name,)) if row and self._has_parts() else []
+        return self._assemble(row, parts) if row else None
 
     def checks(self) -> list[CheckRecord]:
-        rows = self._all("SELECT name, state, status, error, findings, updated, duration_s FROM checks ORDER BY name")
-        return [_check_record(r) for r in rows]
+        with self._lock:
+            rows = self._all("SELECT name, state, status, error, findings, updated, duration_s FROM checks "
+                             "ORDER BY name")
+            parts = self._all("SELECT name, part, sub, ord, value FROM check_parts ORDER BY name, part, ord") \
+                if self._has_parts() else []
+            by_name: dict[str, list[tuple]] = {}
+            for p in parts:
+                by_name.setdefault(p[0], []).append(p)
+            records = [self._assemble(r, by_name.get(r[0], [])) for r in rows]
+            if not self.readonly and not (set(by_name) - {r[0] for r in rows}):
+                self._parts = {r.name: self._parts[r.name] for r in records}
+                self._parts_complete = True
+        return records
+
+    def _has_parts(self) -> bool:
+        """Whether the parts table is there: a database an older version wrote, read by `status` (read-only) before a
+        newer daemon opened it, has none."""
+        if not self.readonly:
+            return True
+        return bool(self._all("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'check_parts'"))
+
+    def _assemble(self, row: tuple, parts: list[tuple]) -> CheckRecord:
+        record, known = _check_record(row, parts)
+        if not self.readonly:
+            self._parts[record.name] = known
+        return record
 
     def transitions(self, limit: int = 20) -> list[Transition]:
         rows = self._all("SELECT at, frm, too, reason, actions FROM transitions ORDER BY id DESC LIMIT ?", (limit,))
@@ -281,15 +335,12 @@ class Store:
         (key, at) or (key, at, outcome). Returns
         the intent keys newly written. Raises StoreError (nothing written) when the write fails."""
         transitions = [transition] if isinstance(transition, Transition) else list(transition or ())
+        checks = list({c.name: c for c in checks}.values())  # one record per check: the last one given
         new_keys: list[str] = []
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-                for c in checks:
-                    self._db.execute(
-                        "INSERT OR REPLACE INTO checks VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (c.name, json.dumps(c.state), c.status.value, c.error,
-                         json.dumps([f.to_dict() for f in c.findings]), c.updated, c.duration_s))
+                written = {c.name: self._write_check(c) for c in checks}
                 for key, value in (meta or {}).items():
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
                 if node is not None:
@@ -315,10 +366,53 @@ class Store:
                         self._db.execute("ROLLBACK")
                     except sqlite3.Error:
                         pass
+                # What the database holds of these checks is not known for sure now: their next write is whole.
+                for c in checks:
+                    self._parts.pop(c.name, None)
+                self._parts_complete = False
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"{self.path}: write failed: {exc}") from None
                 raise
+            self._parts.update(written)
         return new_keys
+
+    def _write_check(self, c: CheckRecord) -> dict[tuple[str, str], tuple[Any, int]]:
+        """Writes one check's row and those of its parts that differ from what the database holds (inside the
+        caller's transaction); returns what the database then holds of its parts."""
+        rest, parts = _split(c)
+        old = self._parts.get(c.name)
+        if old is None:
+            if not self._parts_complete:  # not known: every part written, whatever an earlier run left removed
+                self._db.execute("DELETE FROM check_parts WHERE name = ?", (c.name,))
+            old = {}
+        known: dict[tuple[str, str], tuple[Any, int]] = {}
+        rows: list[tuple] = []
+        next_ord: dict[str, int] = {}
+        for (part, _sub), (_value, order) in old.items():
+            next_ord[part] = max(next_ord.get(part, 0), order + 1)
+        for key, value in parts.items():
+            held = old.get(key)
+            if held is not None and (held[0] is value or held[0] == value):
+                known[key] = held
+                continue
+            part, sub = key
+            if part == _FINDING:
+                order = int(sub)
+            elif held is not None:
+                order = held[1]  # an entry keeps its place: state entries read back in the order they came
+            else:
+                order = next_ord.get(part, 0)
+                next_ord[part] = order + 1
+            rows.append((c.name, part, sub, order, json.dumps(value.to_dict() if part == _FINDING else value)))
+            known[key] = (value, order)
+        if rows:
+            self._db.executemany("INSERT OR REPLACE INTO check_parts VALUES (?, ?, ?, ?, ?)", rows)
+        gone = [(c.name, part, sub) for (part, sub) in old if (part, sub) not in parts]
+        if gone:
+            self._db.executemany("DELETE FROM check_parts WHERE name = ? AND part = ? AND sub = ?", gone)
+        self._db.execute("INSERT OR REPLACE INTO checks VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (c.name, json.dumps(rest), c.status.value, c.error, "[]", c.updated, c.duration_s))
+        return known
 
     def mark_done(self, key: str, at: float, outcome: str = "done") -> None:
         self.commit(done=[(key, at, outcome)])
@@ -329,8 +423,12 @@ class Store:
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-                self._db.executemany("DELETE FROM checks WHERE name = ?", [(n,) for n in names])
+                names = [(n,) for n in names]
+                self._db.executemany("DELETE FROM checks WHERE name = ?", names)
+                self._db.executemany("DELETE FROM check_parts WHERE name = ?", names)
                 self._db.execute("COMMIT")
+                for (n,) in names:
+                    self._parts.pop(n, None)
             except sqlite3.Error as exc:
                 if self._db.in_transaction:
                     try:
@@ -392,12 +490,44 @@ def _object(value: Any) -> dict[str, Any]:
     return value
 
 
-def _check_record(row: tuple) -> CheckRecord:
+def _split(c: CheckRecord) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
+    """A check's record as the checks row's state (what is not split) and its parts: each entry of a top-level
+    state value that maps names to objects (an incident, a port), and each finding by its index."""
+    rest: dict[str, Any] = {}
+    parts: dict[tuple[str, str], Any] = {}
+    for key, value in c.state.items():
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            part = _STATE + key
+            for sub, entry in value.items():
+                parts[(part, str(sub))] = entry
+        else:
+            rest[key] = value
+    for i, f in enumerate(c.findings):
+        parts[(_FINDING, str(i))] = f
+    return rest, parts
+
+
+def _check_record(row: tuple, parts: list[tuple] = ()) -> tuple[CheckRecord, dict[tuple[str, str], tuple[Any, int]]]:
+    """A check's record from its row and its parts (ordered by part, then ord), and what the parts hold."""
     name, state, status, error, findings, updated, duration = row
 
-    def build() -> CheckRecord:
-        return CheckRecord(str(name), _object(json.loads(state)), Status(status), error,
-                           tuple(Finding.from_dict(f) for f in json.loads(findings)), float(updated), float(duration))
+    def build() -> tuple[CheckRecord, dict[tuple[str, str], tuple[Any, int]]]:
+        whole = _object(json.loads(state))
+        listed = [Finding.from_dict(f) for f in json.loads(findings)]
+        known: dict[tuple[str, str], tuple[Any, int]] = {}
+        for _name, part, sub, order, value in parts:
+            if part == _FINDING:
+                item: Any = Finding.from_dict(json.loads(value))
+                listed.append(item)
+            elif part.startswith(_STATE):
+                item = _object(json.loads(value))
+                entries = whole.setdefault(part[len(_STATE):], {})
+                _object(entries)[sub] = item
+            else:
+                raise ValueError(f"unknown part {part!r}")
+            known[(part, sub)] = (item, int(order))
+        record = CheckRecord(str(name), whole, Status(status), error, tuple(listed), float(updated), float(duration))
+        return record, known
 
     return _decode(f"check {name!r}", build)
 

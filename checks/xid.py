@@ -38,10 +38,20 @@ _MAX_EVIDENCE = 10
 _UNREAD = "xid-unreadable"
 
 
-def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: str, at: float) -> dict[str, Any]:
-    inc = incidents.setdefault(f"{pci}|{xid}", {"pci": pci, "xid": xid, "count": 0, "first_at": at,
-                                                "first_seq": None, "first_message": "", "pids": [],
-                                                "processes": [], "kmsg_count": 0, "nvml_count": 0})
+def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: str, at: float,
+              touched: set[str]) -> dict[str, Any]:
+    key = f"{pci}|{xid}"
+    inc = incidents.get(key)
+    if inc is None:
+        inc = incidents[key] = {"pci": pci, "xid": xid, "count": 0, "first_at": at, "first_seq": None,
+                                "first_message": "", "pids": [], "processes": [], "kmsg_count": 0, "nvml_count": 0}
+    elif key not in touched:
+        # Copied on its first change in this batch, never changed in place: the state judged from stays as it was
+        # (judge is pure), and the incidents this batch did not touch stay the same objects, which is what lets the
+        # findings of an unchanged incident be reused and the store write only the incidents that changed.
+        inc = incidents[key] = {**inc, "pids": list(inc.get("pids", ())), "processes": list(inc.get("processes", ())),
+                                **({"mig": list(inc["mig"])} if "mig" in inc else {})}
+    touched.add(key)
     # State written before NVML was a source has only "count": every one of those came from the kernel log.
     inc.setdefault("kmsg_count", inc["count"])
     inc.setdefault("nvml_count", 0)
@@ -70,10 +80,10 @@ def _add_logged(inc: dict[str, Any], e: XidEvent) -> None:
             mig.append(tag)
 
 
-def _action(inc: Mapping[str, Any], incidents: Mapping[str, Mapping[str, Any]], catalog: Mapping[int, XidInfo],
+def _action(inc: Mapping[str, Any], xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
             force: set[int]) -> Action:
     xid, pci = int(inc["xid"]), inc["pci"]
-    others = any(i["pci"] == pci and i["xid"] not in (45, xid) for i in incidents.values())
+    others = bool(xids_on.get(pci, set()) - {45, xid})
     # An NVML-only incident has no driver text: XID 154 then falls back to the catalogue's own action.
     return xid_action(xid, catalog.get(xid), inc.get("last_detail", ""), xid == 45 and others, xid in force)
 
@@ -95,7 +105,8 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     incident (a post-mortem of a whole file)."""
     # Records of an earlier boot are gone with it, and so is every GPU-level fault that a reboot clears.
     same_boot = state.get("boot_id") == batch.boot_id
-    incidents: dict[str, dict[str, Any]] = json.loads(json.dumps(state.get("incidents", {}))) if same_boot else {}
+    incidents: dict[str, dict[str, Any]] = dict(state.get("incidents", {})) if same_boot else {}
+    touched: set[str] = set()  # incidents copied for this batch (see _incident)
     uuids: dict[str, str] = dict(state.get("uuids", {})) if same_boot else {}
     unread: dict[str, Any] = json.loads(json.dumps(state.get("unread", {}))) if same_boot else {}  # judge stays pure
     # Whether NVML's events can be watched is news only in NVML's own batches; it outlives a reboot.
@@ -110,30 +121,42 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
             continue
         if e.xid == 154 and recovery_action(e.detail) is Action.NONE:
             _recovered(incidents, e.pci, catalog, force)
-        _add_logged(_incident(incidents, e.pci, e.xid, "kmsg", at_of(e.record)), e)
+        _add_logged(_incident(incidents, e.pci, e.xid, "kmsg", at_of(e.record), touched), e)
     for x in batch.nvml_xids:
         if x.xid in ignore:
             continue
         # Without an address (NVML's device matched no GPU it listed: rare) the XID still counts, on what is known.
         pci = x.pci or x.uuid or (f"index-{x.gpu}" if x.gpu is not None else "unknown")
-        _incident(incidents, pci, x.xid, "nvml", now)
+        _incident(incidents, pci, x.xid, "nvml", now, touched)
         if x.pci and x.uuid:
             uuids[x.pci] = x.uuid
     unread_lines.note(unread, unreadable, at_of)
 
     entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
+    xids_on: dict[str, set[int]] = {}
+    entities: dict[str, Entity] = {}  # by PCI address: a node has few GPUs and many incidents on each
+    shown: dict[int, tuple[Any, ...]] = {}  # what _shown made or reused in this judgement: the next one's cache
+    for inc in incidents.values():
+        xids_on.setdefault(inc["pci"], set()).add(inc["xid"])
     findings: list[Finding] = []
+    metrics: list[MetricSample] = []  # _metrics' order: every incident's gpuwarden_xid_events, then per source
+    by_source: list[MetricSample] = []
     kept: dict[str, dict[str, Any]] = {}
     ends: list[float] = []  # when each held incident stops holding
     for key, inc in incidents.items():
-        action = _action(inc, incidents, catalog, force)
+        pci = inc["pci"]
+        entity = entities.get(pci)
+        if entity is None:
+            entity = entities[pci] = entity_at(pci)
+        action, finding, events_sample, source_samples = _shown(inc, entity, xids_on, catalog, force, shown)
         if hold and action < Action.REBOOT:
             if now - inc["last_at"] > cfg["hold_s"]:
                 continue
             ends.append(inc["last_at"] + cfg["hold_s"])
         kept[key] = inc
-        findings.append(_finding(inc, entity_at(inc["pci"]), catalog.get(int(inc["xid"])), action,
-                                 forced=int(inc["xid"]) in force))
+        findings.append(finding)
+        metrics.extend(events_sample)
+        by_source.extend(source_samples)
     if unread_lines.standing(unread, now, cfg["hold_s"], hold):
         findings.append(unread_lines.finding(CHECK_NAME, _UNREAD, "XID", unread))
         if (end := unread_lines.ends_at(unread, cfg["hold_s"], hold)) is not None:
@@ -149,7 +172,34 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         new_state["unread"] = unread
     if nvml_error:
         new_state["nvml_error"] = nvml_error
-    return Judgement(new_state, tuple(findings), _metrics(kept), wake_at=min(ends, default=None))
+    _SHOWN[0] = shown  # the incidents of this judgement only: older copies are not kept alive
+    return Judgement(new_state, tuple(findings), (*metrics, *by_source), wake_at=min(ends, default=None))
+
+
+# An incident's action, finding and samples, by the incident object they were made from: an incident no batch touched
+# is the same object from batch to batch (see _incident), so a node holding many incidents rebuilds only what changed.
+# The mark holds what else they depend on, and a fingerprint of the incident's changing fields guards against a
+# caller that changed an incident in place. Only the last judgement's incidents are kept (its incidents are the next
+# one's): bounded by what a node holds, and a copy an XID replaced is let go.
+_SHOWN: list[dict[int, tuple[Any, ...]]] = [{}]
+
+
+def _shown(inc: Mapping[str, Any], entity: Entity, xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
+           force: set[int], shown: dict[int, tuple[Any, ...]]
+           ) -> tuple[Action, Finding, tuple[MetricSample, ...], tuple[MetricSample, ...]]:
+    """The incident's action, finding, and samples (its gpuwarden_xid_events, then its per-source ones)."""
+    xid = inc["xid"]
+    # What the action depends on besides the incident: for XID 45 whether other XIDs share its GPU; the policy.
+    mark = (entity, xid == 45 and bool(xids_on[inc["pci"]] - {45}), xid in force, inc["count"], inc.get("last_at"))
+    hit = _SHOWN[0].get(id(inc))
+    if hit is not None and hit[0] is inc and hit[1] == mark:
+        shown[id(inc)] = hit
+        return hit[2]
+    action = _action(inc, xids_on, catalog, force)
+    samples = _metrics({"": inc})
+    made = (action, _finding(inc, entity, catalog.get(int(xid)), action, forced=mark[2]), samples[:1], samples[1:])
+    shown[id(inc)] = (inc, mark, made)  # holds the incident: its id is not reused while cached
+    return made
 
 
 def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:

@@ -251,11 +251,11 @@ def test_a_hung_sample_is_unknown_and_blocks_nothing(scenario_copy, tmp_path):
 
 
 def down_since(state: Path, port: str) -> float | None:
-    import sqlite3
-
-    with sqlite3.connect(f"{(state / 'state.db').absolute().as_uri()}?mode=ro", uri=True, timeout=10) as db:
-        (value,) = db.execute("SELECT state FROM checks WHERE name = 'ib_port'").fetchone()
-    return json.loads(value)["ports"][port]["down_since"]
+    db = Store(state / "state.db", readonly=True)  # what `gpuwarden status` reads, another process's view
+    try:
+        return db.check("ib_port").state["ports"][port]["down_since"]
+    finally:
+        db.close()
 
 
 def ib_finding(state: Path) -> dict | None:

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from gpuwarden.agent.store import Store, StoreError
+
 from conftest import ROOT, wait_for
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
@@ -86,11 +88,14 @@ def start(root: Path, state: Path) -> subprocess.Popen:
 def incident(db: Path, pci: str, xid: int) -> dict:
     """The incident as the store holds it now (read-only; {} while the daemon has not written it)."""
     try:
-        with sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True, timeout=10) as conn:
-            row = conn.execute("SELECT state FROM checks WHERE name = 'xid'").fetchone()
-    except sqlite3.Error:
+        store = Store(db, readonly=True)  # what `gpuwarden status` reads, another process's view
+        try:
+            rec = store.check("xid")
+        finally:
+            store.close()
+    except StoreError:
         return {}
-    return json.loads(row[0]).get("incidents", {}).get(f"{pci}|{xid}", {}) if row else {}
+    return rec.state.get("incidents", {}).get(f"{pci}|{xid}", {}) if rec else {}
 
 
 def test_kill_9_while_xids_flow_loses_and_repeats_nothing(scenario_copy, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import re
 import select
 import time
 from dataclasses import dataclass
@@ -16,12 +17,19 @@ from typing import Callable
 
 from .. import logs
 from ..errors import ParseError, SourceError
-from ..kernel_log import LogRecord, parse_kmsg_filtered, parse_kmsg_text
+from ..kernel_log import (_KMSG_ROW, KmsgBatch, LogRecord, _kmsg_line, _kmsg_record, parse_kmsg_filtered,
+                          parse_kmsg_text)
 from . import confine
 from .inotify import FolderWaiter
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
+# A followed file is read in pieces this size, each scanned once per substring a consumer reads and once for malformed
+# lines (measured: pieces of 64 KiB to 1 MiB scan alike, ~2.3M lines/s on a 2-core VM against ~0.9M for the
+# record-by-record parse; bench/stream.py).
+_PIECE = 1 << 18
+_POLL_BYTES = 16 << 20  # read per poll at most; the rest is `more` (memory stays flat on a backlog of any size)
+_MAX_LINE = 1 << 16  # a "line" this long without a newline is not a kmsg record: reported and skipped
 log = logs.get_logger("gpuwarden.kmsg")
 
 
@@ -29,6 +37,23 @@ log = logs.get_logger("gpuwarden.kmsg")
 class Cursor:
     boot_id: str | None
     seq: int
+
+
+class Interest:
+    """What the kernel-log consumers read: a message is kept when it holds one of `needles`. Callable on a message
+    (the record-by-record filter); the follower searches the raw bytes it reads for the needles instead, so that only
+    the lines holding one (and malformed lines, which are reported) are decoded and parsed."""
+
+    def __init__(self, needles: "tuple[str, ...] | list[str]"):
+        self.needles = tuple(dict.fromkeys(needles))
+        # One compiled alternation: measured ~3x faster per message than any() over the substrings.
+        self._search = re.compile("|".join(re.escape(n) for n in self.needles)).search
+        # An ASCII needle is found in the bytes exactly where it is in the decoded text (a byte below 0x80 is never
+        # part of a UTF-8 sequence, nor swallowed by a replacement); a needle that is not ASCII turns the byte scan off.
+        self.raw = tuple(n.encode() for n in self.needles) if all(n.isascii() and n for n in self.needles) else None
+
+    def __call__(self, message: str) -> object:
+        return self._search(message)
 
 
 class KernelLog:
@@ -63,7 +88,7 @@ class KernelLog:
                 raise SourceError(f"{self.path}: cannot read kernel log: {exc.strerror or exc}") from None
         fd = _open_kmsg(self.path)
         try:
-            return _read_available(fd, self.path)[0]
+            return _read_available_bytes(fd, self.path)[0].decode(errors="replace")
         finally:
             os.close(fd)
 
@@ -108,6 +133,8 @@ class KmsgFollower:
         self._waiter = FolderWaiter(self.log.path.parent)  # a recorded log: wake when its file is written
         self._offset = 0
         self._pending = b""
+        self._skipping = False  # inside an over-long line: dropped up to its newline
+        self.more = False  # the last poll stopped at its byte budget: more is there to read now
 
     def close(self) -> None:
         if self._fd is not None:
@@ -129,14 +156,21 @@ class KmsgFollower:
             time.sleep(min(timeout_s, poll_tick_s))
 
     def poll(self) -> list[LogRecord]:
-        text = self._read_live() if self.log.live else self._read_file()
-        if not text:
-            return []
-        if self.keep is None:
-            records, errors = parse_kmsg_text(text, self.log.name)
-            last = records[-1].seq if records else None
+        if isinstance(self.keep, Interest) and self.keep.raw is not None:
+            scanned = self._scan_live() if self.log.live else self._scan_file()
+            if scanned is None:
+                return []
+            (records, errors, last), first = scanned
         else:
-            records, errors, last = parse_kmsg_filtered(text, self.log.name, self.keep)
+            text = self._read_live() if self.log.live else self._read_file()
+            if not text:
+                return []
+            if self.keep is None:
+                records, errors = parse_kmsg_text(text, self.log.name)
+                last = records[-1].seq if records else None
+            else:
+                records, errors, last = parse_kmsg_filtered(text, self.log.name, self.keep)
+            first = _first_seq(text, last) if last is not None else None
         if errors:
             self.malformed += len(errors)
             # Bounded: a daemon runs for months, and a corrupt log must not grow its memory.
@@ -144,16 +178,29 @@ class KmsgFollower:
         fresh = [r for r in records if r.seq is not None and r.seq > self.cursor.seq]
         if last is not None and last > self.cursor.seq:
             # kmsg numbers records consecutively within a boot, so the seq step counts what was read, kept or not.
-            self.advanced += last - (self.cursor.seq if self.cursor.seq >= 0 else _first_seq(text, last) - 1)
+            before = self.cursor.seq if self.cursor.seq >= 0 else (first if first is not None else last) - 1
+            self.advanced += last - before
             self.cursor = Cursor(self.log.boot_id, last)
         return fresh
 
     def _read_live(self) -> str:
+        return self._read_live_bytes().decode(errors="replace")
+
+    def _read_live_bytes(self) -> bytes:
         if self._fd is None:
             self._fd = _open_kmsg(self.log.path)
-        text, lost = _read_available(self._fd, self.log.path)
+        data, lost = _read_available_bytes(self._fd, self.log.path)
         self.lost += lost
-        return text
+        return data
+
+    def _scan_live(self) -> "tuple[KmsgBatch, int | None] | None":
+        """The records /dev/kmsg has now, scanned as a recorded file's pieces are (each record ends with a newline)."""
+        data = self._read_live_bytes()
+        if not data:
+            return None
+        scan = _Scan(self.log.name, self.keep)
+        scan.feed(data, len(data))
+        return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
     def _read_file(self) -> str:
         try:
@@ -172,6 +219,150 @@ class KmsgFollower:
         complete, _, self._pending = data.rpartition(b"\n")  # a line still being written waits for its newline
         return (complete + b"\n").decode(errors="replace") if complete else ""
 
+    def _scan_file(self) -> "tuple[KmsgBatch, int | None] | None":
+        """What was appended to the recorded file since the last poll, as parse_kmsg_filtered would give it for the
+        complete lines, and the seq of the first of them; None when nothing new. Read in cache-sized pieces, at most
+        _POLL_BYTES per poll (`more` says when the budget stopped it)."""
+        self.more = False
+        try:
+            size = os.stat(self.log.path).st_size
+            if size == self._offset:
+                return None  # nothing new: the common case of an idle poll costs one stat
+            if size < self._offset:  # truncated or replaced: read it again from the start
+                self._offset, self._pending, self._skipping = 0, b"", False
+            fd = confine.open_file(self.log.path, self.log.inside)
+        except OSError as exc:
+            raise SourceError(f"{self.log.path}: cannot read kernel log: {exc.strerror or exc}") from None
+        scan = _Scan(self.log.name, self.keep)
+        try:
+            budget = _POLL_BYTES
+            while budget > 0:
+                try:
+                    data = os.pread(fd, min(_PIECE, budget), self._offset)
+                except OSError as exc:
+                    raise SourceError(f"{self.log.path}: cannot read kernel log: {exc.strerror or exc}") from None
+                if not data:
+                    break
+                self._offset += len(data)
+                budget -= len(data)
+                self._piece(scan, data)
+            self.more = budget <= 0
+        finally:
+            os.close(fd)
+        if not scan.lines and not scan.errors:
+            return None
+        return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
+
+    def _piece(self, scan: "_Scan", data: bytes) -> None:
+        if self._skipping:  # the rest of an over-long line
+            nl = data.find(b"\n")
+            if nl < 0:
+                return
+            self._skipping, data = False, data[nl + 1:]
+        data = self._pending + data if self._pending else data
+        cut = data.rfind(b"\n") + 1  # a line still being written waits for its newline
+        if cut:
+            scan.feed(data, cut)
+        self._pending = data[cut:]
+        if len(self._pending) > _MAX_LINE:
+            scan.too_long(self._pending)
+            self._pending, self._skipping = b"", True
+
+
+# The header _KMSG_ROW takes as a record, after a newline that starts a line it would not take (and that is neither
+# blank nor a " KEY=value" continuation): the lines the exact per-line test must see. A literal first byte: the
+# search runs at C speed over a piece and, on a well-formed log, finds nothing.
+_HEADER = rb"[0-9]{1,10}+,[0-9]{1,20}+,[0-9]{1,20}+,[\x00-\t\x0b-:<-\x7f]{0,30}+;"
+_ODD_AFTER_NL = re.compile(rb"\n(?!" + _HEADER + rb"| |\n)")
+_HEADER_AT = re.compile(_HEADER)
+
+
+class _Scan:
+    """The kmsg records of complete lines, piece after piece, building only those a consumer reads: the lines that
+    hold one of the interest's needles, found with bytes.find, and the lines whose header is not the usual shape
+    (malformed, or well-formed past the fast pattern's bounds), found with one search; only those lines are decoded
+    and parsed, each exactly as parse_kmsg_filtered parses it. Line numbers count every line read in the poll."""
+
+    def __init__(self, source: str, keep: Interest):
+        self.source, self.keep, self.needles = source, keep, keep.raw or ()
+        self.records: list[LogRecord] = []
+        self.errors: list[ParseError] = []
+        self.last: int | None = None
+        self.first: int | None = None
+        self.lines = 0
+
+    def feed(self, buf: bytes, end: int) -> None:
+        """The complete lines buf[:end] (end just after a newline)."""
+        if buf.find(b"\r", 0, end) >= 0:  # as parse_kmsg_filtered: CRLF line ends read as LF
+            buf = buf[:end].replace(b"\r\n", b"\n")
+            end = len(buf)
+        if self.first is None:
+            self.first = _seq_of(buf)
+        starts: set[int] = set()
+        find, rfind = buf.find, buf.rfind
+        for needle in self.needles:
+            at = find(needle, 0, end)
+            while at >= 0:
+                start = rfind(b"\n", 0, at) + 1
+                starts.add(start)
+                nl = find(b"\n", at, end)
+                at = find(needle, nl + 1, end)  # one hit per line is enough
+        if not _HEADER_AT.match(buf, 0, end) and buf[:1] not in (b" ", b"\n"):
+            starts.add(0)
+        starts.update(m.start() + 1 for m in _ODD_AFTER_NL.finditer(buf, 0, end - 1))
+        lines, prev = self.lines, 0
+        for start in sorted(starts):
+            lines += buf.count(b"\n", prev, start)
+            prev = start
+            record = self._line(buf[start:find(b"\n", start, end)], lines + 1)
+            if record is not None and self.keep(record.message):
+                self.records.append(record)
+        self.lines = lines + buf.count(b"\n", prev, end)
+        self._last_seq(buf, end)
+
+    def _line(self, raw: bytes, lineno: int) -> LogRecord | None:
+        """The record of one line (decoded as the whole text would be); a malformed one is kept in `errors`."""
+        prio, seq, usec, message = _KMSG_ROW.match(raw.decode(errors="replace")).groups(default="")
+        if prio:
+            return _kmsg_record(message, lineno, self.source, prio, seq, usec)
+        if not message or message[0] == " ":
+            return None  # blank, or a record's " KEY=value" continuation
+        one = _kmsg_line(message, self.source, lineno)
+        if type(one) is ParseError:
+            self.errors.append(one)
+            return None
+        return one
+
+    def _last_seq(self, buf: bytes, end: int) -> None:
+        """The seq of the last well-formed record of the piece (walking back over blank, continuation and malformed
+        lines), kept or not: the follower's cursor moves past every record read."""
+        stop = end - 1  # the newline ending the last line
+        while stop >= 0:
+            start = buf.rfind(b"\n", 0, stop) + 1
+            prio, seq, _usec, message = _KMSG_ROW.match(buf[start:stop].decode(errors="replace")).groups(default="")
+            if prio:
+                self.last = int(seq)
+                return
+            if message and message[0] != " ":
+                one = _kmsg_line(message, self.source, 0)
+                if type(one) is not ParseError:
+                    self.last = one.seq
+                    return
+            stop = start - 1
+
+    def too_long(self, head: bytes) -> None:
+        self.lines += 1
+        self.errors.append(ParseError(f"a line of more than {_MAX_LINE} bytes without a newline is not a kmsg "
+                                      f"record; skipped: {head[:60].decode(errors='replace')!r}...",
+                                      self.source, self.lines))
+
+
+def _seq_of(buf: bytes) -> int | None:
+    try:
+        return int(buf[:buf.find(b"\n")].split(b",", 2)[1])
+    except (IndexError, ValueError):
+        return None
+
 
 def _first_seq(text: str, default: int) -> int:
     try:
@@ -187,7 +378,7 @@ def _open_kmsg(path: Path) -> int:
         raise SourceError(f"{path}: cannot open kernel log: {exc.strerror or exc}") from None
 
 
-def _read_available(fd: int, path: Path) -> tuple[str, int]:
+def _read_available_bytes(fd: int, path: Path) -> tuple[bytes, int]:
     """Every record /dev/kmsg has for this descriptor now, and how many overwrites (EPIPE) were met.
 
     /dev/kmsg returns one record per read() and EAGAIN when caught up (non-blocking); a regular file
@@ -207,4 +398,4 @@ def _read_available(fd: int, path: Path) -> tuple[str, int]:
         if not data:
             break
         chunks.append(data if data.endswith(b"\n") else data + b"\n")
-    return b"".join(chunks).decode(errors="replace"), lost
+    return b"".join(chunks), lost
