@@ -30,11 +30,12 @@ class Slow:
 
 def main() -> int:
     delay_s, rest = float(sys.argv[1]), sys.argv[3:]
-    import gpuwarden.agent.run as run
-    from gpuwarden.agent.adapters import build
+    import gpuwarden.agent.adapters as adapters
     from gpuwarden.agent.cli import main as cli
 
-    run.build_adapter = lambda name, table, state_dir: Slow(build(name, table, state_dir), delay_s)
+    # `gpuwarden run` imports adapters.build when it builds its scheduler: the slowed one is what it finds.
+    build = adapters.build
+    adapters.build = lambda name, table, state_dir: Slow(build(name, table, state_dir), delay_s)
     return cli(rest)
 
 
