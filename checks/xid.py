@@ -40,39 +40,60 @@ _UNREAD = "xid-unreadable"
 
 def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: str, at: float,
               touched: set[str]) -> dict[str, Any]:
+    # Called once per XID event (a flood is millions of them in a saved log): no dict is built for an incident that
+    # exists, and what an old state lacks is filled in once, when the incident is copied for the batch.
     key = f"{pci}|{xid}"
     inc = incidents.get(key)
     if inc is None:
         inc = incidents[key] = {"pci": pci, "xid": xid, "count": 0, "first_at": at, "first_seq": None,
-                                "first_message": "", "pids": [], "processes": [], "kmsg_count": 0, "nvml_count": 0}
+                                "first_message": "", "pids": [], "processes": [], "kmsg_count": 0, "nvml_count": 0,
+                                "last_at": at, "last_seq": None}
+        touched.add(key)
     elif key not in touched:
         # Copied on its first change in this batch, never changed in place: the state judged from stays as it was
         # (judge is pure), and the incidents this batch did not touch stay the same objects, which is what lets the
         # findings of an unchanged incident be reused and the store write only the incidents that changed.
         inc = incidents[key] = {**inc, "pids": list(inc.get("pids", ())), "processes": list(inc.get("processes", ())),
                                 **({"mig": list(inc["mig"])} if "mig" in inc else {})}
-    touched.add(key)
-    # State written before NVML was a source has only "count": every one of those came from the kernel log.
-    inc.setdefault("kmsg_count", inc["count"])
-    inc.setdefault("nvml_count", 0)
-    inc[f"{source}_count"] += 1
-    inc["count"] = max(inc["kmsg_count"], inc["nvml_count"])
-    inc["last_at"] = max(at, inc.get("last_at", at))
-    inc.setdefault("last_seq", None)
+        # State written before NVML was a source has only "count": every one of those came from the kernel log.
+        inc.setdefault("kmsg_count", inc["count"])
+        inc.setdefault("nvml_count", 0)
+        inc.setdefault("last_at", at)
+        inc.setdefault("last_seq", None)
+        touched.add(key)
+    if source == "kmsg":
+        inc["kmsg_count"] += 1
+    else:
+        inc["nvml_count"] += 1
+    kmsg, nvml = inc["kmsg_count"], inc["nvml_count"]
+    inc["count"] = kmsg if kmsg >= nvml else nvml
+    if at > inc["last_at"]:
+        inc["last_at"] = at
     return inc
 
 
 def _add_logged(inc: dict[str, Any], e: XidEvent) -> None:
     r = e.record
-    if inc["first_seq"] is None and not inc["first_message"] and r is not None:
-        inc.update(first_seq=r.seq, first_message=r.message[:300], first_line=r.line, source=r.source,
-                   first_time=_when(r))
     if r is not None:
-        inc.update(last_seq=r.seq, last_line=r.line, last_time=_when(r))
+        when = r.timestamp if r.timestamp is not None else r.usec  # _when(r)
+        if inc["first_seq"] is None and not inc["first_message"]:
+            inc["first_seq"] = r.seq
+            inc["first_message"] = r.message[:300]
+            inc["first_line"] = r.line
+            inc["source"] = r.source
+            inc["first_time"] = when
+        inc["last_seq"] = r.seq
+        inc["last_line"] = r.line
+        inc["last_time"] = when
     inc["last_detail"] = e.detail[:300]
-    for field_name, value in (("pids", e.pid), ("processes", e.process)):
-        if value and value not in inc[field_name] and len(inc[field_name]) < _MAX_EVIDENCE:
-            inc[field_name].append(value)
+    if e.pid:
+        pids = inc["pids"]
+        if len(pids) < _MAX_EVIDENCE and e.pid not in pids:
+            pids.append(e.pid)
+    if e.process:
+        processes = inc["processes"]
+        if len(processes) < _MAX_EVIDENCE and e.process not in processes:
+            processes.append(e.process)
     if e.gpu_instance is not None:
         tag = f"GI {e.gpu_instance}" + (f" CI {e.compute_instance}" if e.compute_instance is not None else "")
         mig = inc.setdefault("mig", [])
@@ -116,12 +137,13 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     at_of = batch.event_time or (lambda _record: now)
     events, logged, unreadable = collect(batch.records)
     uuids.update({g.pci: g.uuid for g in logged})
+    event_time, incident, add_logged = batch.event_time, _incident, _add_logged
     for e in events:
         if e.xid in ignore:
             continue
         if e.xid == 154 and recovery_action(e.detail) is Action.NONE:
             _recovered(incidents, e.pci, catalog, force)
-        _add_logged(_incident(incidents, e.pci, e.xid, "kmsg", at_of(e.record), touched), e)
+        add_logged(incident(incidents, e.pci, e.xid, "kmsg", event_time(e.record) if event_time else now, touched), e)
     for x in batch.nvml_xids:
         if x.xid in ignore:
             continue
