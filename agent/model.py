@@ -25,6 +25,7 @@ class Status(enum.Enum):
 
 
 _STATUS_RANK = {Status.SKIPPED: 0, Status.OK: 1, Status.WARN: 2, Status.UNKNOWN: 3, Status.FAIL: 4}
+_RANK_BY_NAME = {s._name_: r for s, r in _STATUS_RANK.items()}  # str keys hash in C
 
 
 class Action(enum.IntEnum):
@@ -155,8 +156,17 @@ class CheckResult:
 
 
 def fold_status(findings: Iterable[Finding]) -> Status:
-    """The status of a check that ran to completion: OK unless a finding says worse."""
-    return max((f.status for f in findings), key=lambda s: s.rank, default=Status.OK)
+    """The status of a check that ran to completion: OK unless a finding says worse (the first of the worst)."""
+    # A loop of identity tests: this runs at every observation over every finding a node holds (one per GPU and XID),
+    # and an enum member's hash (what a rank lookup by member costs) is a Python-level call.
+    worst, worst_rank = None, -1
+    for f in findings:
+        s = f.status
+        if s is not worst:
+            r = _RANK_BY_NAME[s._name_]
+            if r > worst_rank:
+                worst, worst_rank = s, r
+    return Status.OK if worst is None else worst
 
 
 # Exit codes of `preflight` and `analyze` (Slurm's health check and Prolog go through `gpuwarden slurm`).

@@ -89,9 +89,11 @@ def _worst(findings: Iterable[Finding]) -> tuple[Status, Action, str]:
     """The worst finding's status, action and name (the first of equals): one pass of lookups, since a node can hold
     many findings (an incident per GPU and XID) and this runs at every observation."""
     rank, action, worst = Status.OK.rank, Action.NONE, None
-    concern = _CONCERN_RANK.get
+    warn, fail = Status.WARN, Status.FAIL
+    warn_rank, fail_rank = _CONCERN_RANK[warn], _CONCERN_RANK[fail]
     for f in findings:
-        r = concern(f.status)
+        s = f.status  # identity tests: an enum member's hash is a Python-level call
+        r = fail_rank if s is fail else warn_rank if s is warn else None
         if r is not None and (r > rank or (r == rank and f.action > action)):
             rank, action, worst = r, f.action, f
     if worst is None:

@@ -169,7 +169,7 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         pci = inc["pci"]
         entity = entities.get(pci)
         if entity is None:
-            entity = entities[pci] = entity_at(pci)
+            entity = entities[pci] = _same_entity(pci, entity_at(pci))
         action, finding, events_sample, source_samples = _shown(inc, entity, xids_on, catalog, force, shown)
         if hold and action < Action.REBOOT:
             if now - inc["last_at"] > cfg["hold_s"]:
@@ -204,6 +204,20 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
 # caller that changed an incident in place. Only the last judgement's incidents are kept (its incidents are the next
 # one's): bounded by what a node holds, and a copy an XID replaced is let go.
 _SHOWN: list[dict[int, tuple[Any, ...]]] = [{}]
+# The entity of each GPU as the last judgement made it: an equal one is replaced by that same object, so comparing a
+# cached mark costs an identity test per incident rather than an Entity comparison. Bounded: cleared when it outgrows
+# what any node holds.
+_ENTITIES: dict[str, Entity] = {}
+
+
+def _same_entity(pci: str, entity: Entity) -> Entity:
+    held = _ENTITIES.get(pci)
+    if held is not None and held == entity:
+        return held
+    if len(_ENTITIES) >= 4096:
+        _ENTITIES.clear()
+    _ENTITIES[pci] = entity
+    return entity
 
 
 def _shown(inc: Mapping[str, Any], entity: Entity, xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
