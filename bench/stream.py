@@ -45,7 +45,7 @@ XID_LINE = "3,{seq},{usec},-;NVRM: Xid (PCI:{pci}): {xid}, pid='<unknown>', name
 NOISE = ("6,{seq},{usec},-;mlx5_core 0000:03:00.0: poll_health: device's health compromised - reached miss count\n",
          "4,{seq},{usec},-;nvidia-peermem: module verification failed: signature and/or required key missing\n",
          "6,{seq},{usec},-;IPv6: ADDRCONF(NETDEV_CHANGE): ibP2p3s0: link becomes ready\n")
-NPD_LINES_PER_S = 147_000  # node-problem-detector measured on this machine (2026-12-01): quoted, it cannot be installed here
+NPD_LINES_PER_S = 147_000  # node-problem-detector on this machine (2026-12-01): quoted, not installable here
 
 
 def last_seq(path: Path) -> tuple[int, int]:
