@@ -6,7 +6,8 @@
             until the daemon has read every record, the daemon's CPU per 100k lines (its gw-* threads' run time),
             and every injected XID counted once per (GPU, XID) (nothing lost, nothing twice)
   commit    the cost of one durable commit of the xid check's state as distinct (GPU, XID) incidents accumulate
-            (1 .. 40 pairs; --pairs goes further, beyond the node's GPUs), and the SQLite WAL's size over a long run of commits
+            (1 .. 40 pairs; --pairs goes further, beyond the node's GPUs), and the SQLite WAL's size over a long
+            run of commits
 
 Run: .venv/bin/python bench/stream.py appended|commit [--lines N] [--xid-every N] [--commits N] [--json PATH]
 """
@@ -45,7 +46,8 @@ XID_LINE = "3,{seq},{usec},-;NVRM: Xid (PCI:{pci}): {xid}, pid='<unknown>', name
 NOISE = ("6,{seq},{usec},-;mlx5_core 0000:03:00.0: poll_health: device's health compromised - reached miss count\n",
          "4,{seq},{usec},-;nvidia-peermem: module verification failed: signature and/or required key missing\n",
          "6,{seq},{usec},-;IPv6: ADDRCONF(NETDEV_CHANGE): ibP2p3s0: link becomes ready\n")
-NPD_LINES_PER_S = 147_000  # node-problem-detector measured on this machine (2026-12-01): quoted, it cannot be installed here
+# node-problem-detector measured on this machine (2026-12-01): quoted, it cannot be installed here
+NPD_LINES_PER_S = 147_000
 
 
 def last_seq(path: Path) -> tuple[int, int]:
