@@ -440,9 +440,11 @@ class Store:
                     group.next += 1
                 rows.append((name, part, str(sub), order, json.dumps(entry)))
             if len(values) > len(value):
+                live = {str(sub) for sub in value}  # a key read back as text may be given as a number
                 for sub in values.keys() - value.keys():
                     del values[sub], ords[sub]
-                    gone.append((name, part, str(sub)))
+                    if str(sub) not in live:
+                        gone.append((name, part, str(sub)))
             groups[part] = group
         for part, group in held.groups.items():
             if part not in groups:
