@@ -159,12 +159,17 @@ class CheckResult:
 def fold_status(findings: Iterable[Finding]) -> Status:
     """The status of a check that ran to completion: OK unless a finding says worse."""
     # This runs at every observation over every finding a node holds (one per GPU and XID): the statuses are read and
-    # gathered by name at C speed (an enum member's hash is a Python-level call); only the few names are ranked.
-    names = set(map(_STATUS_NAME, findings))
-    return Status[max(names, key=_RANK_BY_NAME.__getitem__)] if names else Status.OK
+    # looked for by identity at C speed (an enum member's hash is a Python-level call), the worst first.
+    statuses = list(map(_STATUS, findings))
+    if statuses:
+        for status in _WORST_FIRST:
+            if status in statuses:
+                return status
+    return Status.OK
 
 
-_STATUS_NAME = attrgetter("status._name_")
+_STATUS = attrgetter("status")
+_WORST_FIRST = tuple(sorted(_STATUS_RANK, key=_STATUS_RANK.__getitem__, reverse=True))
 
 
 # Exit codes of `preflight` and `analyze` (Slurm's health check and Prolog go through `gpuwarden slurm`).

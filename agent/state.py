@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 from itertools import compress, repeat
-from operator import attrgetter, eq
+from operator import attrgetter, is_
 from typing import Any, Iterable, Mapping
 
 from .model import Action, Finding, Status
@@ -86,17 +86,17 @@ DEFAULT_POLICY: dict[str, Any] = {
 
 def _worst(findings: list[Finding]) -> tuple[Status, Action, str]:
     """The worst finding's status, action and name (the first of equals). A node can hold many findings (an incident
-    per GPU and XID) and this runs at every observation: the statuses are read and compared by name, and the worst
-    picked, at C speed (an enum member's hash is a Python-level call)."""
-    names = list(map(_STATUS_NAME, findings))
-    for name in ("FAIL", "WARN"):  # the concerns, worst first
-        if name in names:
-            worst = max(compress(findings, map(eq, names, repeat(name))), key=_ACTION)  # max: the first of equals
+    per GPU and XID) and this runs at every observation: the statuses are read and compared by identity, and the
+    worst picked, at C speed (an enum member's hash is a Python-level call)."""
+    statuses = list(map(_STATUS, findings))
+    for status in (Status.FAIL, Status.WARN):  # the concerns, worst first
+        if status in statuses:
+            worst = max(compress(findings, map(is_, statuses, repeat(status))), key=_ACTION)  # the first of equals
             return worst.status, worst.action, f"{worst.check}/{worst.code} on {worst.entity.label()}"
     return Status.OK, Action.NONE, ""
 
 
-_STATUS_NAME = attrgetter("status._name_")
+_STATUS = attrgetter("status")
 _ACTION = attrgetter("action")
 
 
