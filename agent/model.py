@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Iterable, Mapping
 
 
@@ -156,17 +157,19 @@ class CheckResult:
 
 
 def fold_status(findings: Iterable[Finding]) -> Status:
-    """The status of a check that ran to completion: OK unless a finding says worse (the first of the worst)."""
-    # A loop of identity tests: this runs at every observation over every finding a node holds (one per GPU and XID),
-    # and an enum member's hash (what a rank lookup by member costs) is a Python-level call.
-    worst, worst_rank = None, -1
-    for f in findings:
-        s = f.status
-        if s is not worst:
-            r = _RANK_BY_NAME[s._name_]
-            if r > worst_rank:
-                worst, worst_rank = s, r
-    return Status.OK if worst is None else worst
+    """The status of a check that ran to completion: OK unless a finding says worse."""
+    # This runs at every observation over every finding a node holds (one per GPU and XID): the statuses are read and
+    # looked for by identity at C speed (an enum member's hash is a Python-level call), the worst first.
+    statuses = list(map(_STATUS, findings))
+    if statuses:
+        for status in _WORST_FIRST:
+            if status in statuses:
+                return status
+    return Status.OK
+
+
+_STATUS = attrgetter("status")
+_WORST_FIRST = tuple(sorted(_STATUS_RANK, key=_STATUS_RANK.__getitem__, reverse=True))
 
 
 # Exit codes of `preflight` and `analyze` (Slurm's health check and Prolog go through `gpuwarden slurm`).

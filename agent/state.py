@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+from itertools import compress, repeat
+from operator import attrgetter, is_
 from typing import Any, Iterable, Mapping
 
 from .model import Action, Finding, Status
@@ -82,23 +84,20 @@ DEFAULT_POLICY: dict[str, Any] = {
 }
 
 
-_CONCERN_RANK = {Status.WARN: Status.WARN.rank, Status.FAIL: Status.FAIL.rank}
+def _worst(findings: list[Finding]) -> tuple[Status, Action, str]:
+    """The worst finding's status, action and name (the first of equals). A node can hold many findings (an incident
+    per GPU and XID) and this runs at every observation: the statuses are read and compared by identity, and the
+    worst picked, at C speed (an enum member's hash is a Python-level call)."""
+    statuses = list(map(_STATUS, findings))
+    for status in (Status.FAIL, Status.WARN):  # the concerns, worst first
+        if status in statuses:
+            worst = max(compress(findings, map(is_, statuses, repeat(status))), key=_ACTION)  # the first of equals
+            return worst.status, worst.action, f"{worst.check}/{worst.code} on {worst.entity.label()}"
+    return Status.OK, Action.NONE, ""
 
 
-def _worst(findings: Iterable[Finding]) -> tuple[Status, Action, str]:
-    """The worst finding's status, action and name (the first of equals): one pass of lookups, since a node can hold
-    many findings (an incident per GPU and XID) and this runs at every observation."""
-    rank, action, worst = Status.OK.rank, Action.NONE, None
-    warn, fail = Status.WARN, Status.FAIL
-    warn_rank, fail_rank = _CONCERN_RANK[warn], _CONCERN_RANK[fail]
-    for f in findings:
-        s = f.status  # identity tests: an enum member's hash is a Python-level call
-        r = fail_rank if s is fail else warn_rank if s is warn else None
-        if r is not None and (r > rank or (r == rank and f.action > action)):
-            rank, action, worst = r, f.action, f
-    if worst is None:
-        return Status.OK, Action.NONE, ""
-    return worst.status, worst.action, f"{worst.check}/{worst.code} on {worst.entity.label()}"
+_STATUS = attrgetter("status")
+_ACTION = attrgetter("action")
 
 
 def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[str], now: float,

@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from itertools import compress
+from operator import is_not
 from typing import Any, Iterable
 
 from .errors import GpuwardenError
@@ -71,6 +73,24 @@ _UNREADABLE = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
 
 
 @dataclass
+class _Group:
+    """What the database holds of one split state value: each entry (the object last written or read) and its
+    place (ord), and the place a new entry takes."""
+
+    values: dict[str, Any]
+    ords: dict[str, int]
+    next: int
+
+
+@dataclass
+class _Held:
+    """What the database holds of one check's parts: its split state values by part, and its findings."""
+
+    groups: dict[str, _Group]
+    findings: tuple[Finding, ...]
+
+
+@dataclass
 class CheckRecord:
     name: str
     state: dict[str, Any] = field(default_factory=dict)
@@ -107,9 +127,9 @@ class Store:
         self._lock_fd: int | None = None
         self._want_lock = lock and not readonly
         self._identity: tuple | None = None
-        # What the database holds of each check's parts, as last written or read: (part, sub) -> (value, ord). A
-        # commit compares against it and writes only what differs; a check not here has all its parts rewritten.
-        self._parts: dict[str, dict[tuple[str, str], tuple[Any, int]]] = {}
+        # What the database holds of each check's parts, as last written or read. A commit compares against it and
+        # writes only what differs; a check not here has all its parts rewritten.
+        self._parts: dict[str, _Held] = {}
         # Whether `_parts` holds every check the database has parts of (true after a whole read, until a write fails):
         # a check not in it then has none, and its first write needs no clean-up.
         self._parts_complete = False
@@ -376,43 +396,75 @@ class Store:
             self._parts.update(written)
         return new_keys
 
-    def _write_check(self, c: CheckRecord) -> dict[tuple[str, str], tuple[Any, int]]:
+    def _write_check(self, c: CheckRecord) -> _Held:
         """Writes one check's row and those of its parts that differ from what the database holds (inside the
-        caller's transaction); returns what the database then holds of its parts."""
-        rest, parts = _split(c)
-        old = self._parts.get(c.name)
+        caller's transaction); returns what the database then holds of its parts. The work is what changed: the
+        entries and findings that are the objects last written are passed over at C speed, never visited one by one
+        in Python (a node holding many incidents writes only the one an XID moved)."""
+        name = c.name
+        old = self._parts.get(name)
         if old is None:
             if not self._parts_complete:  # not known: every part written, whatever an earlier run left removed
-                self._db.execute("DELETE FROM check_parts WHERE name = ?", (c.name,))
-            old = {}
-        known: dict[tuple[str, str], tuple[Any, int]] = {}
+                self._db.execute("DELETE FROM check_parts WHERE name = ?", (name,))
+            old = _Held({}, ())
+        # Changed in place: a commit that fails drops the whole of it (commit), so nothing half-updated is kept.
+        held = old
+        rest: dict[str, Any] = {}
         rows: list[tuple] = []
-        next_ord: dict[str, int] = {}
-        for (part, _sub), (_value, order) in old.items():
-            next_ord[part] = max(next_ord.get(part, 0), order + 1)
-        for key, value in parts.items():
-            held = old.get(key)
-            if held is not None and (held[0] is value or held[0] == value):
-                known[key] = held
+        gone: list[tuple] = []
+        groups: dict[str, _Group] = {}
+        for key, value in c.state.items():
+            part = _STATE + key
+            group = held.groups.get(part)
+            if not (isinstance(value, dict) and value):
+                rest[key] = value
                 continue
-            part, sub = key
-            if part == _FINDING:
-                order = int(sub)
-            elif held is not None:
-                order = held[1]  # an entry keeps its place: state entries read back in the order they came
-            else:
-                order = next_ord.get(part, 0)
-                next_ord[part] = order + 1
-            rows.append((c.name, part, sub, order, json.dumps(value.to_dict() if part == _FINDING else value)))
-            known[key] = (value, order)
+            before = group.values if group is not None else {}
+            changed = list(compress(value.keys(), map(is_not, value.values(), map(before.get, value.keys()))))
+            # A value that maps names to objects is split into entries; the entries last written are objects still.
+            if not all(isinstance(value[sub], dict) for sub in (changed if group is not None else value)):
+                rest[key] = value
+                continue
+            if group is None:
+                group = _Group({}, {}, 0)
+            values, ords = group.values, group.ords
+            for sub in changed:
+                entry = value[sub]
+                was = values.get(sub)
+                values[sub] = entry  # the object now held: the next commit's identity test
+                if was is not None and was == entry:
+                    continue
+                order = ords.get(sub)
+                if order is None:  # a new entry goes last; an entry keeps its place (read back in the order they came)
+                    order = ords[sub] = group.next
+                    group.next += 1
+                rows.append((name, part, str(sub), order, json.dumps(entry)))
+            if len(values) > len(value):
+                live = {str(sub) for sub in value}  # a key read back as text may be given as a number
+                for sub in values.keys() - value.keys():
+                    del values[sub], ords[sub]
+                    if str(sub) not in live:
+                        gone.append((name, part, str(sub)))
+            groups[part] = group
+        for part, group in held.groups.items():
+            if part not in groups:
+                gone.extend((name, part, str(sub)) for sub in group.values)
+        findings, before_f = c.findings, held.findings
+        common = min(len(findings), len(before_f))
+        for i in compress(range(common), map(is_not, findings, before_f)):
+            if findings[i] != before_f[i]:
+                rows.append((name, _FINDING, str(i), i, json.dumps(findings[i].to_dict())))
+        rows.extend((name, _FINDING, str(i), i, json.dumps(findings[i].to_dict()))
+                    for i in range(common, len(findings)))
+        gone.extend((name, _FINDING, str(i)) for i in range(common, len(before_f)))
         if rows:
             self._db.executemany("INSERT OR REPLACE INTO check_parts VALUES (?, ?, ?, ?, ?)", rows)
-        gone = [(c.name, part, sub) for (part, sub) in old if (part, sub) not in parts]
         if gone:
             self._db.executemany("DELETE FROM check_parts WHERE name = ? AND part = ? AND sub = ?", gone)
         self._db.execute("INSERT OR REPLACE INTO checks VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (c.name, json.dumps(rest), c.status.value, c.error, "[]", c.updated, c.duration_s))
-        return known
+                         (name, json.dumps(rest), c.status.value, c.error, "[]", c.updated, c.duration_s))
+        held.groups, held.findings = groups, tuple(findings)
+        return held
 
     def mark_done(self, key: str, at: float, outcome: str = "done") -> None:
         self.commit(done=[(key, at, outcome)])
@@ -490,44 +542,33 @@ def _object(value: Any) -> dict[str, Any]:
     return value
 
 
-def _split(c: CheckRecord) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
-    """A check's record as the checks row's state (what is not split) and its parts: each entry of a top-level
-    state value that maps names to objects (an incident, a port), and each finding by its index."""
-    rest: dict[str, Any] = {}
-    parts: dict[tuple[str, str], Any] = {}
-    for key, value in c.state.items():
-        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
-            part = _STATE + key
-            for sub, entry in value.items():
-                parts[(part, str(sub))] = entry
-        else:
-            rest[key] = value
-    for i, f in enumerate(c.findings):
-        parts[(_FINDING, str(i))] = f
-    return rest, parts
-
-
-def _check_record(row: tuple, parts: list[tuple] = ()) -> tuple[CheckRecord, dict[tuple[str, str], tuple[Any, int]]]:
+def _check_record(row: tuple, parts: list[tuple] = ()) -> tuple[CheckRecord, _Held]:
     """A check's record from its row and its parts (ordered by part, then ord), and what the parts hold."""
     name, state, status, error, findings, updated, duration = row
 
-    def build() -> tuple[CheckRecord, dict[tuple[str, str], tuple[Any, int]]]:
+    def build() -> tuple[CheckRecord, _Held]:
         whole = _object(json.loads(state))
         listed = [Finding.from_dict(f) for f in json.loads(findings)]
-        known: dict[tuple[str, str], tuple[Any, int]] = {}
+        # Findings an older version kept in the row are not parts: the first write puts each in a part of its own.
+        from_row = len(listed)
+        groups: dict[str, _Group] = {}
         for _name, part, sub, order, value in parts:
             if part == _FINDING:
-                item: Any = Finding.from_dict(json.loads(value))
-                listed.append(item)
+                listed.append(Finding.from_dict(json.loads(value)))
             elif part.startswith(_STATE):
                 item = _object(json.loads(value))
                 entries = whole.setdefault(part[len(_STATE):], {})
                 _object(entries)[sub] = item
+                group = groups.get(part)
+                if group is None:
+                    group = groups[part] = _Group({}, {}, 0)
+                group.values[sub] = item
+                group.ords[sub] = int(order)
+                group.next = max(group.next, int(order) + 1)
             else:
                 raise ValueError(f"unknown part {part!r}")
-            known[(part, sub)] = (item, int(order))
         record = CheckRecord(str(name), whole, Status(status), error, tuple(listed), float(updated), float(duration))
-        return record, known
+        return record, _Held(groups, (None,) * from_row + tuple(listed[from_row:]))
 
     return _decode(f"check {name!r}", build)
 

@@ -16,7 +16,10 @@ both counts once, one seen only by NVML (no /dev/kmsg in a container) or dropped
 """
 from __future__ import annotations
 
+import heapq
 import json
+import threading
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 from gpuwarden.agent.check import CheckSpec
@@ -110,14 +113,18 @@ def _action(inc: Mapping[str, Any], xids_on: Mapping[str, set[int]], catalog: Ma
 
 
 def _recovered(incidents: dict[str, dict[str, Any]], pci: str, catalog: Mapping[int, XidInfo],
-               force: set[int]) -> None:
+               force: set[int]) -> bool:
     """The driver says the GPU needs no recovery any more (XID 154 to None, after a reset): the incidents on it
-    that a GPU reset clears are over. What needs a reboot or service, or the operator forces, stands."""
+    that a GPU reset clears are over. What needs a reboot or service, or the operator forces, stands. Returns
+    whether any ended."""
+    ended = False
     for key, inc in list(incidents.items()):
         if inc["pci"] == pci and inc["xid"] != 154 and inc["xid"] not in force:
             info = catalog.get(int(inc["xid"]))
             if (info.action if info else Action.MONITOR) <= Action.RESET_GPU:
                 del incidents[key]
+                ended = True
+    return ended
 
 
 def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], now: float,
@@ -138,11 +145,12 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     events, logged, unreadable = collect(batch.records)
     uuids.update({g.pci: g.uuid for g in logged})
     event_time, incident, add_logged = batch.event_time, _incident, _add_logged
+    ended = False  # an incident removed by a recovery
     for e in events:
         if e.xid in ignore:
             continue
         if e.xid == 154 and recovery_action(e.detail) is Action.NONE:
-            _recovered(incidents, e.pci, catalog, force)
+            ended = _recovered(incidents, e.pci, catalog, force) or ended
         add_logged(incident(incidents, e.pci, e.xid, "kmsg", event_time(e.record) if event_time else now, touched), e)
     for x in batch.nvml_xids:
         if x.xid in ignore:
@@ -153,6 +161,16 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
         if x.pci and x.uuid:
             uuids[x.pci] = x.uuid
     unread_lines.note(unread, unreadable, at_of)
+
+    with _LAST_LOCK:
+        last = _LAST.pop(id(state), None)  # taken: put back only by a judgement that completes
+    if (last is not None and last.state is state and same_boot and not ended and not unread and hold == last.hold
+            and (ignore, force, cfg["hold_s"]) == last.cfg and nvml_error == last.nvml_error
+            and uuids == last.state["uuids"] and batch.gpus == last.gpus and touched <= last.state["incidents"].keys()):
+        quick = _judge_touched(last, incidents, touched, now, catalog, force, cfg["hold_s"])
+        if quick is not None:
+            _keep(quick)
+            return quick.judgement
 
     entity_at = entity_lookup([*batch.gpus, *(LoggedGpu(uuid, pci) for pci, uuid in uuids.items())])
     xids_on: dict[str, set[int]] = {}
@@ -195,7 +213,92 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     if nvml_error:
         new_state["nvml_error"] = nvml_error
     _SHOWN[0] = shown  # the incidents of this judgement only: older copies are not kept alive
-    return Judgement(new_state, tuple(findings), (*metrics, *by_source), wake_at=min(ends, default=None))
+    judgement = Judgement(new_state, tuple(findings), (*metrics, *by_source), wake_at=min(ends, default=None))
+    # Reused by the next judgement only when every incident stands: the findings of those that stand were made with
+    # the XIDs on their GPU counting one that has just ended (the XID 45 rule), which a judgement of the state made
+    # here would not count.
+    if not unread and len(kept) == len(incidents):
+        held = {key: inc["last_at"] for key, inc in kept.items() if hold and shown[id(inc)][2][0] < Action.REBOOT}
+        heap = [(at, key) for key, at in held.items()]
+        heapq.heapify(heap)
+        _keep(_Last(new_state, judgement, hold, (ignore, force, cfg["hold_s"]), nvml_error, list(batch.gpus),
+                              entities, xids_on, {key: i for i, key in enumerate(kept)}, held, heap, shown))
+    return judgement
+
+
+@dataclass
+class _Last:
+    """The last judgement and what judging the next batch from its state reuses (see _judge_touched)."""
+
+    state: dict[str, Any]
+    judgement: Judgement
+    hold: bool
+    cfg: tuple[set[int], set[int], float]
+    nvml_error: str | None
+    gpus: list[Any]
+    entities: dict[str, Entity]  # by PCI address, as judged
+    xids_on: dict[str, set[int]]  # the XIDs each GPU's incidents hold
+    pos: dict[str, int]  # each incident's place in the findings (and in each run of samples)
+    held: dict[str, float]  # the incidents that stand for hold_s, by their last event
+    heap: list[tuple[float, str]]  # (last event, key) of `held`, the earliest first; an entry `held` moved on is stale
+    shown: dict[int, tuple[Any, ...]]
+
+
+# The last judgements' reuse, by the id of the state they made (each holds its state, so the id is not reused while
+# kept); taken by the judgement that uses it. A few: the daemon judges from the state it last got, and a retest or a
+# preflight judging from scratch in between must not cost it its reuse.
+_LAST: dict[int, _Last] = {}
+_LAST_KEPT = 4
+_LAST_LOCK = threading.Lock()
+
+
+def _keep(last: _Last) -> None:
+    with _LAST_LOCK:
+        _LAST[id(last.state)] = last
+        while len(_LAST) > _LAST_KEPT:
+            del _LAST[next(iter(_LAST))]  # the oldest
+
+
+def _judge_touched(last: _Last, incidents: dict[str, dict[str, Any]], touched: set[str], now: float,
+                   catalog: Mapping[int, XidInfo], force: set[int], hold_s: float) -> _Last | None:
+    """The judgement of a batch that only counted onto incidents the last judgement held (none begun or ended, the
+    GPUs, their names and the policy as they were): the last findings and samples with the touched incidents' own
+    replaced in place, so its cost is what the batch touched, not what the node holds. None when an incident's hold
+    has run out (the whole judgement then says which stand)."""
+    findings, metrics = list(last.judgement.findings), list(last.judgement.metrics)
+    n, width = len(last.pos), len(SOURCES)
+    shown, held, heap, hold = last.shown, last.held, last.heap, last.hold
+    before = last.state["incidents"]
+    for key in touched:
+        inc = incidents[key]
+        shown.pop(id(before[key]), None)
+        action, finding, events_sample, source_samples = _shown(inc, last.entities[inc["pci"]], last.xids_on, catalog,
+                                                                force, shown)
+        if hold and action < Action.REBOOT:
+            if now - inc["last_at"] > hold_s:
+                return None
+            held[key] = inc["last_at"]
+            heapq.heappush(heap, (inc["last_at"], key))
+        else:
+            held.pop(key, None)
+        i = last.pos[key]
+        findings[i] = finding
+        metrics[i] = events_sample[0]
+        metrics[n + width * i:n + width * (i + 1)] = source_samples
+    while heap and held.get(heap[0][1]) != heap[0][0]:
+        heapq.heappop(heap)  # stale: its incident moved on or stopped holding by time
+    if len(heap) > 2 * len(held) + 64:
+        heap[:] = [(at, key) for key, at in held.items()]
+        heapq.heapify(heap)
+    wake_at = None
+    if heap:
+        if now - heap[0][0] > hold_s:
+            return None  # the earliest incident's hold ran out
+        wake_at = heap[0][0] + hold_s
+    new_state = {**last.state, "incidents": incidents}
+    _SHOWN[0] = shown
+    last.state, last.judgement = new_state, Judgement(new_state, tuple(findings), tuple(metrics), wake_at=wake_at)
+    return last
 
 
 # An incident's action, finding and samples, by the incident object they were made from: an incident no batch touched

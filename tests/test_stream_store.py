@@ -173,3 +173,62 @@ def test_the_wal_stays_bounded_over_many_commits(tmp_path):
     same(reread(path), record(counts))
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_random_commits_failures_and_restarts_read_back_exactly_what_was_last_written(tmp_path):
+    """A check's record as the daemon makes it (entries and findings not touched are the same objects from one
+    commit to the next) through random runs of entries that come, change, end and come back, a second split
+    value, a value whose entries stop being objects, findings that grow and shrink, commits that fail inside the
+    transaction, and restarts: what is read back is always the last record written, in its order."""
+    import random
+    rng = random.Random(13)
+    path = tmp_path / "state.db"
+    store = Store(path)
+    incidents: dict = {}
+    ports: dict = {}
+    findings: list = []
+    written = None
+    try:
+        for step in range(400):
+            incidents, ports, findings = dict(incidents), dict(ports), list(findings)
+            for _ in range(rng.randint(0, 3)):
+                pci, xid = rng.choice(PAIRS)
+                key = f"{pci}|{xid}"
+                what = rng.random()
+                if what < 0.15:
+                    incidents.pop(key, None)
+                else:
+                    incidents[key] = incident(pci, xid, incidents.get(key, {}).get("count", 0) + 1)
+                    if rng.random() < 0.5 and incidents:
+                        i = rng.randrange(len(findings) + 1)
+                        findings[i:i + 1] = [finding(pci, xid, incidents[key]["count"])]
+            if rng.random() < 0.2 and findings:
+                del findings[rng.randrange(len(findings)):]  # the findings shrink
+            if rng.random() < 0.2:
+                port = f"mlx5_{rng.randrange(4)}/1"
+                if rng.random() < 0.8:
+                    ports[port] = {"down_s": rng.random()}
+                else:
+                    ports.pop(port, None)
+            shaped = ports if rng.random() < 0.9 else {k: 1 for k in ports}  # entries that are not objects
+            rec = CheckRecord("xid", {"boot_id": "b", "incidents": incidents, "ports": shaped,
+                                      "uuids": {"0000:01:00.0": "GPU-a"}}, Status.FAIL, None, tuple(findings),
+                              float(step), 0.1)
+            if rng.random() < 0.08:
+                bad = CheckRecord("xid", {**rec.state, "incidents": {**incidents, "bad": {"not json": {1}}}},
+                                  Status.FAIL, None, rec.findings, float(step), 0.1)
+                with pytest.raises(TypeError):
+                    store.commit(checks=[bad])
+            else:
+                store.commit(checks=[rec])
+                written = rec
+            if written is not None and rng.random() < 0.1:
+                store.close()  # a restart: what the new store knows comes from what it reads
+                store = Store(path)
+                store.checks()
+            if written is not None and step % 20 == 0:
+                same(reread(path), written)
+    finally:
+        store.close()
+    same(reread(path), written)
+    assert list(reread(path).state["ports"]) == list(written.state["ports"])
