@@ -290,7 +290,11 @@ def test_kubernetes_admin_cordon_is_never_undone(api, agents):
     agent = agents(extra={"checks": {"xid": {"hold_s": 0.5}}, "remediation": {
         "spares": {"swap": False}, "ladder": {"retest_after_s": 0.5}}}).start()
     agent.inject(XID48)
-    wait_for(lambda: level(api, HOST) == "quarantined", timeout_s=WAIT_S, what="the node quarantined")
+    # The quarantine lasts only until the retest passes (about a second here): on a loaded machine a poll of the
+    # taint can miss it, so its drain carried out counts as well.
+    wait_for(lambda: level(api, HOST) == "quarantined" or agent.done("drain"), timeout_s=WAIT_S,
+             what="the node quarantined")
+    assert agent.done("drain") == ["done"] or level(api, HOST) == "quarantined"
     assert k8s.OURS_UNSCHEDULABLE not in api.node_obj(HOST)["metadata"]["annotations"]  # the cordon is not ours
     wait_for(lambda: agent.done("resume"), timeout_s=WAIT_S, what="the retest passed and the resume tried")
 
