@@ -126,6 +126,22 @@ def edit_nvml(root: Path, change) -> None:
     os.utime(path, ns=(stamp, stamp))
 
 
+def append_kmsg(root: Path, template: str, n: int = 1) -> None:
+    """Appends `n` records of `template` (with `{seq}` and `{usec}`) to a recorded node's kernel log, each after the
+    last on the kernel's clock as well as in sequence, as the kernel writes them. On a recorded node without
+    /proc/uptime the newest record of a batch stands for "now": a record stamped before the log's last one is
+    judged as logged that long ago, and one the daemon happens to read with the backlog would have ended its hold
+    before it was judged."""
+    seq = usec = 0
+    with open(root / "kmsg") as f:
+        for line in f:
+            fields = line.split(";", 1)[0].split(",")
+            if len(fields) >= 3 and fields[1].isdigit() and fields[2].isdigit():
+                seq, usec = max(seq, int(fields[1])), max(usec, int(fields[2]))
+    with open(root / "kmsg", "a") as f:
+        f.write("".join(template.format(seq=seq + i, usec=usec + 1000 * i) + "\n" for i in range(1, n + 1)))
+
+
 def end_processes(*procs, grace_s: float = 20.0) -> None:
     """SIGTERM to each process still running, then SIGKILL to any that has not exited `grace_s` later: a test's
     servers and agents never outlive it."""

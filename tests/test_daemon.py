@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import ROOT, edit_nvml, wait_for
+from conftest import ROOT, append_kmsg, edit_nvml, wait_for
 from gpuwarden.agent import config
 from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
@@ -28,17 +28,6 @@ from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID31 = "3,{seq},{usec},-;NVRM: Xid (PCI:000a:01:00): 31, pid=7, name=python3, MMU Fault"
-
-
-def last_seq(root: Path) -> int:
-    return max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit())
-
-
-def append(root: Path, template: str, n: int = 1) -> None:
-    seq = last_seq(root)
-    with open(root / "kmsg", "a") as f:
-        for i in range(1, n + 1):
-            f.write(template.format(seq=seq + i, usec=(seq + i) * 1000) + "\n")
 
 
 @pytest.fixture
@@ -66,7 +55,7 @@ def test_xid_moves_the_node_and_the_metrics(daemon):
     wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
     assert d.record.state is NodeState.HEALTHY
     assert 'gpuwarden_node_state{state="healthy"} 1.0' in metrics_text(collector)
-    append(root, XID79)
+    append_kmsg(root, XID79)
     wait_for(lambda: d.record.state is NodeState.CORDONED or d.record.state is NodeState.QUARANTINED,
              what="the XID 79 to cordon the node")
     (finding,) = [f for f in d.results()["xid"].findings if f.code == "79"]
@@ -84,7 +73,7 @@ def test_xid_moves_the_node_and_the_metrics(daemon):
 def test_burst_is_one_incident(daemon):
     d, root, _ = daemon
     wait_for(lambda: "xid" in d.results())
-    append(root, XID13, 50)
+    append_kmsg(root, XID13, 50)
     wait_for(lambda: [f for f in d.results()["xid"].findings if f.evidence.get("count") == 50],
              what="50 XID 13 in one incident")
     (finding,) = d.results()["xid"].findings
@@ -121,14 +110,14 @@ def test_kill_9_mid_incident_loses_and_repeats_nothing(scenario_copy, tmp_path):
     proc = start(root, state, free_port())
     try:
         wait_for(lambda: status(state).get("checks"), what="the daemon's first commit")
-        append(root, XID13, 3)
+        append_kmsg(root, XID13, 3)
         wait_for(lambda: xid13_count(state) == 3, what="3 XID 13 counted")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        append(root, XID13, 2)  # logged while the daemon was dead
+        append_kmsg(root, XID13, 2)  # logged while the daemon was dead
         proc = start(root, state, free_port())
         wait_for(lambda: xid13_count(state) == 5, what="5 XID 13 after the restart")
-        append(root, XID31)  # once a later line is counted, the 13s have been read past: the count stays
+        append_kmsg(root, XID31)  # once a later line is counted, the 13s have been read past: the count stays
         wait_for(lambda: any(f["code"] == "31" for c in status(state).get("checks", []) for f in c["findings"]),
                  what="a later XID")
         assert xid13_count(state) == 5
@@ -154,7 +143,7 @@ def test_ready_reload_and_graceful_stop_under_systemd(scenario_copy, tmp_path):
             assert server.recv(4096).startswith(b"READY=1")
             cfg.write_text("[checks.xid]\nhold_s = \"long\"\n")
             proc.send_signal(signal.SIGHUP)
-            append(root, XID13)  # still watching after the failed reload
+            append_kmsg(root, XID13)  # still watching after the failed reload
             wait_for(lambda: xid13_count(state) == 1, what="an XID after the reload")
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -241,7 +230,7 @@ def test_a_hung_sample_is_unknown_and_blocks_nothing(scenario_copy, tmp_path):
         # "sample timed out after 0.2s", then on later ticks "sample still running after 0.2s"
         wait_for(lambda: d.results().get("hung") and "0.2s" in (d.results()["hung"].error or ""),
                  what="the hung sample to be UNKNOWN")
-        append(root, XID13)  # the kernel-log consumers go on regardless
+        append_kmsg(root, XID13)  # the kernel-log consumers go on regardless
         wait_for(lambda: d.results()["xid"].findings, what="the XID while a sample hangs")
         assert d.results()["hung"].status.value == "unknown"
     finally:
@@ -309,7 +298,7 @@ def test_retest_outcome_goes_through_the_journal(scenario_copy, tmp_path):
     d.start()
     try:
         wait_for(lambda: "xid" in d.results())
-        append(root, XID48)
+        append_kmsg(root, XID48)
         wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine")
         wait_for(lambda: d.record.state is NodeState.HEALTHY, what="the retest to resume the node")
         # The action worker applies intents outside the lock, after the transition: wait for it.
@@ -335,7 +324,7 @@ def test_an_incident_whose_hold_ends_is_dropped_when_it_ends_not_at_the_next_idl
     d.start()
     try:
         wait_for(lambda: "xid" in d.results(), what="the first look at the kernel log")
-        append(root, XID48)  # RESET_GPU: below REBOOT, so it holds hold_s after it was logged
+        append_kmsg(root, XID48)  # RESET_GPU: below REBOOT, so it holds hold_s after it was logged
         wait_for(lambda: [f.code for f in d.results()["xid"].findings] == ["48"], what="the XID 48 incident")
         assert d.record.state is NodeState.QUARANTINED
         wait_for(lambda: not d.results()["xid"].findings, timeout_s=30, what="the incident to end with its hold")
@@ -382,11 +371,11 @@ def test_every_passive_check_fires_through_the_daemon(scenario_copy, tmp_path):
             ("pcie_aer", "pcie-aer-uncorrectable",
              lambda: _bump_aer_fatal(root / "sys/bus/pci/devices/0009:01:00.0/aer_dev_fatal")),
             ("nvswitch_sxid", "sxid-20034",
-             lambda: append(root, "3,{seq},{usec},-;nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, "
+             lambda: append_kmsg(root, "3,{seq},{usec},-;nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, "
                                   "Link 48 LTSSM Fault Up")),
             ("ecc", "ecc-uncorrectable",
              lambda: edit_nvml(root, lambda s: s["gpus"][2]["ecc_errors"]["volatile"].update(uncorrected=1))),
-            ("xid", "79", lambda: append(root, XID79)),
+            ("xid", "79", lambda: append_kmsg(root, XID79)),
         ]
         for check, code, inject in faults:
             inject()
@@ -471,7 +460,7 @@ def test_act_mode_drains_with_our_reason_swaps_a_spare_and_climbs_the_ladder(sce
     d.start()
     try:
         wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
-        append(root, XID79)
+        append_kmsg(root, XID79)
         journal = wait_for(lambda: (j := [(i["action"], i["outcome"]) for i in store.intents()])
                            and [a for a, _ in j][-1:] == ["ticket"] and j[-1][1] is not None and j, timeout_s=60,
                            what="the ladder's last step carried out")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, append_kmsg, wait_for
 from fake_scheduler import DictScheduler
 from gpuwarden.agent import config
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
@@ -30,13 +30,6 @@ from gpuwarden.checks import KERNEL_CONSUMERS, all_specs, ib_downtime
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 FAST = dict(kmsg_tick_s=0.01, idle_tick_s=0.05, error_backoff_s=0.05, retry_max_s=0.2, store_check_s=0.1)
-
-
-def append(root: Path, template: str, n: int = 1) -> None:
-    seq = max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit())
-    with open(root / "kmsg", "a") as f:
-        for i in range(1, n + 1):
-            f.write(template.format(seq=seq + i, usec=(seq + i) * 1000) + "\n")
 
 
 def metrics(d: Daemon) -> str:
@@ -117,7 +110,7 @@ def test_a_stuck_loop_is_named_and_the_watchdog_is_not_fed(scenario_copy, tmp_pa
         assert _feed_watchdog(d, []) == ["poll-hung"]
         sent = server.recv(4096).decode()
         assert "WATCHDOG=1" not in sent and "stalled: poll-hung" in sent
-        append(d.node.root, XID13)  # the other loops go on meanwhile
+        append_kmsg(d.node.root, XID13)  # the other loops go on meanwhile
         wait_for(lambda: xid_count(d.results()) == 1, what="an XID while a loop is stuck")
         release.set()
         wait_for(lambda: d.stalled() == [], what="the loop making progress again")
@@ -167,11 +160,11 @@ def test_a_hung_scheduler_delays_actions_never_detection(scenario_copy, tmp_path
     d.config.checks["ib_port"]["down_fail_s"] = 0.2
     running(d)
     wait_for(lambda: "xid" in d.results() and d.results().get("ib_port"), what="the first looks")
-    append(root, XID79)
+    append_kmsg(root, XID79)
     wait_for(lambda: adapter.calls == [("node", HOST)], what="the cordon's first scheduler call, which hangs")
     # Detection goes on while the scheduler hangs: the node moves on, a new XID and an IB port going down are
     # judged, /metrics shows them.
-    append(root, XID13)
+    append_kmsg(root, XID13)
     (root / "sys/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine while the cordon hangs")
     wait_for(lambda: xid_count(d.results()) == 1, what="the XID 13 while the scheduler hangs")
@@ -198,7 +191,7 @@ def test_intents_left_pending_by_a_crash_are_reconciled_at_the_next_start(scenar
     adapter = AnswerLost({HOST: {}, "tray04": {}})
     d = running(make(root, state, adapter=adapter, **acting()))
     wait_for(lambda: "xid" in d.results())
-    append(root, XID79)
+    append_kmsg(root, XID79)
     wait_for(lambda: len(d.store.intents(pending_only=True)) == 2 and adapter.changes == [("cordon", HOST)],
              what="the intents journalled, the cordon carried out and its answer lost")
     d._write_wanted.clear()
@@ -244,12 +237,12 @@ def test_a_full_disk_is_reported_detection_goes_on_and_the_store_catches_up(scen
         d = running(make(root, state))
         wait_for(lambda: d.store.check("xid"), what="the first write")
         filler = _fill(mount)
-        append(root, XID13, 5)
+        append_kmsg(root, XID13, 5)
         wait_for(lambda: d.store_error, what="the failed write reported")
         text = metrics(d)
         assert "gpuwarden_store_ok 0.0" in text and 'gpuwarden_check_success{check="store"} 0.0' in text
         wait_for(lambda: xid_count(d.results()) == 5, what="the XIDs counted in memory while the disk is full")
-        append(root, XID13, 2)
+        append_kmsg(root, XID13, 2)
         wait_for(lambda: xid_count(d.results()) == 7, what="more XIDs while the disk is full")
         assert d.stalled() == []  # no thread ended
         filler.unlink()
@@ -257,7 +250,7 @@ def test_a_full_disk_is_reported_detection_goes_on_and_the_store_catches_up(scen
         wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 7,
                  what="the pending state written")
         assert "gpuwarden_store_ok 1.0" in metrics(d)
-        append(root, XID13)
+        append_kmsg(root, XID13)
         wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 8,
                  what="new XIDs counted and written after the disk is freed")
         fault = d.store.meta("store_fault")
@@ -276,7 +269,7 @@ def test_a_locked_database_is_reported_and_caught_up_once_released(scenario_copy
     other = sqlite3.connect(state / "state.db", isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")  # another process holds the database
     try:
-        append(root, XID13, 3)
+        append_kmsg(root, XID13, 3)
         wait_for(lambda: d.store_error and "locked" in d.store_error, what="the locked database reported")
         wait_for(lambda: xid_count(d.results()) == 3, what="the XIDs counted while the database is locked")
         assert "gpuwarden_store_ok 0.0" in metrics(d)
@@ -300,7 +293,7 @@ def test_an_unreadable_store_is_reported_by_status_and_set_aside_by_the_daemon(s
                                                                                 damage):
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     d = running(make(root, state))
-    append(root, XID13)
+    append_kmsg(root, XID13)
     wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 1, what="a written XID")
     d.stop()
     d.store.close()
@@ -328,11 +321,11 @@ def test_an_unreadable_store_is_reported_by_status_and_set_aside_by_the_daemon(s
 def test_a_state_folder_deleted_while_running_is_recreated(scenario_copy, tmp_path, running):
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     d = running(make(root, state))
-    append(root, XID13)
+    append_kmsg(root, XID13)
     wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 1, what="a written XID")
     shutil.rmtree(state)
     wait_for(lambda: (state / "state.db").exists(), what="the state folder recreated")
-    append(root, XID13)
+    append_kmsg(root, XID13)
     wait_for(lambda: (c := d.store.check("xid")) and xid_count({"xid": c}) == 2,
              what="the state, old and new, written into the new folder")
     assert (state / LOCK_NAME).read_text().strip() == str(os.getpid())
@@ -410,7 +403,6 @@ def _answers(port: int) -> bool:
             return resp.status == 200
     except OSError:
         return False
-
 
 
 def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp_path):

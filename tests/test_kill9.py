@@ -39,16 +39,17 @@ class Writer:
 
     def __init__(self, root: Path):
         self.root, self.kmsg, self.nvml = root, 0, 0
-        self._seq = max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines()
-                        if line[:1].isdigit())
+        # Sequence and kernel clock continue from the log's last record, as the kernel's would.
+        last = [line.split(",") for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit()]
+        self._seq, self._usec = max(int(f[1]) for f in last), max(int(f[2]) for f in last)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._rng = random.Random(8)
 
     def line(self, template: str) -> None:
-        self._seq += 1
+        self._seq, self._usec = self._seq + 1, self._usec + 1000
         with open(self.root / "kmsg", "a") as f:
-            f.write(template.format(seq=self._seq, usec=self._seq * 1000) + "\n")
+            f.write(template.format(seq=self._seq, usec=self._usec) + "\n")
 
     def event(self) -> None:
         # Written whole and renamed into place: a reader never sees half a file.

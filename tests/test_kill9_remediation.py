@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, append_kmsg, wait_for
 from gpuwarden.agent.adapters.local import LocalAdapter
 
 HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname
@@ -79,9 +79,7 @@ def test_kill_9_during_remediation_loses_and_repeats_nothing(scenario_copy, tmp_
     proc = start(root, state, cfg)
     try:
         wait_for(lambda: starts() == 1, timeout_s=60, what="the first agent up")
-        seq = max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit())
-        with open(root / "kmsg", "a") as f:
-            f.write(XID79.format(seq=seq + 1, usec=(seq + 1) * 1000) + "\n")
+        append_kmsg(root, XID79)
         # Each round: the agent up (reconciling what the last kill left), then killed a varied moment later (each
         # scheduler call takes 0.15 s: during a call, between two intents, between a call and its journal write).
         while kills < 12 and not (journal(db) and "take_spare" in {a for a, d, _ in journal(db) if d is not None}):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, end_processes, wait_for
+from conftest import ROOT, append_kmsg, end_processes, wait_for
 from fake_kube_api import FakeKubeApi
 from gpuwarden.agent.adapters import kubernetes as k8s
 
@@ -101,10 +101,7 @@ class Agent:
         self.proc = None
 
     def inject(self, template: str) -> None:
-        kmsg = self.root / "kmsg"
-        seq = max(int(line.split(",")[1]) for line in kmsg.read_text().splitlines() if line[:1].isdigit()) + 1
-        with open(kmsg, "a") as f:
-            f.write(template.format(seq=seq, usec=seq * 1000) + "\n")
+        append_kmsg(self.root, template)
 
     def status(self) -> dict:
         proc = subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", "status", "--state-dir", str(self.state),

@@ -4,11 +4,10 @@ first observation, a recovery lets the retest pass and the node return, and an X
 recovery fails the retest."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import append_kmsg, wait_for
 from gpuwarden.agent import config
 from gpuwarden.agent.adapters.local import LocalAdapter
 from gpuwarden.agent.daemon import Daemon, DaemonOptions
@@ -23,15 +22,6 @@ GPU1 = "0009:01:00"  # GPU 1 of the GB200 tray
 XID48 = f"3,{{seq}},{{usec}},-;NVRM: Xid (PCI:{GPU1}): 48, pid=77, name=python3, An uncorrectable double bit error"
 RESET = (f"4,{{seq}},{{usec}},-;NVRM: Xid (PCI:{GPU1}): 154, GPU recovery action changed from 0x1 (GPU Reset "
          "Required) to 0x0 (None)")
-
-
-def append(root: Path, template: str) -> None:
-    """One record after the last, logged after it on the kernel's clock (the newest record is "now" on a recorded
-    node without /proc/uptime)."""
-    last = (root / "kmsg").read_text().splitlines()[-1].split(";", 1)[0].split(",")
-    seq, usec = int(last[1]) + 1, int(last[2]) + 1000
-    with open(root / "kmsg", "a") as f:
-        f.write(template.format(seq=seq, usec=usec) + "\n")
 
 
 @pytest.fixture
@@ -67,18 +57,18 @@ def actions(d: Daemon) -> list[str]:
 def test_xid48_quarantines_then_a_reset_lets_the_retest_pass_and_a_second_xid48_fails_it(node_daemon):
     d, root, node = node_daemon()
     wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
-    append(root, XID48)
+    append_kmsg(root, XID48)
     # One observation moves the node as far as the rules allow: cordoned and quarantined at once.
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine at the XID 48")
     (t,) = d.store.transitions(5) or wait_for(lambda: d.store.transitions(5), what="the transition written")
     assert (t.frm, t.to, t.actions) == (NodeState.HEALTHY, NodeState.QUARANTINED, ("cordon", "drain"))
 
-    append(root, RESET)  # the driver reports the GPU recovered (after nvidia-smi -r)
+    append_kmsg(root, RESET)  # the driver reports the GPU recovered (after nvidia-smi -r)
     wait_for(lambda: d.record.state is NodeState.HEALTHY, what="the retest passing after the reset")
     assert d.record.reason == "retest passed"
     wait_for(lambda: actions(d) == ["cordon", "drain", "resume"], what="the resume applied")
 
-    append(root, XID48)  # the fault comes back after the recovery
+    append_kmsg(root, XID48)  # the fault comes back after the recovery
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine at the second XID 48")
     passed, results = run_retest(node, d.config, d.recovery_cursor())
     assert passed is False
@@ -92,7 +82,7 @@ def test_a_fault_cleared_without_a_reboot_is_not_held_against_the_retest(node_da
     on it until a reboot (and the node would be retired); judging from the recovery, the retest passes."""
     d, root, node = node_daemon(hold_s=1.0)
     wait_for(lambda: "xid" in d.results(), what="the first kernel-log tick")
-    append(root, XID48)
+    append_kmsg(root, XID48)
     wait_for(lambda: d.record.state is NodeState.QUARANTINED, what="quarantine at the XID 48")
     wait_for(lambda: d.record.state is NodeState.HEALTHY, timeout_s=30, what="the retest passing once the XID aged out")
     assert d.record.reason == "retest passed" and d.record.retests == 0

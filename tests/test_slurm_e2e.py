@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NODES, ROOT
+from conftest import NODES, ROOT, append_kmsg
 from gpuwarden.agent.adapters.slurm import SlurmAdapter
 from slurm_cluster import free_port, poll, slurm_cluster  # noqa: F401  (the fixture)
 
@@ -146,10 +146,7 @@ domain = "{self.domain}"
             self.proc.wait(10)
 
     def inject(self, template: str, n: int = 1) -> None:
-        kmsg = self.root / "kmsg"
-        seq = max(int(line.split(",")[1]) for line in kmsg.read_text().splitlines() if line[:1].isdigit())
-        with open(kmsg, "a") as f:
-            f.write("".join(template.format(seq=seq + i, usec=(seq + i) * 1000) + "\n" for i in range(1, n + 1)))
+        append_kmsg(self.root, template, n)
 
     # what the agent says
     def intents(self) -> list[dict]:
@@ -440,7 +437,8 @@ def test_slurm_a_hung_ctld_delays_actions_but_not_detection(cluster, agents):
         a.inject(XID13)  # detection goes on: the next XID is counted while the drain still waits
         poll(lambda: a.metrics().get('gpuwarden_xid_events{pci="0009:01:00.0",xid="13"}') == 1.0,
              "an XID 13 counted while slurmctld hangs")
-        assert {i["action"] for i in a.intents() if i["done"] is None} >= {"cordon", "drain"}
+        journal = a.intents()
+        assert {i["action"] for i in journal if i["done"] is None} >= {"cordon", "drain"}, journal
         poll(lambda: a.metrics().get("gpuwarden_scheduler_reachable") == 0.0, "the scheduler reported unreachable")
     finally:
         cluster.wake_ctld()
