@@ -176,6 +176,11 @@ def main(argv: list[str]) -> int:
             time.sleep(0.1)
         code = int(done.read_text() or 1)
         (rdv / f"rank-{rank}").unlink(missing_ok=True)
+        # Exit after rank 0 (it removes the folder on its way out): a rank that exits 1 first has srun's
+        # --kill-on-bad-exit end the step, and srun can then stop forwarding rank 0's last lines (the summary).
+        deadline = time.monotonic() + 10.0
+        while rdv.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return code
 
     deadline = time.monotonic() + RENDEZVOUS_WAIT_S

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from conftest import wait_for
-from test_daemon import XID79, append, free_port, start
+from conftest import append_kmsg, wait_for
+from test_daemon import XID79, free_port, start
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
                                 reason="prometheus/promtool not installed (.ci/run installs the Debian package)")
@@ -54,7 +54,7 @@ scrape_configs:
         healthy = wait_for(lambda: _value(api + 'gpuwarden_node_state{state="healthy"}'), timeout_s=60,
                            what="Prometheus to scrape the daemon")
         assert healthy == "1"
-        append(root, XID79)
+        append_kmsg(root, XID79)
         wait_for(lambda: _value(api + 'gpuwarden_node_state{state="quarantined"}') == "1", timeout_s=60,
                  what="the quarantined state in Prometheus")
         assert _value(api + 'gpuwarden_xid_events{xid="79"}') == "1"
