@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -231,13 +232,51 @@ def _drain(fd: int) -> None:
         pass
 
 
+# What a reload does not change: the agent reads these once, at start (the listening socket, the state folder's lock,
+# the log's form, the scheduler adapter, the remediation engine and its ladder, this node's NVLink domain).
+_AT_START_ONLY = {"agent": ("state_dir", "listen", "web_config_file", "textfile", "log_format", "log_level"),
+                  "remediation": None, "topology": None}
+
+
+def restart_needed(running: Any, fresh: Any) -> list[str]:
+    """The keys (dotted, e.g. "remediation.mode") that differ between the running config and a fresh one and that
+    only a restart applies. An operator who turns [remediation] mode back to "dry-run" and reloads must hear that
+    the agent still acts."""
+    out: list[str] = []
+
+    def walk(prefix: str, old: Any, new: Any) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key in sorted(set(old) | set(new), key=str):
+                walk(f"{prefix}.{key}", old.get(key), new.get(key))
+        elif old != new:
+            out.append(prefix)
+
+    for table, keys in _AT_START_ONLY.items():
+        old, new = getattr(running, table), getattr(fresh, table)
+        for key in keys if keys is not None else sorted(set(old) | set(new), key=str):
+            walk(f"{table}.{key}", old.get(key), new.get(key))
+    return out
+
+
 def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:
-    """SIGHUP: read the config again; a bad file is logged and the running config kept."""
+    """SIGHUP: read the config again; a bad file is logged and the running config kept. What only a restart
+    applies is named in a warning, and the running values of those keys stay in force."""
     try:
-        daemon.reload(load_config(specs, args))
-        log.info("config reloaded")
+        fresh = load_config(specs, args)
     except ConfigError as exc:
         log.error("config reload failed; keeping the running config", error=str(exc))
+        return
+    running = daemon.config
+    pending = restart_needed(running, fresh)
+    # The at-start tables stay as they run, so that nothing read later (a retest, the sweep's node name) mixes a
+    # reloaded value with the engine's running one.
+    daemon.reload(dataclasses.replace(
+        fresh, remediation=running.remediation, topology=running.topology,
+        agent={**fresh.agent, **{k: running.agent[k] for k in _AT_START_ONLY["agent"] if k in running.agent}}))
+    log.info("config reloaded")
+    if pending:
+        log.warning("config changed where only a restart applies; the running values stay until "
+                    "`systemctl restart gpuwarden`", keys=pending)
 
 
 def _remediation_view(record: Any, saved: Any, reset_at: Any, recent: list[dict[str, Any]]) -> dict[str, Any]:

@@ -152,6 +152,55 @@ def test_ready_reload_and_graceful_stop_under_systemd(scenario_copy, tmp_path):
     assert "config reload failed; keeping the running config" in err and "checks.xid.hold_s" in err
 
 
+def test_a_reload_names_what_only_a_restart_applies_and_the_agent_keeps_acting(scenario_copy, tmp_path):
+    """An operator turns [remediation] mode back to dry-run and reloads: the agent says the change waits for a
+    restart, and it still acts on the next fault (rather than seeming to have stopped while it goes on draining)."""
+    root, state, cfg = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state", tmp_path / "gpuwarden.toml"
+    acting = ('[remediation]\nmode = "act"\nadapter = "local"\n[remediation.ladder]\nreboot = false\n'
+              'reset_gpu = false\n[remediation.spares]\nswap = false\n')
+    cfg.write_text(acting + "[checks.xid]\nhold_s = 60.0\n")
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root), "--state-dir",
+                             str(state), "--listen", f"127.0.0.1:{free_port()}", "--config", str(cfg),
+                             "--log-format", "json"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for(lambda: status(state).get("checks"), what="the daemon's first commit")
+        cfg.write_text(acting.replace('"act"', '"dry-run"') + "[checks.xid]\nhold_s = 30.0\n")
+        proc.send_signal(signal.SIGHUP)
+        append_kmsg(root, XID79)
+        wait_for(lambda: any(i["action"] == "cordon" and i.get("done") is not None
+                             for i in status(state).get("intents", [])), what="the cordon carried out")
+        st = status(state)
+        assert st["remediation"]["mode"] == "act"
+        (cordon,) = [i for i in st["intents"] if i["action"] == "cordon"]
+        assert cordon["outcome"] == "done", cordon
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    (warned,) = [e for e in lines if e.get("event", "").startswith("config changed where only a restart applies")]
+    assert warned["keys"] == ["remediation.mode"]  # the check's hold_s is not among them: a reload applies it
+    assert any(e.get("event") == "config reloaded" for e in lines)
+
+
+def test_restart_needed_names_each_key_only_a_restart_applies():
+    from gpuwarden.agent.run import restart_needed
+
+    base = config.defaults(all_specs())
+    fresh = config.defaults(all_specs())
+    assert restart_needed(base, fresh) == []
+    fresh.checks["xid"]["hold_s"] = 1.0  # read at each judgement: a reload applies it
+    fresh.agent["level"] = "full"  # preflight's, not the daemon's
+    assert restart_needed(base, fresh) == []
+    fresh.agent["listen"] = "127.0.0.1:1"
+    fresh.remediation["breaker"]["cluster_share"] = 0.5
+    fresh.remediation["mode"] = "act"
+    fresh.topology["domain"] = "rack-9"
+    assert restart_needed(base, fresh) == ["agent.listen", "remediation.breaker.cluster_share", "remediation.mode",
+                                           "topology.domain"]
+
+
 def test_textfile_output_for_node_exporter(scenario_copy, tmp_path):
     root, textfile = scenario_copy("gb200-nvl72-healthy"), tmp_path / "gpuwarden.prom"
     proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root), "--state-dir",
