@@ -37,6 +37,7 @@ from gpuwarden.agent.node import Node
 from gpuwarden.agent.state import NodeState
 from gpuwarden.agent.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+from rows import write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ROOT / "fixtures" / "nodes"
@@ -255,11 +256,6 @@ def idle_rows(fig: dict, command: str) -> list[dict]:
             row("/metrics page", fig["page_bytes"], "bytes", None, None)]
 
 
-def write_json(path: str, rows: list[dict], load_before: tuple[float, ...]) -> None:
-    Path(path).write_text(json.dumps({"rows": rows, "load": {"loadavg_before": list(load_before),
-                                                             "loadavg_after": list(os.getloadavg())}}, indent=2) + "\n")
-
-
 def thread_runtimes(pid: int) -> dict[str, int]:
     """Nanoseconds each of the process's threads has run, by thread name (the daemon names its threads gw-*;
     /proc/<pid>/task/<tid>/schedstat is exact where cpu_times() counts 10 ms ticks)."""
@@ -331,7 +327,7 @@ def main() -> None:
             where = "--live" if args.live else f"--gpus {gpus}" if gpus else f"--scenario {scenario}"
             rows += idle_rows(fig, f"{me} idle {where} --seconds {args.seconds:g}")
         if args.json:
-            write_json(args.json, rows, load)
+            write_rows(args.json, rows, load)
         return
     {"latency": lambda: latency(args.runs), "flood": lambda: flood(args.lines)}[args.what]()
 

@@ -1,3 +1,4 @@
+
 """XID line -> /metrics: the time from an XID line appended to the kernel log that `gpuwarden run` follows to the
 first scrape of /metrics that shows it, with /metrics polled every 5 ms (the scrape's own time included).
 
@@ -30,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rows import write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"  # Prometheus'
@@ -214,9 +217,7 @@ def main() -> None:
         print(f"{r['measure']}: {d['runs']} runs, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
               f"max {d['max_ms']:.1f} ms (target {r['target']}: {'met' if r['met'] else 'NOT met'})")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "load": {"loadavg_before": load_before,
-                                                                "loadavg_after": list(os.getloadavg())}},
-                                        indent=1) + "\n")
+        write_rows(args.json, rows, load_before)
 
 
 if __name__ == "__main__":

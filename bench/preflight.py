@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rows import write_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ROOT / "fixtures" / "nodes"
 TARGET_S = 0.25  # the whole process of a one-shot preflight on a recorded node
@@ -148,9 +150,8 @@ def main() -> int:
         except RuntimeError as exc:
             print(f"bench/preflight.py: could not measure: {exc}", file=sys.stderr)
             return 1
-    load = {"loadavg_before": before, "loadavg_after": list(os.getloadavg()), "nproc": os.cpu_count()}
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "load": load}, indent=1) + "\n")
+        write_rows(args.json, rows, before, nproc=os.cpu_count())
         return 0
     for r in rows:
         d = r["detail"]
@@ -158,7 +159,7 @@ def main() -> int:
         met = "" if r["met"] is None else ("  met" if r["met"] else "  NOT met") + f" ({r['target']})"
         print(f"{r['measure']:<62} wall median {r['ours'] * 1000:4.0f} ms (min {d['min_s'] * 1000:.0f}), "
               f"CPU {d['cpu_s'] * 1000:.0f} ms, peak RSS {d['rss_mib']:.1f} MiB{peer}{met}")
-    print(f"load average before {before}, after {load['loadavg_after']}")
+    print(f"load average before {before}, after {list(os.getloadavg())}")
     return 0
 
 

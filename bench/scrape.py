@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import http.client
-import json
 import os
 import shutil
 import socket
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 import psutil
+from rows import write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"  # Prometheus'
@@ -196,9 +196,7 @@ def main() -> None:
                 p.kill()
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        args.json.write_text(json.dumps({"rows": out, "load": {"loadavg_before": load_before,
-                                                               "loadavg_after": list(os.getloadavg())}},
-                                        indent=1) + "\n")
+        write_rows(args.json, out, load_before)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from gpuwarden.agent.kernel_log import parse_kmsg_text
 from gpuwarden.agent.sources.kmsg import Cursor
 from gpuwarden.agent.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, all_specs
+from rows import write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ROOT / "fixtures" / "nodes"
@@ -214,8 +215,7 @@ def main() -> None:
     load0 = os.getloadavg()
     rows = appended(args) if args.what == "appended" else commit(args)
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "load": {"loadavg_before": list(load0),
-                                                                 "loadavg_after": list(os.getloadavg())}}, indent=1))
+        write_rows(args.json, rows, load0)
 
 
 class _Follower:
