@@ -114,6 +114,9 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._kmsg_records = 0
         self._kmsg_lost = 0
         self._kmsg_wake_at: float | None = None  # the consumers' earliest hold ending (opt.clock), if any
+        # Set once the kernel-log loop has judged what the log held at start (or said why it could not): NVML's
+        # events wait for it, so the first verdict of the kernel-log checks is never one made before the log was read.
+        self._kmsg_first = threading.Event()
         self._wakers: dict[str, int] = {}  # poll loop -> the write end of its wake-up pipe (daemon_devices.py)
         self._retesting = False
         self._next_retest_at = 0.0  # a retest that could not decide is asked again after retest_after_s

@@ -23,7 +23,7 @@ NVML_EVENTS_META = "nvml_events"  # where a recorded node's XID event list was h
 
 class EventLoops:
     """Needs from the daemon: node, config, opt, consumers, store, stop_event, _stop_r, _lock, _records, _meta,
-    _kmsg_records, _kmsg_lost, _kmsg_wake_at, _record_for(), _commit(), _sleep(), _beat(), _beat_off() and
+    _kmsg_records, _kmsg_lost, _kmsg_wake_at, _kmsg_first, _record_for(), _commit(), _sleep(), _beat(), _beat_off() and
     _fail_loop()."""
 
     def _kmsg_loop(self) -> None:
@@ -44,6 +44,7 @@ class EventLoops:
                 now_mono = time.monotonic()
                 if records or error or now_mono >= next_idle:
                     self._feed(records, follower, error)
+                    self._kmsg_first.set()
                     next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
                     # An incident whose hold ends before the next tick is judged again when it ends, so the node's
                     # state follows at once (a quarantined node's retest waits for its faults to clear).
@@ -54,6 +55,7 @@ class EventLoops:
                 backoff = 0.0
             except Exception as exc:  # noqa: BLE001 - no loop dies: the follower is UNKNOWN, tried again later
                 self._fail_loop("kmsg", KMSG_CHECK, exc)
+                self._kmsg_first.set()  # UNKNOWN is said: NVML's events need not wait for a log that cannot be read
                 backoff = min(max(2 * backoff, self.opt.error_backoff_s), self.opt.retry_max_s)
                 self._beat("kmsg", backoff)
                 self._sleep(backoff)
@@ -111,6 +113,10 @@ class EventLoops:
         do not hide it) and the subscription is rebuilt after a backoff; incidents are kept."""
 
         def feed(xids: list, error: str | None, events: Any = None) -> None:
+            while not self._kmsg_first.wait(0.5):  # the kernel log's backlog is judged first (see Daemon.__init__)
+                if self.stop_event.is_set():
+                    return
+                self._beat("nvml-xid", 1.0)
             now = self.opt.clock()
             try:
                 gpus = list(self.node.gpus())

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -476,6 +477,40 @@ def test_the_daemon_and_preflight_judge_the_boots_log_alike(scenario_copy, tmp_p
         store.close()
     assert daemon == pre
     assert [code for code, _ in pre["xid"]] == ["79"] and len(pre["nvswitch_sxid"]) == 3
+
+
+def test_the_first_verdict_of_the_kernel_log_checks_comes_after_the_log_was_read(scenario_copy, tmp_path):
+    """NVML's XID events are a second source of the same checks. Their loop must not judge the checks before the
+    kernel log's backlog has been: a verdict made on no log at all said "no XID" while the log held an XID 79."""
+    root = scenario_copy("gb200-nvl72-faulty")
+    node = Node.recorded_at(root)
+    make_follower = node.kmsg_follower
+
+    def slow_follower(*args, **kwargs):
+        follower, polls = make_follower(*args, **kwargs), []
+        poll = follower.poll
+
+        def first_poll_late():
+            if not polls:
+                polls.append(time.monotonic())
+                time.sleep(1.0)  # the log read late: NVML's loop has long been ready by then
+            return poll()
+
+        follower.poll = first_poll_late
+        return follower
+
+    node.kmsg_follower = slow_follower
+    cfg = config.defaults(all_specs())
+    store = Store(tmp_path / "state.db")
+    d = Daemon(node, [], list(KERNEL_CONSUMERS), cfg, store, LocalAdapter(tmp_path / "a.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05))
+    d.start()
+    try:
+        first = wait_for(lambda: d.results().get("xid"), what="the first xid verdict")
+        assert "79" in [f.code for f in first.findings], first
+    finally:
+        d.stop()
+        store.close()
 
 
 # -- acting on the finding: the scheduler, the ladder, the spare -------------------------------------------------------
