@@ -9,7 +9,7 @@ from typing import Any
 
 from . import logs
 from .errors import GpuwardenError, NvmlError
-from .model import Status
+from .model import Status, fold_status
 from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
 from .sources.kmsg import Cursor, Interest
 from .store import CheckRecord
@@ -88,8 +88,9 @@ class EventLoops:
 
     def _judge_consumers(self, batch: KernelBatch, now: float, source_error: str | None = None) -> list[CheckRecord]:
         """Every kernel-log consumer's record after `batch` (call with the lock held). A consumer whose judge
-        raises is UNKNOWN with the reason; `source_error` (the log could not be read) is carried as the error.
-        Keeps the consumers' earliest hold ending, for the kernel-log loop's next wake-up."""
+        raises is UNKNOWN with the reason; `source_error` (the log could not be read) is carried as the error, and
+        the consumer is UNKNOWN unless a finding it holds FAILs. Keeps the consumers' earliest hold ending, for the
+        kernel-log loop's next wake-up."""
         updates, ends = [], []
         for consumer in self.consumers:
             state = self._records.get(consumer.name, CheckRecord(consumer.name)).state
@@ -99,7 +100,13 @@ class EventLoops:
                 updates.append(self._record_for(consumer.name, None, Status.UNKNOWN,
                                                 f"internal error: {type(exc).__name__}: {exc}", 0.0, now))
             else:
-                updates.append(self._record_for(consumer.name, judgement, None, source_error, 0.0, now))
+                # The log could not be read: what the check holds still stands (a FAIL stays FAIL), but it cannot say
+                # that nothing else happened: UNKNOWN, never OK, with the reason.
+                status = None
+                if source_error is not None:
+                    worst = fold_status(judgement.findings)
+                    status = worst if worst is Status.FAIL else Status.UNKNOWN
+                updates.append(self._record_for(consumer.name, judgement, status, source_error, 0.0, now))
                 if judgement.wake_at is not None:
                     ends.append(judgement.wake_at)
         self._kmsg_wake_at = min(ends, default=None)
@@ -123,11 +130,16 @@ class EventLoops:
             except GpuwardenError:
                 gpus = []
             batch = KernelBatch([], gpus, self.node.kmsg.boot_id, nvml_xids=xids, source="nvml", nvml_error=error)
+            with self._lock:
+                kmsg = self._records.get(KMSG_CHECK)
+                # While the kernel log cannot be read, NVML's events alone do not make the checks OK.
+                log_error = kmsg.error if kmsg is not None and kmsg.status is Status.UNKNOWN else None
             # Live NVML has no backlog and no position (token None). A recorded node's list is one: its position is
             # written with the counts, in one transaction, so a restart neither repeats nor skips an entry.
             token = events.resume_token() if xids and events is not None else None
             with self._lock:
-                self._commit(self._judge_consumers(batch, now), {NVML_EVENTS_META: token} if token else None, now)
+                self._commit(self._judge_consumers(batch, now, log_error and f"kernel log: {log_error}"),
+                             {NVML_EVENTS_META: token} if token else None, now)
 
         # The wait's timeout: idle, the thread wakes once per wait and never spins; short, because a wait inside
         # NVML cannot be interrupted and stop() waits for it.

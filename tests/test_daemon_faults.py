@@ -65,6 +65,35 @@ def running():
         d.store.close()
 
 
+# -- a kernel log that cannot be read -------------------------------------------------------------------------------
+def test_a_kernel_log_that_cannot_be_read_makes_its_checks_unknown_and_a_standing_fault_stays(scenario_copy,
+                                                                                              tmp_path, running):
+    """Could not look is not healthy: while the log cannot be read the kernel-log checks are UNKNOWN with the
+    reason, not OK; an XID 79 already read still FAILs; once the log is back they judge it again."""
+    root = scenario_copy("gb200-nvl72-healthy")
+    d = running(make(root, tmp_path / "state"))
+    append_kmsg(root, XID79)
+    wait_for(lambda: xid_count(d.results(), "79") == 1, what="the XID 79 counted")
+    assert d.results()["pcie_aer"].status.value == "ok"
+
+    text = (root / "kmsg").read_text()
+    (root / "kmsg").unlink()
+    (root / "kmsg").mkdir()  # a path that exists and is not a log: the follower cannot read it
+    wait_for(lambda: d.results()["kmsg"].status.value == "unknown", what="the follower UNKNOWN")
+    wait_for(lambda: d.results()["pcie_aer"].status.value == "unknown", what="pcie_aer UNKNOWN")
+    for name in ("pcie_aer", "nvswitch_sxid"):
+        rec = d.results()[name]
+        assert rec.status.value == "unknown" and rec.error.startswith("kernel log: ") and "not read" in rec.error
+    xid = d.results()["xid"]
+    assert xid.status.value == "fail" and "79" in [f.code for f in xid.findings]  # what was read still stands
+    assert 'gpuwarden_check_success{check="pcie_aer"} 0.0' in metrics(d)
+
+    (root / "kmsg").rmdir()
+    (root / "kmsg").write_text(text)
+    wait_for(lambda: d.results()["pcie_aer"].status.value == "ok", what="pcie_aer OK with the log back")
+    assert d.results()["kmsg"].status.value == "ok" and d.results()["pcie_aer"].error is None
+
+
 # -- no loop dies; a stuck loop starves the watchdog ---------------------------------------------------------------
 def test_a_check_whose_code_raises_is_unknown_retried_and_recovers(scenario_copy, tmp_path, running):
     """A bug outside the sample's own try (here the check's `quiet` predicate, run when its record is committed)
