@@ -117,6 +117,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         # Set once the kernel-log loop has judged what the log held at start (or said why it could not): NVML's
         # events wait for it, so the first verdict of the kernel-log checks is never one made before the log was read.
         self._kmsg_first = threading.Event()
+        self._consumer_names = {c.name for c in consumers}
         self._wakers: dict[str, int] = {}  # poll loop -> the write end of its wake-up pipe (daemon_devices.py)
         self._retesting = False
         self._next_retest_at = 0.0  # a retest that could not decide is asked again after retest_after_s
@@ -229,10 +230,21 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                  duration_s: float) -> None:
         now = self.opt.clock()
         with self._lock:
-            self._commit([self._record_for(name, judgement, status, error, duration_s, now)], None, now)
+            # A check that is also a kernel-log consumer (pcie_aer) shares its record with the log's half: its poll
+            # must not make it OK while the log cannot be read.
+            log_error = self._kernel_log_error() if name in self._consumer_names else None
+            self._commit([self._record_for(name, judgement, status, error, duration_s, now, log_error)], None, now)
+
+    def _kernel_log_error(self) -> str | None:
+        """Why the kernel log cannot be read now (the follower's record is UNKNOWN), else None. With the lock held."""
+        rec = self._records.get(KMSG_CHECK)
+        return f"kernel log: {rec.error}" if rec is not None and rec.status is Status.UNKNOWN else None
 
     def _record_for(self, name: str, judgement: Judgement | None, status: Status | None, error: str | None,
-                    duration_s: float, now: float) -> CheckRecord:
+                    duration_s: float, now: float, log_error: str | None = None) -> CheckRecord:
+        """The check's record after an observation. `log_error`: the kernel log the check also reads could not be
+        read; what it holds still stands (a FAIL stays FAIL), but it cannot say that nothing else happened: UNKNOWN,
+        never OK, with the reason."""
         previous = self._records.get(name, CheckRecord(name))
         if judgement is None:
             # Could not look: the state is kept as it was (an accumulator must not be reset by a failed read);
@@ -240,7 +252,12 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             return CheckRecord(name, previous.state, status or Status.UNKNOWN, error, (), now, duration_s)
         self._samples[name] = judgement.metrics
         findings = tuple(judgement.findings)
-        return CheckRecord(name, judgement.state, status or fold_status(findings), error, findings, now, duration_s)
+        status = status or fold_status(findings)
+        if log_error is not None:
+            error = error or log_error
+            if status is not Status.FAIL:
+                status = Status.UNKNOWN
+        return CheckRecord(name, judgement.state, status, error, findings, now, duration_s)
 
     def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float, retest: bool | None = None) -> None:
         """Applies one observation to memory (call with the lock held): the records, the node state, and what the

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import logs
 from .errors import GpuwardenError, NvmlError
-from .model import Status, fold_status
+from .model import Status
 from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
 from .sources.kmsg import Cursor, Interest
 from .store import CheckRecord
@@ -23,8 +23,8 @@ NVML_EVENTS_META = "nvml_events"  # where a recorded node's XID event list was h
 
 class EventLoops:
     """Needs from the daemon: node, config, opt, consumers, store, stop_event, _stop_r, _lock, _records, _meta,
-    _kmsg_records, _kmsg_lost, _kmsg_wake_at, _kmsg_first, _record_for(), _commit(), _sleep(), _beat(), _beat_off() and
-    _fail_loop()."""
+    _kmsg_records, _kmsg_lost, _kmsg_wake_at, _kmsg_first, _kernel_log_error(), _record_for(), _commit(), _sleep(),
+    _beat(), _beat_off() and _fail_loop()."""
 
     def _kmsg_loop(self) -> None:
         follower, next_idle, backoff = None, 0.0, 0.0
@@ -100,13 +100,7 @@ class EventLoops:
                 updates.append(self._record_for(consumer.name, None, Status.UNKNOWN,
                                                 f"internal error: {type(exc).__name__}: {exc}", 0.0, now))
             else:
-                # The log could not be read: what the check holds still stands (a FAIL stays FAIL), but it cannot say
-                # that nothing else happened: UNKNOWN, never OK, with the reason.
-                status = None
-                if source_error is not None:
-                    worst = fold_status(judgement.findings)
-                    status = worst if worst is Status.FAIL else Status.UNKNOWN
-                updates.append(self._record_for(consumer.name, judgement, status, source_error, 0.0, now))
+                updates.append(self._record_for(consumer.name, judgement, None, None, 0.0, now, source_error))
                 if judgement.wake_at is not None:
                     ends.append(judgement.wake_at)
         self._kmsg_wake_at = min(ends, default=None)
@@ -130,15 +124,12 @@ class EventLoops:
             except GpuwardenError:
                 gpus = []
             batch = KernelBatch([], gpus, self.node.kmsg.boot_id, nvml_xids=xids, source="nvml", nvml_error=error)
-            with self._lock:
-                kmsg = self._records.get(KMSG_CHECK)
-                # While the kernel log cannot be read, NVML's events alone do not make the checks OK.
-                log_error = kmsg.error if kmsg is not None and kmsg.status is Status.UNKNOWN else None
             # Live NVML has no backlog and no position (token None). A recorded node's list is one: its position is
             # written with the counts, in one transaction, so a restart neither repeats nor skips an entry.
             token = events.resume_token() if xids and events is not None else None
             with self._lock:
-                self._commit(self._judge_consumers(batch, now, log_error and f"kernel log: {log_error}"),
+                # While the kernel log cannot be read, NVML's events alone do not make the checks OK.
+                self._commit(self._judge_consumers(batch, now, self._kernel_log_error()),
                              {NVML_EVENTS_META: token} if token else None, now)
 
         # The wait's timeout: idle, the thread wakes once per wait and never spins; short, because a wait inside

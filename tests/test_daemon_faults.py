@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from gpuwarden.agent.node import Node
 from gpuwarden.agent.passive import Judgement, PassiveSpec
 from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
 from gpuwarden.agent.store import LOCK_NAME, Store
-from gpuwarden.checks import KERNEL_CONSUMERS, all_specs, ib_downtime
+from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, ib_downtime
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -69,9 +70,11 @@ def running():
 def test_a_kernel_log_that_cannot_be_read_makes_its_checks_unknown_and_a_standing_fault_stays(scenario_copy,
                                                                                               tmp_path, running):
     """Could not look is not healthy: while the log cannot be read the kernel-log checks are UNKNOWN with the
-    reason, not OK; an XID 79 already read still FAILs; once the log is back they judge it again."""
+    reason, not OK; an XID 79 already read still FAILs; once the log is back they judge it again. pcie_aer's sysfs
+    poll (every 50 ms here) shares the check's record with its kernel-log half and does not make it OK meanwhile."""
     root = scenario_copy("gb200-nvl72-healthy")
-    d = running(make(root, tmp_path / "state"))
+    aer_poll = [s for s in PASSIVE if s.name == "pcie_aer"]
+    d = running(make(root, tmp_path / "state", aer_poll, intervals={"pcie_aer": 0.05}))
     append_kmsg(root, XID79)
     wait_for(lambda: xid_count(d.results(), "79") == 1, what="the XID 79 counted")
     assert d.results()["pcie_aer"].status.value == "ok"
@@ -87,6 +90,12 @@ def test_a_kernel_log_that_cannot_be_read_makes_its_checks_unknown_and_a_standin
     xid = d.results()["xid"]
     assert xid.status.value == "fail" and "79" in [f.code for f in xid.findings]  # what was read still stands
     assert 'gpuwarden_check_success{check="pcie_aer"} 0.0' in metrics(d)
+    seen = set()
+    deadline = time.monotonic() + 0.6  # a dozen of pcie_aer's polls
+    while time.monotonic() < deadline:
+        seen.add(d.results()["pcie_aer"].status.value)
+        time.sleep(0.01)
+    assert seen == {"unknown"}
 
     (root / "kmsg").rmdir()
     (root / "kmsg").write_text(text)
