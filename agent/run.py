@@ -268,11 +268,13 @@ def _reload(daemon: Daemon, specs: Any, args: argparse.Namespace) -> None:
         return
     running = daemon.config
     pending = restart_needed(running, fresh)
-    # The at-start tables stay as they run, so that nothing read later (a retest, the sweep's node name) mixes a
+    # The at-start keys stay as they run, so that nothing read later (a retest, the sweep's node name) mixes a
     # reloaded value with the engine's running one.
-    daemon.reload(dataclasses.replace(
-        fresh, remediation=running.remediation, topology=running.topology,
-        agent={**fresh.agent, **{k: running.agent[k] for k in _AT_START_ONLY["agent"] if k in running.agent}}))
+    kept = {}
+    for table, keys in _AT_START_ONLY.items():
+        old = getattr(running, table)
+        kept[table] = old if keys is None else {**getattr(fresh, table), **{k: old[k] for k in keys if k in old}}
+    daemon.reload(dataclasses.replace(fresh, **kept))
     log.info("config reloaded")
     if pending:
         log.warning("config changed where only a restart applies; the running values stay until "

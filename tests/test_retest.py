@@ -4,7 +4,6 @@ first observation, a recovery lets the retest pass and the node return, and an X
 recovery fails the retest."""
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import append_kmsg, wait_for
