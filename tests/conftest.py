@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -156,6 +157,23 @@ def end_processes(*procs, grace_s: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
+
+
+@contextlib.contextmanager
+def host_etc_gpuwarden():
+    """Held by a test module for as long as it makes or removes /etc/gpuwarden on this host: the package's
+    install and purge (test_deb_package), and the shipped units' ConfigurationDirectory= under a private systemd,
+    whose namespace shares the host's /etc (test_systemd_units). An exclusive lock on a file outside any checkout,
+    so that two such modules never overlap, whichever workers or checkouts run them: a unit started meanwhile would
+    make the folder again after the purge, and a purge would take the folder from under a running unit."""
+    import fcntl
+
+    with open("/tmp/gpuwarden-tests.etc-gpuwarden.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):

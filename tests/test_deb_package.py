@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NODES, ROOT, end_processes
+from conftest import NODES, ROOT, end_processes, host_etc_gpuwarden
 
 pytestmark = pytest.mark.slow
 
@@ -57,25 +57,26 @@ def installed(built_deb):
     """The package installed with dpkg -i; the file list dpkg recorded, and what /opt/venvs was before."""
     if os.geteuid() != 0:
         pytest.skip("installs a Debian package: needs root")
-    if installed_version() is not None or sh("dpkg-query", "-W", PACKAGE).returncode == 0:
-        pytest.skip("gpuwarden is already known to dpkg on this machine; the test would replace or purge it")
-    full = [d for d in OWN_DIRS if d.is_dir() and any(d.iterdir()) or d.exists() and not d.is_dir()]
-    if full:
-        pytest.skip(f"{full[0]} holds files this test did not make, and the purge would remove them")
-    empty = [d for d in OWN_DIRS if d.is_dir()]  # put back after the purge, as they were found
-    opt_venvs_existed = Path("/opt/venvs").exists()
-    links_before = systemd_links()
-    try:
-        install = sh("dpkg", "-i", built_deb, timeout=300)
-        assert install.returncode == 0, install.stdout + install.stderr
-        files = sh("dpkg-query", "-L", PACKAGE, check=True).stdout.split("\n")
-        yield {"files": [Path(f) for f in files if f.startswith("/")], "opt_venvs_existed": opt_venvs_existed,
-               "links_before": links_before}
-    finally:
+    with host_etc_gpuwarden():  # no private systemd of another module makes or uses /etc/gpuwarden meanwhile
         if installed_version() is not None or sh("dpkg-query", "-W", PACKAGE).returncode == 0:
-            purge()
-        for d in empty:
-            d.mkdir(parents=True, exist_ok=True)
+            pytest.skip("gpuwarden is already known to dpkg on this machine; the test would replace or purge it")
+        full = [d for d in OWN_DIRS if d.is_dir() and any(d.iterdir()) or d.exists() and not d.is_dir()]
+        if full:
+            pytest.skip(f"{full[0]} holds files this test did not make, and the purge would remove them")
+        empty = [d for d in OWN_DIRS if d.is_dir()]  # put back after the purge, as they were found
+        opt_venvs_existed = Path("/opt/venvs").exists()
+        links_before = systemd_links()
+        try:
+            install = sh("dpkg", "-i", built_deb, timeout=300)
+            assert install.returncode == 0, install.stdout + install.stderr
+            files = sh("dpkg-query", "-L", PACKAGE, check=True).stdout.split("\n")
+            yield {"files": [Path(f) for f in files if f.startswith("/")], "opt_venvs_existed": opt_venvs_existed,
+                   "links_before": links_before}
+        finally:
+            if installed_version() is not None or sh("dpkg-query", "-W", PACKAGE).returncode == 0:
+                purge()
+            for d in empty:
+                d.mkdir(parents=True, exist_ok=True)
 
 
 def pyproject_version() -> str:
@@ -267,7 +268,10 @@ def test_purge_leaves_nothing(installed):
     # What the running service makes (systemd's StateDirectory=) and an operator's edits go too.
     Path("/var/lib/gpuwarden").mkdir(exist_ok=True)
     Path("/var/lib/gpuwarden/state.db").write_text("")
-    Path("/etc/gpuwarden/gpuwarden.toml").write_text('[agent]\nlevel = "full"\n')
+    # An operator's edit that changes nothing: another module's program reading the default config meanwhile
+    # sees the defaults still.
+    conf = Path("/etc/gpuwarden/gpuwarden.toml")
+    conf.write_text(conf.read_text() + "# edited on this node\n")
     sh("/usr/bin/gpuwarden", "checks", check=True)  # runs the installed program as root once more
     for unit in (p for p in files if p.parent == UNITS and p.name != "gpuwarden.service" and p.suffix == ".service"):
         sh("systemctl", "--root=/", "enable", unit.name, check=True)  # what an operator does (docs/install.md)

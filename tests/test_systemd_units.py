@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, host_etc_gpuwarden
 import systemd_harness
 from gpuwarden.agent.adapters.base import REASON_PREFIX
 from slurm_cluster import SlurmCluster
@@ -56,10 +56,11 @@ def manager():
     # A checkout or virtual environment under /tmp (a CI clone) stays visible: the namespace's /tmp is a tmpfs.
     keep = (ROOT, sys.prefix, sys.base_prefix)
     # The unit's ConfigurationDirectory= makes /etc/gpuwarden on the host's /etc, which the namespace shares: removed
-    # again at the end when this module made it (and it stayed empty).
+    # again at the end when this module made it (and it stayed empty), and never while the package's test has it.
     etc = Path("/etc/gpuwarden")
-    made_etc = not etc.exists()
     with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(host_etc_gpuwarden())
+        made_etc = not etc.exists()
         if made_etc:
             cleanup.callback(lambda: etc.is_dir() and not any(etc.iterdir()) and etc.rmdir())
         m = cleanup.enter_context(systemd_harness.PrivateSystemd(keep=keep))
