@@ -32,13 +32,13 @@ class LogRecord:
 # each field through object.__setattr__ and costs ~4x a plain one. Records are built as this mutable
 # twin with the identical slot layout, then retyped to LogRecord (CPython allows __class__ assignment
 # between layout-compatible classes); what callers get is an ordinary frozen LogRecord.
-_LogRecordBuilder = make_dataclass(
-    "_LogRecordBuilder", [(f.name, f.type) for f in fields(LogRecord)], slots=True
+LogRecordBuilder = make_dataclass(
+    "LogRecordBuilder", [(f.name, f.type) for f in fields(LogRecord)], slots=True
 )
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     # Records hold only str/int, so they form no cycles; left on, the collector re-walks the growing
     # list of young records again and again and halves the parse rate of a large log.
     was_enabled = gc.isenabled()
@@ -103,7 +103,7 @@ def _kmsg_record(message: str, lineno: int, source: str, prio: str, seq: str, us
     except KeyError:  # "0006", or a prio past the 24 facilities: still a number
         p = int(prio)
         level, facility = p & 7, p >> 3
-    r = _LogRecordBuilder(message, lineno, source, int(seq), int(usec), level, None, facility)
+    r = LogRecordBuilder(message, lineno, source, int(seq), int(usec), level, None, facility)
     r.__class__ = LogRecord
     return r
 
@@ -135,9 +135,9 @@ def parse_kmsg_text(text: str, source: str) -> tuple[list[LogRecord], list[Parse
     errors: list[ParseError] = []
     append = records.append
     new, builder, record_type, level_of, facility_of, int_ = (
-        object.__new__, _LogRecordBuilder, LogRecord, _LEVEL, _FACILITY, int)
+        object.__new__, LogRecordBuilder, LogRecord, _LEVEL, _FACILITY, int)
     lineno = 0
-    with _gc_paused():
+    with gc_paused():
         for rows in _kmsg_rows(text):
             for prio, seq, usec, message in rows:  # the hot loop
                 lineno += 1
@@ -188,7 +188,7 @@ def parse_kmsg_filtered(text: str, source: str, keep: Callable[[str], object]) -
     errors: list[ParseError] = []
     last = ""
     lineno = 0
-    with _gc_paused():
+    with gc_paused():
         for rows in _kmsg_rows(text):
             for prio, seq, usec, message in rows:
                 lineno += 1
@@ -223,14 +223,14 @@ _KMSG = re.compile(r"(\d{1,10}),(\d{1,19}),(\d{1,19}),[^;]*+;")
 # dmesg -x / --decode: "kern  :warn  : "
 _DECODE = re.compile(r"([a-z]{2,8}) *:([a-z]{3,6}) *: ")
 _LEVELS = {"emerg": 0, "alert": 1, "crit": 2, "err": 3, "warn": 4, "notice": 5, "info": 6, "debug": 7}
-_MONO = re.compile(r"\[ *+(\d{1,12})\.(\d{1,9})\] ?")  # dmesg: "[ 1234.567890] "
+DMESG_STAMP = re.compile(r"\[ *+(\d{1,12})\.(\d{1,9})\] ?")  # dmesg: "[ 1234.567890] "
 _CTIME = re.compile(r"\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4})\] ?")  # dmesg -T
 # dmesg --time-format iso (comma fraction) and journalctl -o short-iso[-precise] / RFC 3339 syslog
 _ISO = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?) ")
 # Possessive \S++: a long word that is not followed by a space fails at once instead of being given back
 # character by character.
 _SYSLOG = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d) (\S++) ")  # "Jan 01 09:30:56 host "
-_HOST_KERNEL = re.compile(r"\S++ kernel: ")  # journal/syslog "host kernel: " after the timestamp
+HOST_KERNEL = re.compile(r"\S++ kernel: ")  # journal/syslog "host kernel: " after the timestamp
 # A kernel line quoted inside other text ("mynode-066 | ERROR: ... [ 3606.832215] NVRM: Xid ..."):
 # only NVIDIA driver lines are looked for, so ordinary text is not cut at a stray "[1.5]".
 # Found by its fixed text first (a C substring scan); a pattern with an optional stamp in front cannot skip ahead,
@@ -239,11 +239,11 @@ _EMBEDDED = re.compile(r"NVRM: |nvidia-nvswitch\d++: ")
 _EMBEDDED_STAMP = re.compile(r"\[ *+(\d{1,12})\.(\d{1,9})\] ")
 
 
-def _usec(secs: str, frac: str) -> int:
+def stamp_usec(secs: str, frac: str) -> int:
     return int(secs) * 1_000_000 + int((frac + "000000")[:6])
 
 
-def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, int | None]:
+def classify_line(line: str) -> tuple[str, str, str | None, int | None, int | None, int | None]:
     """One line -> (format, message, timestamp, usec, priority, seq)."""
     s = line.lstrip()
     # The first character rules out most shapes before a regex is tried (isdigit and islower hold for every
@@ -260,9 +260,9 @@ def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, 
     timestamp = usec = None
     kind = ""
     if s.startswith("["):
-        m = _MONO.match(s)
+        m = DMESG_STAMP.match(s)
         if m:
-            usec, kind, s = _usec(m[1], m[2]), "dmesg", s[m.end():]
+            usec, kind, s = stamp_usec(m[1], m[2]), "dmesg", s[m.end():]
         else:
             m = _CTIME.match(s)
             if m:
@@ -279,14 +279,14 @@ def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, 
                 s = s[8:]
     if kind and kind != "syslog":
         # journalctl (short-iso, short-monotonic) puts "host kernel: " after its timestamp.
-        m = _HOST_KERNEL.match(s)
+        m = HOST_KERNEL.match(s)
         if m:
             s = s[m.end():]
             kind = "journal-iso" if kind == "dmesg-iso" else "journal"
     if kind in ("syslog", "journal-iso", "journal") and s.startswith("["):
-        m = _MONO.match(s)  # kern.log keeps the kernel's own "[secs.frac]" after "kernel: "
+        m = DMESG_STAMP.match(s)  # kern.log keeps the kernel's own "[secs.frac]" after "kernel: "
         if m:
-            usec, s = _usec(m[1], m[2]), s[m.end():]
+            usec, s = stamp_usec(m[1], m[2]), s[m.end():]
     if kind:
         if fmt and kind.startswith("dmesg"):
             kind = fmt + kind[5:]
@@ -298,7 +298,7 @@ def _classify(line: str) -> tuple[str, str, str | None, int | None, int | None, 
         if m and m.start() > 0:
             at = s.rfind("[", 0, m.start())  # a stamp holds no other "["
             stamp = _EMBEDDED_STAMP.fullmatch(s, at, m.start()) if at >= 0 else None
-            return "embedded", s[m.start():], None, _usec(stamp[1], stamp[2]) if stamp else None, None, None
+            return "embedded", s[m.start():], None, stamp_usec(stamp[1], stamp[2]) if stamp else None, None, None
     return "plain", line, None, None, None, None
 
 
@@ -312,7 +312,7 @@ def format_votes(text: str) -> Counter[str]:
     votes: Counter[str] = Counter()
     for line in text[:HEAD_CHARS].split("\n", HEAD_LINES)[:HEAD_LINES]:
         if line.strip():
-            fmt = _classify(line)[0]
+            fmt = classify_line(line)[0]
             if not (fmt == "plain" and line[0] == " "):
                 votes[fmt] += 1
     return votes
@@ -348,8 +348,8 @@ def parse_line(line: str, lineno: int, source: str, kmsg: bool) -> LogRecord | P
             return _kmsg_line(message, source, lineno)
         return None
     if line and not line.isspace():
-        _, message, timestamp, usec, priority, seq = _classify(line)
-        r = _LogRecordBuilder(message, lineno, source, seq, usec, priority, timestamp, None)
+        _, message, timestamp, usec, priority, seq = classify_line(line)
+        r = LogRecordBuilder(message, lineno, source, seq, usec, priority, timestamp, None)
         r.__class__ = LogRecord
         return r
     return None
@@ -362,9 +362,9 @@ def parse_log_text(text: str, source: str) -> tuple[list[LogRecord], list[ParseE
     if "\r" in text:
         text = text.replace("\r\n", "\n")
     records: list[LogRecord] = []
-    with _gc_paused():
+    with gc_paused():
         for lineno, line in enumerate(text.split("\n"), 1):
             if line and not line.isspace():
-                _, message, timestamp, usec, priority, seq = _classify(line)
+                _, message, timestamp, usec, priority, seq = classify_line(line)
                 records.append(LogRecord(message, lineno, source, seq, usec, priority, timestamp))
     return records, []

@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import GpuwardenError, ParseError
-from .kernel_log import (_HOST_KERNEL, _MONO, HEAD_CHARS, LogRecord, _classify, _gc_paused, _LogRecordBuilder, _usec,
-                         parse_line)
+from .kernel_log import (DMESG_STAMP, HEAD_CHARS, HOST_KERNEL, LogRecord, LogRecordBuilder, classify_line, gc_paused,
+                         parse_line, stamp_usec)
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
@@ -68,7 +68,7 @@ _RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, befo
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
 # one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
 _SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
-_dmesg_stamp, _journal_host = _MONO.match, _HOST_KERNEL.match  # kernel_log's own patterns, as _classify reads
+_dmesg_stamp, _journal_host = DMESG_STAMP.match, HOST_KERNEL.match  # kernel_log's own patterns, as classify_line reads
 
 
 def read_head(f: BinaryIO, chars: int = HEAD_CHARS, have: bytes = b"") -> tuple[bytes, str]:
@@ -424,7 +424,7 @@ def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Cal
             os.close(wr)
             procs.append((pid, r))
         judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
-        with _gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
+        with gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
             return _take_parts(procs, ended, judges, source, parts, workers, line_max)
     finally:
         for pid, r in procs:
@@ -446,7 +446,7 @@ def _take_parts(procs: list[tuple[int, int]], ended: dict[int, int], judges: _Ju
     malformed = cut = held = 0
     offset = 0  # lines before the part
     blank = True
-    build, record_type = _LogRecordBuilder, LogRecord
+    build, record_type = LogRecordBuilder, LogRecord
     for i, (start, stop) in enumerate(parts):
         pid, r = procs[i % workers]
         got = _receive(r)
@@ -553,12 +553,12 @@ def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: b
         line = raw.decode("utf-8", "replace")
         if not kmsg:
             # parse_line's text branch without its record: the row is what is sent. A dmesg line, "[secs.frac] "
-            # and no journal host after it, is read at once as _classify reads it; any other through it.
+            # and no journal host after it, is read at once as classify_line reads it; any other through it.
             stamp = _dmesg_stamp(line)
             if stamp is not None and _journal_host(line, stamp.end()) is None:
-                rows.append((line[stamp.end():], lineno, None, _usec(stamp[1], stamp[2]), None, None, None))
+                rows.append((line[stamp.end():], lineno, None, stamp_usec(stamp[1], stamp[2]), None, None, None))
             elif line and not line.isspace():
-                _, message, timestamp, usec, priority, seq = _classify(line)
+                _, message, timestamp, usec, priority, seq = classify_line(line)
                 rows.append((message, lineno, seq, usec, priority, timestamp, None))
             return
         one = parse_line(line, lineno, source, kmsg)

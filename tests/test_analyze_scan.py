@@ -326,7 +326,7 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     import os
     import signal
 
-    real = kernel_scan._classify  # what a reader calls on each syslog line it reads
+    real = kernel_scan.classify_line  # what a reader calls on each syslog line it reads
 
     def failing(line):
         if "0000:db:00" in line:  # a line in the middle of the file
@@ -340,7 +340,7 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     data = generated(8, "syslog", 3000)
     path = tmp_path / "f.log"
     path.write_bytes(data)
-    monkeypatch.setattr(kernel_scan, "_classify", failing)
+    monkeypatch.setattr(kernel_scan, "classify_line", failing)
     with pytest.raises(kernel_scan.ScanError) as caught:
         in_parts(path, 2, 5000, source=str(path))
     assert str(caught.value).startswith(f"{path}: reading bytes ") and "the file was not read whole" in str(
