@@ -295,6 +295,11 @@ def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
                 last = None  # the long line was read as a line of its own
                 if blank and head.strip() and not head.decode("utf-8", "replace").isspace():
                     blank = False
+                nl = rfind(b"\n", 0, have)
+                if nl >= 0:  # whole lines read with the long line's end: read now, the file may end here
+                    lines_of(0, nl + 1)
+                    buf[0:have - nl - 1] = buf[nl + 1:have]
+                    have -= nl + 1
             continue
         lines_of(0, nl + 1)
         have = end - nl - 1

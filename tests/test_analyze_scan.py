@@ -304,6 +304,29 @@ def test_a_part_boundary_inside_a_long_line(tmp_path):
     assert in_parts(path, 3, 700) == (*whole(data, "p.log"), lines_in(data))  # no cut: as a whole parse
 
 
+@pytest.mark.parametrize("fmt", ["dmesg", "kmsg"])
+def test_whole_lines_read_with_a_long_lines_end_are_lines_of_their_own(tmp_path, fmt):
+    """The lines that come in the same read as the end of a line past line_max are read one by one, with their own
+    numbers, also where the file ends there (they were once read as one last line, newlines and all)."""
+    if fmt == "dmesg":
+        long, tail = b"q" * 9000, [b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained",
+                                   b"[ 4.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=2, name=b, Contained"]
+    else:
+        long, tail = b"6,1,1000,-;" + b"q" * 9000, [
+            b"4,2,3000000,-;NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained",
+            b"4,3,4000000,-;NVRM: Xid (PCI:0000:4c:00): 94, pid=2, name=b, Contained"]
+    data = b"\n".join((b"6,0,0,-;kernel start" if fmt == "kmsg" else b"[ 0.000000] kernel start", long, *tail)) + b"\n"
+    path = tmp_path / "end.log"
+    path.write_bytes(data)
+    detected, findings, _ = whole(data, "p.log")
+    [xid94] = findings
+    assert (xid94.evidence["first_line"], xid94.evidence["last_line"], xid94.evidence["count"]) == (3, 4, 2)
+    for workers, part in ((1, 1 << 20), (2, 50)):
+        got = in_parts(path, workers, part, line_max=4096, chunk=1024)
+        assert (got[0], got[1], got[3]) == (detected, findings, 4), (workers, part)
+        assert got[2] == ["p.log:2: line of %d bytes; its first 4096 bytes read" % len(long)]
+
+
 def test_notes_are_bounded_across_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_scan, "MAX_NOTES", 3)
     data = (b"q" * 5000 + b"\n") * 7 + b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
