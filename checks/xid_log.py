@@ -94,7 +94,8 @@ def parse_xid(message: str, record: LogRecord | None = None) -> XidEvent | None:
             _READ[key] = read
     if read is None:
         return None
-    e = _XidEventBuilder(*read[:5], record, *read[5:])
+    xid, pci, pid, process, detail, gpu_instance, compute_instance = read  # named, not sliced: a third of the cost
+    e = _XidEventBuilder(xid, pci, pid, process, detail, record, gpu_instance, compute_instance)
     e.__class__ = XidEvent
     return e
 
