@@ -30,7 +30,7 @@ from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, Metr
 
 from . import unread_lines
 from .xid_catalog import XidInfo, load_catalog, recovery_action
-from .xid_log import LoggedGpu, XidEvent, collect, entity_lookup, parse_gpu_preamble, parse_xid
+from .xid_log import LoggedGpu, XidEvent, collect, collect_runs, entity_lookup, parse_gpu_preamble, parse_xid
 
 __all__ = ["CHECK", "CONSUMER", "analyze_text", "collect", "decide", "judge", "judge_records",
            "parse_gpu_preamble", "parse_xid", "run"]
@@ -42,9 +42,12 @@ _UNREAD = "xid-unreadable"
 
 
 def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: str, at: float,
-              touched: set[str]) -> dict[str, Any]:
-    # Called once per XID event (a flood is millions of them in a saved log): no dict is built for an incident that
-    # exists, and what an old state lacks is filled in once, when the incident is copied for the batch.
+              touched: set[str], n: int = 1, latest: float | None = None) -> dict[str, Any]:
+    """The incident of (pci, xid) after `n` events from `source`, the first at `at` and the latest at `latest` (`at`
+    if None), ready for this batch's changes."""
+    # Called once per run of XID lines or NVML event (a flood is millions of them in a saved log): no dict is built
+    # for an incident that exists, and what an old state lacks is filled in once, when the incident is copied for the
+    # batch.
     key = f"{pci}|{xid}"
     inc = incidents.get(key)
     if inc is None:
@@ -65,30 +68,43 @@ def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: 
         inc.setdefault("last_seq", None)
         touched.add(key)
     if source == "kmsg":
-        inc["kmsg_count"] += 1
+        inc["kmsg_count"] += n
     else:
-        inc["nvml_count"] += 1
+        inc["nvml_count"] += n
     kmsg, nvml = inc["kmsg_count"], inc["nvml_count"]
     inc["count"] = kmsg if kmsg >= nvml else nvml
-    if at > inc["last_at"]:
-        inc["last_at"] = at
+    latest = at if latest is None else latest
+    if latest > inc["last_at"]:
+        inc["last_at"] = latest
     return inc
 
 
-def _add_logged(inc: dict[str, Any], e: XidEvent) -> None:
-    r = e.record
-    if r is not None:
-        when = r.timestamp if r.timestamp is not None else r.usec  # _when(r)
-        if inc["first_seq"] is None and not inc["first_message"]:
-            inc["first_seq"] = r.seq
-            inc["first_message"] = r.message[:300]
-            inc["first_line"] = r.line
-            inc["source"] = r.source
-            inc["first_time"] = when
-        inc["last_seq"] = r.seq
-        inc["last_line"] = r.line
-        inc["last_time"] = when
-    inc["last_detail"] = e.detail[:300]
+def _take(incidents: dict[str, dict[str, Any]], touched: set[str], latest: dict[tuple[str, int], int],
+          e: XidEvent, records: Sequence[LogRecord], at: Sequence[int], event_time: Any, now: float) -> None:
+    """Counts the records at `at` (indices into `records`, in order), each a line of the event `e`, onto its incident
+    as each in turn would count: what they add is their number, the first and the last of them, their latest time
+    and the event's pid, process and MIG instance, so a run of a flood's lines is one step. `latest`: the last line
+    taken per incident in this batch (several texts may count onto one incident: the latest line is its last)."""
+    first, last = records[at[0]], records[at[-1]]
+    if event_time is None:
+        when_first = when = now
+    else:
+        when_first = event_time(first)
+        when = max(event_time(records[i]) for i in at)
+    inc = _incident(incidents, e.pci, e.xid, "kmsg", when_first, touched, len(at), when)
+    if inc["first_seq"] is None and not inc["first_message"]:
+        inc["first_seq"] = first.seq
+        inc["first_message"] = first.message[:300]
+        inc["first_line"] = first.line
+        inc["source"] = first.source
+        inc["first_time"] = first.timestamp if first.timestamp is not None else first.usec  # _when(first)
+    key = (e.pci, e.xid)
+    if at[-1] > latest.get(key, -1):
+        latest[key] = at[-1]
+        inc["last_seq"] = last.seq
+        inc["last_line"] = last.line
+        inc["last_time"] = last.timestamp if last.timestamp is not None else last.usec
+        inc["last_detail"] = e.detail[:300]
     if e.pid:
         pids = inc["pids"]
         if len(pids) < _MAX_EVIDENCE and e.pid not in pids:
@@ -142,16 +158,25 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     ignore, force = set(cfg["ignore_xids"]), set(cfg["fail_xids"])
     catalog = load_catalog()
     at_of = batch.event_time or (lambda _record: now)
-    events, logged, unreadable = collect(batch.records)
+    records = batch.records
+    runs, logged, unreadable = collect_runs(records)
     uuids.update({g.pci: g.uuid for g in logged})
-    event_time, incident, add_logged = batch.event_time, _incident, _add_logged
+    event_time = batch.event_time
+    runs = [run for run in runs if run.event.xid not in ignore]
+    latest: dict[tuple[str, int], int] = {}
     ended = False  # an incident removed by a recovery
-    for e in events:
-        if e.xid in ignore:
-            continue
-        if e.xid == 154 and recovery_action(e.detail) is Action.NONE:
-            ended = _recovered(incidents, e.pci, catalog, force) or ended
-        add_logged(incident(incidents, e.pci, e.xid, "kmsg", event_time(e.record) if event_time else now, touched), e)
+    if not any(run.event.xid == 154 and recovery_action(run.event.detail) is Action.NONE for run in runs):
+        # Runs of different texts count onto their incidents alike in any order; in the order each text first
+        # appears, incidents begin in the order of their first lines.
+        for run in runs:
+            _take(incidents, touched, latest, run.event, records, run.at, event_time, now)
+    else:
+        # A recovery ends incidents where it stands in the log: the lines are taken one by one, in order.
+        for i, k in sorted((i, k) for k, run in enumerate(runs) for i in run.at):
+            e = runs[k].event
+            if e.xid == 154 and recovery_action(e.detail) is Action.NONE:
+                ended = _recovered(incidents, e.pci, catalog, force) or ended
+            _take(incidents, touched, latest, e, records, (i,), event_time, now)
     for x in batch.nvml_xids:
         if x.xid in ignore:
             continue

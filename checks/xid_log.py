@@ -123,25 +123,48 @@ def parse_gpu_preamble(message: str) -> tuple[str, str] | None:
     return (_bdf(m[1], m[2], m[3], m[4]), m[5]) if m else None
 
 
-def collect(records: Iterable[LogRecord]) -> tuple[list[XidEvent], list[LoggedGpu], list[LogRecord]]:
-    """XID events, the GPUs the driver named in preamble lines, and the records that mention an XID in a form
-    not read here (an unknown driver format must surface, not vanish)."""
-    events: list[XidEvent] = []
+@dataclass(slots=True)
+class XidRun:
+    """The XID lines of one text among a batch's records: one event, logged at each of ``at`` (indices into the
+    records, in order). A flood repeats a few texts: each is read once and its lines counted, not read one by one."""
+
+    event: XidEvent  # with the first of them as its record
+    at: list[int]
+
+
+def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[LoggedGpu], list[LogRecord]]:
+    """The XID lines as runs of one text each, in the order each text first appears; the GPUs the driver named in
+    preamble lines; the records that mention an XID in a form not read here (an unknown driver format must surface,
+    not vanish)."""
+    runs: dict[str, XidRun] = {}
     logged: dict[str, LoggedGpu] = {}
     unread: list[LogRecord] = []
-    for r in records:
-        if "NVRM: " not in r.message:  # cheap filter: most kernel lines are not the NVIDIA driver's
+    for i, r in enumerate(records):
+        message = r.message
+        if "NVRM: " not in message:  # cheap filter: most kernel lines are not the NVIDIA driver's
             continue
-        event = parse_xid(r.message, r)
+        run = runs.get(message)
+        if run is not None:
+            run.at.append(i)
+            continue
+        event = parse_xid(message, r)
         if event is not None:
-            events.append(event)
+            runs[message] = XidRun(event, [i])
             continue
-        preamble = parse_gpu_preamble(r.message)
+        preamble = parse_gpu_preamble(message)
         if preamble is not None:
             logged[preamble[0]] = LoggedGpu(preamble[1], preamble[0])
-        elif XID_MARK in r.message:
+        elif XID_MARK in message:
             unread.append(r)
-    return events, list(logged.values()), unread
+    return list(runs.values()), list(logged.values()), unread
+
+
+def collect(records: Iterable[LogRecord]) -> tuple[list[XidEvent], list[LoggedGpu], list[LogRecord]]:
+    """collect_runs with one event per XID line, in the order of the lines."""
+    records = list(records)
+    runs, logged, unread = collect_runs(records)
+    lines = sorted(i for run in runs for i in run.at)
+    return [parse_xid(records[i].message, records[i]) for i in lines], logged, unread  # type: ignore[misc]
 
 
 def entity_lookup(gpus: Sequence[GpuRef]) -> Callable[[str], Entity]:

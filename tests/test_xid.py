@@ -446,3 +446,47 @@ def test_the_judgement_says_when_its_earliest_held_incident_ends():
     assert both.wake_at == 1060.0  # the XID 79 (REBOOT) holds until the next boot: no end by time
     later = CONSUMER.judge(both.state, KernelBatch([], [], "b"), cfg, 1061.0)
     assert [f.code for f in later.findings] == ["79"] and later.wake_at is None
+
+
+# --- a batch is its lines one by one (the judge takes a run of one text's lines as one step) ------------------------
+_DRIVER_LINES = (
+    "NVRM: Xid (PCI:0000:19:00): 13, pid={pid}, name=p{pid}, Graphics SM Warp Exception",
+    "NVRM: Xid (PCI:0000:19:00): 43, pid={pid}, name=train, Ch 00000008",
+    "NVRM: Xid (PCI:0000:19:00 GPU-I:0{pid}): 43, pid=7, name=t, Ch 00000001",
+    "NVRM: Xid (PCI:0000:3b:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error",
+    "NVRM: Xid (PCI:0000:3b:00): 45, pid={pid}, name=<unknown>, Ch 00000010",
+    "NVRM: Xid (PCI:0000:19:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+    "NVRM: Xid (PCI:0000:19:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)",
+    "NVRM: GPU at PCI:0000:19:00: GPU-0000000{pid}-c55b-d076-fa0e-d464e4c7e08b",
+    "NVRM: Xid PCI:0000:19:00 79 (a form the driver does not print)",
+    "pci 0000:19:00.0: enabling device (0000 -> 0002)",
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.tuples(st.integers(0, len(_DRIVER_LINES) - 1), st.integers(1, 13), st.integers(-50, 50)),
+                      max_size=60),
+       ignore=st.sampled_from([[], [43], [154]]), fail=st.sampled_from([[], [13]]), hold=st.booleans(),
+       timed=st.booleans())
+def test_a_batch_is_judged_as_its_lines_one_by_one(lines, ignore, fail, hold, timed):
+    """Lines of one text count onto their incident in one step: the incidents, their first and last lines, counts,
+    pids (ten at most, in the order seen) and latest times, and the findings are those of judging each line alone,
+    in order; a recovery (XID 154 to None) ends incidents where it stands."""
+    from gpuwarden.agent.kernel_log import parse_kmsg_text
+    from gpuwarden.agent.passive import KernelBatch
+    from gpuwarden.checks.xid import CONSUMER
+
+    usec, text = 10_000_000, []
+    for seq, (which, pid, step) in enumerate(lines):
+        usec += step * 1000  # now and then earlier than the line before: the latest time is the largest, not the last
+        text.append(f"4,{seq},{usec},-;" + _DRIVER_LINES[which].format(pid=pid) + "\n")
+    records, errors = parse_kmsg_text("".join(text), "kmsg")
+    assert not errors and len(records) == len(lines)
+    cfg = {**DEFAULTS, "ignore_xids": ignore, "fail_xids": fail, "hold_s": 1e9}
+    event_time = (lambda r: r.usec / 1e6) if timed else None
+    whole = CONSUMER.judge({}, KernelBatch(records, [], "b", event_time=event_time), cfg, 5000.0, hold=hold)
+    one = CONSUMER.judge({}, KernelBatch([], [], "b", event_time=event_time), cfg, 5000.0, hold=hold)
+    for r in records:
+        one = CONSUMER.judge(one.state, KernelBatch([r], [], "b", event_time=event_time), cfg, 5000.0, hold=hold)
+    assert whole.state == one.state
+    assert whole.findings == one.findings
