@@ -363,3 +363,80 @@ def test_the_breaker_and_the_spare_plan_read_the_local_schedulers_view(local, cl
     assert wants_back_in_pool(local.nodes(), "r0-n0", SparePolicy())
     local.return_to_pool("r0-n0", "r0")
     assert not wants_back_in_pool(local.nodes(), "r0-n1", SparePolicy(per_domain=1))
+
+
+# -- the actions log holds each change once, whatever a crash cuts short ---------------------------------------------
+def _crash_in(tmp_path: Path, where: str) -> None:
+    """A process that drains n1 and is killed (SIGKILL) at `where`: "commit" (the change committed, its line not yet
+    written), "written" (the line written, its row in the database not yet forgotten)."""
+    import os
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: dies where told, as a kill -9 would leave it
+        try:
+            def die(*_args, **_kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            if where == "commit":
+                LocalAdapter._flush = die  # type: ignore[method-assign]
+            else:
+                real = os.fsync
+                os.fsync = lambda fd: (real(fd), die())  # the line on disk, then the end
+            LocalAdapter(tmp_path / "actions.jsonl").drain("n1", "xid 79")
+        finally:
+            os._exit(3)  # not reached when the kill lands
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+@pytest.mark.parametrize("where", ["commit", "written"])
+def test_a_crash_during_a_call_neither_loses_nor_repeats_its_line(tmp_path, where):
+    a = LocalAdapter(tmp_path / "actions.jsonl")
+    a.cordon("n0", "xid 13")
+    _crash_in(tmp_path, where)
+    assert a.node("n1").service is Service.DRAINED  # the change stands
+    on_disk = [json.loads(line) for line in (tmp_path / "actions.jsonl").read_text().splitlines()]
+    assert [e["node"] for e in on_disk] == (["n0"] if where == "commit" else ["n0", "n1"])
+    a.resume("n0")  # the next call writes what the crash left in the database, once, before its own line
+    log = a.actions()
+    assert [(e["action"], e["node"], e["changed"]) for e in log] == [
+        ("cordon", "n0", True), ("drain", "n1", True), ("resume", "n0", True)]
+    ids = [e["id"] for e in log]
+    assert len(set(ids)) == 3 and [int(i.split(":")[1]) for i in ids] == sorted(int(i.split(":")[1]) for i in ids)
+    assert LocalAdapter(tmp_path / "actions.jsonl").actions() == log  # read again: nothing more written
+    with sqlite3.connect(a.db) as db:
+        assert db.execute("SELECT count(*) FROM actions_outbox").fetchone()[0] == 0
+
+
+def test_a_torn_last_line_stays_apart_and_a_log_that_cannot_be_written_waits(tmp_path, clock):
+    a = LocalAdapter(tmp_path / "actions.jsonl", clock=clock)
+    a.drain("n1", "xid 79")
+    with open(a.path, "a") as f:
+        f.write('{"action": "dr')  # a line a crash left torn
+    a.resume("n1")
+    lines = a.path.read_text().splitlines()
+    assert lines[1] == '{"action": "dr' and json.loads(lines[2])["action"] == "resume"
+    assert [e["action"] for e in a.actions()] == ["drain", "resume"]
+    # The log cannot be written (a folder stands where it should be): the calls act, their lines wait.
+    blocked = LocalAdapter(tmp_path / "blocked" / "actions.jsonl", db=a.db, clock=clock)
+    blocked.path.mkdir(parents=True)
+    blocked.cordon("n2", "xid 13")
+    blocked.publish_domain("n2", "rack1")
+    assert blocked.node("n2").service is Service.CORDONED and blocked.node("n2").domain == "rack1"
+    with sqlite3.connect(a.db) as db:
+        assert db.execute("SELECT count(*) FROM actions_outbox").fetchone()[0] == 2
+    blocked.path.rmdir()
+    assert [(e["action"], e["node"]) for e in blocked.actions()] == [("cordon", "n2"), ("publish_domain", "n2")]
+    assert [e["action"] for e in a.actions()] == ["drain", "resume"]  # each log gets its own lines only
+
+
+def test_lines_of_a_database_made_again_are_told_from_the_old_ones(tmp_path):
+    a = LocalAdapter(tmp_path / "actions.jsonl")
+    a.drain("n1", "xid 79")
+    a.db.unlink()  # moved aside: the next call starts an empty one, whose row ids begin again
+    b = LocalAdapter(tmp_path / "actions.jsonl")
+    b.drain("n1", "xid 79")
+    log = b.actions()
+    assert [(e["action"], e["changed"]) for e in log] == [("drain", True), ("drain", True)]
+    assert log[0]["id"].split(":")[0] != log[1]["id"].split(":")[0]

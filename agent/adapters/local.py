@@ -10,7 +10,9 @@ them gets it) bounded by SQLite's busy timeout (`timeout_s`; a database held lon
 database that is not one (corrupt, another program's, unreadable) raises `LocalDatabaseError` naming the file.
 
 Every call that changes (or would have changed) the scheduler's state is also written as one JSON line to the
-actions log (`path`, `<state-dir>/actions.jsonl`), with `changed` false for a repeat that found nothing to do.
+actions log (`path`, `<state-dir>/actions.jsonl`), with `changed` false for a repeat that found nothing to do, and
+exactly once: the line is stored in the call's transaction and appended after it with its id (`_logged`), so a crash
+between the two leaves it for the next call to append, and one already appended is not appended again.
 `apply(action, detail)` writes only that line and acts on nothing: it records what the agent *would* do in
 dry-run mode (`actions()` reads the log back). It is called from the daemon's action worker (never under the
 lock detection holds), one intent at a time, and is idempotent by construction (a replay writes the line again,
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import sqlite3
 import threading
 import time
@@ -63,6 +67,13 @@ CREATE INDEX nodes_taken_for ON nodes (taken_for);
 # database of schema 1 in place (an older file has no such table: nothing is held there).
 _SWEEP_HOLDS = ("CREATE TABLE IF NOT EXISTS sweep_holds (node TEXT PRIMARY KEY, sweep TEXT NOT NULL, "
                 "until REAL NOT NULL)")
+# The actions log's lines not yet written to it (`_logged`): each is added in the transaction of the change it logs
+# and forgotten once written, with the id "<instance>:<row id>" that finds it there after a crash. The instance, made
+# with the file, tells this database's ids from those of one it replaced.
+_OUTBOX = "CREATE TABLE IF NOT EXISTS actions_outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, log TEXT NOT NULL, " \
+          "entry TEXT NOT NULL)"
+MAX_PENDING = 10_000  # lines kept for a log that cannot be written; past this the oldest are dropped
+TAIL_BYTES = 1 << 20  # of the log read to find the last line written
 _COLUMNS = "name, hold, reason, reason_since, ours, quarantined, domain, spare, jobs, down"
 # SQLite's primary error names: held by another process (retry), or a file that is not a usable database.
 _BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
@@ -86,6 +97,7 @@ class LocalAdapter:
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and 0 < timeout_s <= 600):
             raise ValueError(f"local adapter timeout_s must be from 0 to 600 seconds, not {timeout_s!r}")
         self.path = Path(path)
+        self._log_key = str(self.path.absolute())  # the log's lines in the database (a fleet's logs share it)
         self.db = Path(db) if db is not None else self.path.parent / "local-scheduler.db"
         self.timeout_s = float(timeout_s)
         self.node_name = node_name
@@ -104,7 +116,10 @@ class LocalAdapter:
         log.info("would act", action=action, reason=detail.get("reason", ""))
 
     def actions(self) -> list[dict[str, Any]]:
-        """The actions log, oldest first; a line a crash left torn is skipped."""
+        """The actions log, oldest first, with the lines a crash left in the database written first; a line a crash
+        left torn is skipped."""
+        if self.db.exists():  # never made by reading: a dry run has no database
+            self._flush()
         if not self.path.exists():
             return []
         out = []
@@ -169,7 +184,7 @@ class LocalAdapter:
             db.execute("UPDATE nodes SET hold = ?, reason = ?, reason_since = ?, ours = 1, quarantined = ?, "
                        "spare = 0, taken_for = NULL WHERE name = ?", (new_hold, reason, since, quarantined, node))
             return True
-        self._done(action, node, self._write(change), reason=reason)
+        self._logged(action, node, change, reason=reason)
 
     def resume(self, node: str) -> None:
         node = _name(node, "node")
@@ -185,7 +200,7 @@ class LocalAdapter:
                        "quarantined = 0, spare = 0, taken_for = NULL WHERE name = ?", (node,))
             db.execute("UPDATE nodes SET taken_for = NULL WHERE taken_for = ?", (node,))
             return True
-        self._done("resume", node, self._write(change))
+        self._logged("resume", node, change)
 
     def publish_domain(self, node: str, domain: str) -> None:
         node, domain = _name(node, "node"), _name(domain, "domain")
@@ -194,7 +209,7 @@ class LocalAdapter:
             self._ensure(db, node)
             return db.execute("UPDATE nodes SET domain = ? WHERE name = ? AND domain IS NOT ?",
                               (domain, node, domain)).rowcount > 0
-        self._done("publish_domain", node, self._write(change), domain=domain)
+        self._logged("publish_domain", node, change, domain=domain)
 
     def take_spare(self, domain: str, for_node: str) -> str | None:
         domain, for_node = _name(domain, "domain"), _name(for_node, "node")
@@ -215,8 +230,7 @@ class LocalAdapter:
             db.execute("UPDATE nodes SET hold = 'none', reason = NULL, reason_since = NULL, ours = 0, quarantined = 0,"
                        " spare = 0, taken_for = ? WHERE name = ?", (for_node, candidates[0]))
             return candidates[0], True
-        spare, changed = self._write(take)
-        self._done("take_spare", for_node, changed, domain=domain, spare=spare)
+        spare, _ = self._logged("take_spare", for_node, take, lambda taken: {"spare": taken[0]}, domain=domain)
         return spare
 
     def return_to_pool(self, node: str, domain: str) -> None:
@@ -236,7 +250,7 @@ class LocalAdapter:
                                                                                    node))
             db.execute("UPDATE nodes SET taken_for = NULL WHERE taken_for = ?", (node,))
             return True
-        self._done("return_to_pool", node, self._write(change), domain=domain)
+        self._logged("return_to_pool", node, change, domain=domain)
 
     def hold_for_sweep(self, sweep: str, nodes: Sequence[str], for_s: float) -> None:
         """Holds `nodes` for a sweep for at most `for_s` seconds: take_spare passes them over until then (a spare in
@@ -247,13 +261,13 @@ class LocalAdapter:
         def change(db: sqlite3.Connection) -> bool:
             db.executemany("INSERT OR REPLACE INTO sweep_holds VALUES (?, ?, ?)", [(n, sweep, until) for n in names])
             return bool(names)
-        self._done("hold_for_sweep", ",".join(names)[:MAX_REASON], self._write(change), sweep=sweep, until=until)
+        self._logged("hold_for_sweep", ",".join(names)[:MAX_REASON], change, sweep=sweep, until=until)
 
     def release_sweep(self, sweep: str) -> None:
         def change(db: sqlite3.Connection) -> bool:
             return db.execute("DELETE FROM sweep_holds WHERE sweep = ? OR until <= ?",
                               (sweep, self._clock())).rowcount > 0
-        self._done("release_sweep", sweep, self._write(change))
+        self._logged("release_sweep", sweep, change)
 
     # -- the world outside the agent (demo, fleet simulator) ----------------------------------------------------------
     def admin_drain(self, node: str, reason: str) -> None:
@@ -266,7 +280,7 @@ class LocalAdapter:
             db.execute("UPDATE nodes SET hold = 'drain', reason = ?, reason_since = ?, ours = 0, quarantined = 0, "
                        "spare = 0 WHERE name = ?", (reason, self._clock(), node))
             return True
-        self._done("admin_drain", node, self._write(change), reason=reason)
+        self._logged("admin_drain", node, change, reason=reason)
 
     def admin_resume(self, node: str) -> None:
         """An administrator puts `node` back in service, whoever held it."""
@@ -276,7 +290,7 @@ class LocalAdapter:
             self._ensure(db, node)
             return db.execute("UPDATE nodes SET hold = 'none', reason = NULL, reason_since = NULL, ours = 0, "
                               "quarantined = 0, spare = 0 WHERE name = ? AND hold != 'none'", (node,)).rowcount > 0
-        self._done("admin_resume", node, self._write(change))
+        self._logged("admin_resume", node, change)
 
     def set_down(self, node: str, down: bool = True) -> None:
         """The scheduler loses (or finds again) `node`'s daemon."""
@@ -286,7 +300,7 @@ class LocalAdapter:
             self._ensure(db, node)
             return db.execute("UPDATE nodes SET down = ? WHERE name = ? AND down != ?",
                               (int(bool(down)), node, int(bool(down)))).rowcount > 0
-        self._done("set_down", node, self._write(change), down=bool(down))
+        self._logged("set_down", node, change, down=bool(down))
 
     def set_jobs(self, node: str, jobs: int | None) -> None:
         """Work running on `node` (None: not known). A drain with work left shows as cordoned until it ends."""
@@ -337,6 +351,9 @@ class LocalAdapter:
                     found = None
                 if found == str(SCHEMA_VERSION):
                     db.execute(_SWEEP_HOLDS)
+                    db.execute(_OUTBOX)
+                    db.execute("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)",
+                               (secrets.token_hex(8),))
                 db.execute("COMMIT")
             finally:
                 if db.in_transaction:
@@ -398,15 +415,85 @@ class LocalAdapter:
             raise Refused(f"{node}: not in the local scheduler ({self.db})")
         return _view(row)
 
-    def _done(self, action: str, node: str, changed: bool, **detail: Any) -> None:
-        entry = {"action": action, "at": self._clock(), "node": node, "changed": bool(changed), **detail}
+    def _logged(self, action: str, node: str, change: Callable[[sqlite3.Connection], Any],
+                detail_of: Callable[[Any], dict[str, Any]] | None = None, **detail: Any) -> Any:
+        """Runs `change` (it returns whether it changed the scheduler's state, or (its value, whether)) in one
+        transaction with the actions log's line for it, then writes the line to the log (`_flush`): a crash between
+        the two leaves the line in the database, and the next call writes it. Returns what `change` returned."""
+
+        def step(db: sqlite3.Connection) -> tuple[Any, dict[str, Any]]:
+            out = change(db)
+            changed = out[1] if isinstance(out, tuple) else out
+            entry = {"action": action, "at": self._clock(), "node": node, "changed": bool(changed), **detail,
+                     **(detail_of(out) if detail_of is not None else {})}
+            db.execute("INSERT INTO actions_outbox (log, entry) VALUES (?, ?)",
+                       (self._log_key, json.dumps(entry, sort_keys=True)))
+            # Bounded while the log cannot be written: the oldest lines go first (ids are shared by every log).
+            db.execute("DELETE FROM actions_outbox WHERE log = ? AND id <= (SELECT max(id) FROM actions_outbox) - ?",
+                       (self._log_key, MAX_PENDING))
+            return out, entry
+
+        out, entry = self._write(step)
         log.info("local scheduler", **entry)
-        try:
+        self._flush()
+        return out
+
+    def _flush(self) -> None:
+        """Appends the lines the database holds for this log, in order, each with its id, and forgets them, in one
+        transaction: a line written whose row a crash kept is found by its id at the log's end and not written again.
+        A log that cannot be written keeps its lines in the database for the next call (MAX_PENDING at most)."""
+
+        def flush(db: sqlite3.Connection) -> None:
+            rows = db.execute("SELECT id, entry FROM actions_outbox WHERE log = ? ORDER BY id",
+                              (self._log_key,)).fetchall()
+            if not rows:
+                return
+            instance = db.execute("SELECT value FROM gpuwarden_local_scheduler WHERE key = 'instance'").fetchone()[0]
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._lock, open(self.path, "a") as f:
-                f.write(json.dumps(entry, sort_keys=True) + "\n")
-        except OSError as exc:  # the scheduler's state is the database; a log that cannot be written loses a line
-            log.error("actions log not written", path=str(self.path), error=str(exc), action=action, node=node)
+            with self._lock, open(self.path, "a+b") as f:
+                written, torn = _last_written(f, instance)
+                out = [b""] if not torn else [b"\n"]  # a line a crash cut short stays a line of its own (skipped)
+                for row_id, entry in rows:
+                    if row_id > written:
+                        out.append((json.dumps({**json.loads(entry), "id": f"{instance}:{row_id}"},
+                                               sort_keys=True) + "\n").encode())
+                f.write(b"".join(out))
+                f.flush()
+                os.fsync(f.fileno())  # on disk before its rows are forgotten
+            db.execute("DELETE FROM actions_outbox WHERE log = ? AND id <= ?", (self._log_key, rows[-1][0]))
+
+        try:
+            self._write(flush)
+        except (OSError, Transient, Refused) as exc:
+            # The scheduler's state is the database, and the change stands; its line waits there for the next call.
+            log.error("actions log not written; its lines are kept for the next call", path=str(self.path),
+                      error=str(exc))
+
+
+def _last_written(f: Any, instance: str) -> tuple[int, bool]:
+    """The highest row id of `instance` among the complete lines of the log's last TAIL_BYTES (0: none there), and
+    whether the log ends in a line a crash cut short. The rows not yet forgotten were written after every other line
+    of this database, so the last line with one of its ids is the last written."""
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if size == 0:
+        return 0, False
+    start = max(0, size - TAIL_BYTES)
+    f.seek(start)
+    tail = f.read(size - start)
+    lines = tail.split(b"\n")
+    torn = lines.pop() != b""  # after the last newline: empty, or a line cut short
+    mark = f'"id": "{instance}:'.encode()
+    for line in reversed(lines[1:] if start > 0 else lines):  # the first may be the end of a longer line
+        if mark in line:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            ident = entry.get("id") if isinstance(entry, dict) else None
+            if isinstance(ident, str) and ident.startswith(f"{instance}:") and ident[len(instance) + 1:].isdigit():
+                return int(ident[len(instance) + 1:]), torn
+    return 0, torn
 
 
 def _view(row: tuple) -> NodeView:
