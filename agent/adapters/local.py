@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -353,7 +352,7 @@ class LocalAdapter:
                     db.execute(_SWEEP_HOLDS)
                     db.execute(_OUTBOX)
                     db.execute("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)",
-                               (secrets.token_hex(8),))
+                               (os.urandom(8).hex(),))
                 db.execute("COMMIT")
             finally:
                 if db.in_transaction:
@@ -494,6 +493,13 @@ def _last_written(f: Any, instance: str) -> tuple[int, bool]:
             if isinstance(ident, str) and ident.startswith(f"{instance}:") and ident[len(instance) + 1:].isdigit():
                 return int(ident[len(instance) + 1:]), torn
     return 0, torn
+
+
+def read_views(db: sqlite3.Connection, names: Sequence[str]) -> list[NodeView]:
+    """The views of the nodes `names` that a local scheduler database (`db`, a connection open on it) holds: a
+    reader that keeps its own connection (the fleet simulator reads after each call)."""
+    marks = ",".join("?" * len(names))
+    return [_view(r) for r in db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE name IN ({marks})", list(names))]
 
 
 def _view(row: tuple) -> NodeView:
