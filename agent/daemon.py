@@ -302,28 +302,8 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             self._spawn("retest", self._retest)
 
     def _intents(self, t: Transition) -> list[Intent]:
-        """The transition's intents, each with what carrying it out needs (the GPUs to reset, the boot a reboot
-        leaves, the finding a ticket carries), and a spare's swap when the node is quarantined in a known domain.
-        The key is the transition itself: a crash between commit and carrying out finds the same key again."""
-        base = {"at": t.at, "from": t.frm.value, "to": t.to.value, "reason": t.reason}
-        worst = _worst_fault(self._active())
-        actions = list(t.actions)
-        if ("drain" in actions and self.opt.domain and self.engine.settings.swap
-                and t.to is NodeState.QUARANTINED):
-            actions.append("take_spare")
-        out: list[Intent] = []
-        for a in actions:
-            detail = dict(base)
-            if a == "reset_gpu":
-                detail["gpus"] = _fault_gpus(self._active())
-            elif a == "reboot":
-                detail["boot_id"] = self.node.info.boot_id
-            elif a in ("ticket", "cordon", "drain"):  # the ticket's input; the scheduler's reason names it
-                detail["finding"] = worst.to_dict() if worst else None
-            elif a in ("take_spare", "return_to_pool"):
-                detail["domain"] = self.opt.domain
-            out.append((f"{t.at:.6f}:{t.frm.value}->{t.to.value}:{a}", a, detail))
-        return out
+        return transition_intents(t, self._active(), self.opt.domain, self.engine.settings.swap,
+                                  self.node.info.boot_id)
 
     def _intent_done(self, key: str, at: float, outcome: str) -> None:
         with self._lock:
@@ -607,6 +587,32 @@ def _differs(old: CheckRecord | None, new: CheckRecord, durable: Callable[[Any],
 
 def _faults(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.status is Status.FAIL and f.action >= Action.DRAIN]
+
+
+def transition_intents(t: Transition, active: list[Finding], domain: str | None, swap: bool,
+                       boot_id: str | None) -> list[Intent]:
+    """The transition's intents, each with what carrying it out needs (the GPUs to reset, the boot a reboot leaves,
+    the finding a ticket carries), and a spare's swap when the node is quarantined in a known domain (`swap`: the
+    remediation's setting). `active`: the node's findings now. The key is the transition itself: a crash between
+    commit and carrying out finds the same key again."""
+    base = {"at": t.at, "from": t.frm.value, "to": t.to.value, "reason": t.reason}
+    worst = _worst_fault(active)
+    actions = list(t.actions)
+    if "drain" in actions and domain and swap and t.to is NodeState.QUARANTINED:
+        actions.append("take_spare")
+    out: list[Intent] = []
+    for a in actions:
+        detail = dict(base)
+        if a == "reset_gpu":
+            detail["gpus"] = _fault_gpus(active)
+        elif a == "reboot":
+            detail["boot_id"] = boot_id
+        elif a in ("ticket", "cordon", "drain"):  # the ticket's input; the scheduler's reason names it
+            detail["finding"] = worst.to_dict() if worst else None
+        elif a in ("take_spare", "return_to_pool"):
+            detail["domain"] = domain
+        out.append((f"{t.at:.6f}:{t.frm.value}->{t.to.value}:{a}", a, detail))
+    return out
 
 
 def _worst_fault(findings: list[Finding]) -> Finding | None:

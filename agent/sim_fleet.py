@@ -6,9 +6,9 @@ size) over simulated days.
 What is the real code, driven on a simulated clock (the LocalAdapter's `clock=`, the engine's `clock=`):
 - the node state machine: `agent/state.py` `next_state` and `wants_retest` decide every transition of a node
   that fails (HEALTHY -> CORDONED -> QUARANTINED, the recovery ladder's ticket, the retest, back to HEALTHY);
-- the daemon's turn of a transition into intents (`Daemon._intents`: the cordon, drain, ticket, resume, and the
-  take_spare a quarantine in a known NVLink domain adds), called on a stand-in for the daemon that holds only
-  what it reads (the active findings, the domain, the swap setting);
+- the daemon's turn of a transition into intents (`agent/daemon.py` `transition_intents`: the cordon, drain,
+  ticket, resume, and the take_spare a quarantine in a known NVLink domain adds), given the node's active
+  findings, its domain and the swap setting;
 - the remediation engine (`agent/remediation.py` `Engine`, mode "act"), one per node that ever fails, made when
   it first fails: it carries the intents out, asks the circuit breaker (`agent/breaker.py`) before taking a node
   out of service, plans and takes spares (`agent/spares.py` `plan_swap`, `wants_back_in_pool`), and latches
@@ -58,8 +58,8 @@ from typing import Any, Iterator
 
 from . import logs
 from .adapters.base import NodeView, Service
-from .adapters.local import _COLUMNS, LocalAdapter, _view
-from .daemon import Daemon
+from .adapters.local import LocalAdapter, read_views
+from .daemon import transition_intents
 from .model import Action, Entity, Finding, Status
 from .remediation import RESET_AT_KEY, Engine, Hooks, Settings
 from .state import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
@@ -181,9 +181,7 @@ class _Scheduler:
     def reread(self, *names: str) -> None:
         if self._db is None:
             self._db = sqlite3.connect(str(self.real.db), isolation_level=None)
-        marks = ",".join("?" * len(names))
-        for row in self._db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE name IN ({marks})", names):
-            view = _view(row)
+        for view in read_views(self._db, names):
             old = self.views.get(view.name)
             self.views[view.name] = view
             if old != view:
@@ -261,28 +259,6 @@ class _Recovery:
         return self._Outcome(True, "simulated ticket")
 
 
-class _Agent:
-    """What `Daemon._intents` reads of the daemon: the node's active findings, its domain and the swap setting."""
-
-    def __init__(self, fleet: "Fleet", i: int, engine: Engine):
-        self._fleet, self._i, self.engine = fleet, i, engine
-        self.opt = _Opt(fleet.domain_of(i))
-        self.node = _Node()
-
-    def _active(self) -> list[Finding]:
-        return self._fleet.findings(self._i)
-
-
-@dataclass
-class _Opt:
-    domain: str | None
-
-
-class _Node:
-    class info:  # noqa: N801 - the shape the daemon reads (node.info.boot_id)
-        boot_id = "simulated"
-
-
 class Fleet:
     """One simulation run. `run()` returns the Report; `transitions` and `intents` keep what the real code did."""
 
@@ -297,7 +273,6 @@ class Fleet:
         self.hw_ok = [True] * self.n
         self.records: dict[int, NodeRecord] = {}
         self.engines: dict[int, Engine] = {}
-        self.agents: dict[int, _Agent] = {}
         self.slice_of = [-1] * self.n
         self.cat = [""] * self.n
         self.count = dict.fromkeys(CATEGORIES, 0)
@@ -483,7 +458,6 @@ class Fleet:
                                 spares=dict(self.settings.spares), ticket_command=("simulated-ticket",))
             engine = self.engines[i] = Engine(self.scheduler, settings, hooks, domain=self.domain_of(i),
                                               clock=self.clock, lock=self._lock, recovery=_Recovery())
-            self.agents[i] = _Agent(self, i, engine)
         return engine
 
     def _observe(self, i: int, retest: bool | None = None) -> None:
@@ -494,7 +468,8 @@ class Fleet:
         if transition is not None:
             name = self.names[i]
             self.transitions.append((name, transition))
-            engine.enqueue(Daemon._intents(self.agents[i], transition))  # type: ignore[arg-type]
+            engine.enqueue(transition_intents(transition, self.findings(i), self.domain_of(i), engine.settings.swap,
+                                              "simulated"))
             self._drive(i)
         if wants_retest(new, self.now, DEFAULT_POLICY):
             if i not in self._pending_retest:
