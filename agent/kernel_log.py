@@ -74,9 +74,9 @@ def gc_paused() -> Iterator[None]:
 # accepts on ASCII text, so not "", "-1", " 5", "1_0" that int() would take), the flags run to the first
 # ';' in ASCII, and the bounds (10 + 20 + 20 + 30 + 3 separators = 83) keep the header under 96
 # characters (int() refuses > 4300 digits) without a lookahead: that lookahead cost ~15% of the regex
-# time. A well-formed header past these bounds (a 21-digit seq, long flags) goes to _kmsg_line, which is
+# time. A well-formed header past these bounds (a 21-digit seq, long flags) goes to kmsg_line, which is
 # the exact test. Possessive quantifiers: nothing needs backtracking, and a long bad line stays linear.
-_KMSG_ROW = re.compile(r"^(?:([0-9]{1,10}+),([0-9]{1,20}+),([0-9]{1,20}+),[\x00-\t\x0b-:<-\x7f]{0,30}+;)?+(.*+)", re.M)
+KMSG_ROW = re.compile(r"^(?:([0-9]{1,10}+),([0-9]{1,20}+),([0-9]{1,20}+),[\x00-\t\x0b-:<-\x7f]{0,30}+;)?+(.*+)", re.M)
 _U64 = 1 << 64
 _CHUNK = 1 << 16  # characters of text per findall, cut at a line end
 _LEVEL = {str(p): p & 7 for p in range(192)}  # prio = facility * 8 + level; facilities 0..23
@@ -84,8 +84,8 @@ _FACILITY = {str(p): p >> 3 for p in range(192)}
 
 
 def _kmsg_rows(text: str) -> Iterator[list[tuple[str, str, str, str]]]:
-    """The rows of _KMSG_ROW for every line of ``text`` (blank ones included), a chunk at a time."""
-    findall = _KMSG_ROW.findall
+    """The rows of KMSG_ROW for every line of ``text`` (blank ones included), a chunk at a time."""
+    findall = KMSG_ROW.findall
     n, pos = len(text), 0
     while pos <= n:
         end = text.find("\n", pos + _CHUNK)
@@ -97,7 +97,7 @@ def _kmsg_rows(text: str) -> Iterator[list[tuple[str, str, str, str]]]:
         pos = end + 1
 
 
-def _kmsg_record(message: str, lineno: int, source: str, prio: str, seq: str, usec: str) -> LogRecord:
+def kmsg_record(message: str, lineno: int, source: str, prio: str, seq: str, usec: str) -> LogRecord:
     try:
         level, facility = _LEVEL[prio], _FACILITY[prio]
     except KeyError:  # "0006", or a prio past the 24 facilities: still a number
@@ -108,8 +108,8 @@ def _kmsg_record(message: str, lineno: int, source: str, prio: str, seq: str, us
     return r
 
 
-def _kmsg_line(line: str, source: str, lineno: int) -> LogRecord | ParseError:
-    """The exact per-line test, for a line _KMSG_ROW did not take as a record: a ParseError, or the record
+def kmsg_line(line: str, source: str, lineno: int) -> LogRecord | ParseError:
+    """The exact per-line test, for a line KMSG_ROW did not take as a record: a ParseError, or the record
     for a well-formed header beyond the regex's bounds."""
     head, sep, message = line.partition(";")
     header = head.split(",", 3)  # prio, seq, usec, flags[,more]
@@ -120,7 +120,7 @@ def _kmsg_line(line: str, source: str, lineno: int) -> LogRecord | ParseError:
         # number fits the kernel's u64 (seq and the timestamp are u64; prio far less).
         if (prio.isdigit() and seq.isdigit() and usec.isdigit() and max(len(prio), len(seq), len(usec)) <= 20
                 and max(int(prio), int(seq), int(usec)) < _U64):
-            return _kmsg_record(message, lineno, source, prio, seq, usec)
+            return kmsg_record(message, lineno, source, prio, seq, usec)
     return ParseError(_kmsg_complaint(line, sep, header), source, lineno)
 
 
@@ -158,7 +158,7 @@ def parse_kmsg_text(text: str, source: str) -> tuple[list[LogRecord], list[Parse
                     r.__class__ = record_type
                     append(r)
                 elif message and message[0] != " ":  # not blank, not a continuation line: the whole line
-                    one = _kmsg_line(message, source, lineno)
+                    one = kmsg_line(message, source, lineno)
                     (errors if type(one) is ParseError else records).append(one)
     return records, errors
 
@@ -195,9 +195,9 @@ def parse_kmsg_filtered(text: str, source: str, keep: Callable[[str], object]) -
                 if prio:
                     last = seq
                     if keep(message):
-                        records.append(_kmsg_record(message, lineno, source, prio, seq, usec))
+                        records.append(kmsg_record(message, lineno, source, prio, seq, usec))
                 elif message and message[0] != " ":
-                    one = _kmsg_line(message, source, lineno)
+                    one = kmsg_line(message, source, lineno)
                     if type(one) is ParseError:
                         errors.append(one)
                     else:
@@ -347,11 +347,11 @@ def parse_line(line: str, lineno: int, source: str, kmsg: bool) -> LogRecord | P
     that format (raw kmsg or not): its record, the ParseError of a malformed kmsg record, or None (a blank line, a
     kmsg continuation line)."""
     if kmsg:
-        prio, seq, usec, message = _KMSG_ROW.match(line).groups()  # type: ignore[union-attr]  # always matches
+        prio, seq, usec, message = KMSG_ROW.match(line).groups()  # type: ignore[union-attr]  # always matches
         if prio:
-            return _kmsg_record(message, lineno, source, prio, seq, usec)
+            return kmsg_record(message, lineno, source, prio, seq, usec)
         if message and message[0] != " ":
-            return _kmsg_line(message, source, lineno)
+            return kmsg_line(message, source, lineno)
         return None
     if line and not line.isspace():
         _, message, timestamp, usec, priority, seq = classify_line(line)

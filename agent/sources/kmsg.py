@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import logs
 from ..errors import ParseError, SourceError
-from ..kernel_log import (_KMSG_ROW, KmsgBatch, LogRecord, _kmsg_line, _kmsg_record, parse_kmsg_filtered,
+from ..kernel_log import (KMSG_ROW, KmsgBatch, LogRecord, kmsg_line, kmsg_record, parse_kmsg_filtered,
                           parse_kmsg_text)
 from . import confine
 from .inotify import FolderWaiter
@@ -269,7 +269,7 @@ class KmsgFollower:
             self._pending, self._skipping = b"", True
 
 
-# The header _KMSG_ROW takes as a record, after a newline that starts a line it would not take (and that is neither
+# The header KMSG_ROW takes as a record, after a newline that starts a line it would not take (and that is neither
 # blank nor a " KEY=value" continuation): the lines the exact per-line test must see. A literal first byte: the
 # search runs at C speed over a piece and, on a well-formed log, finds nothing.
 _HEADER = rb"[0-9]{1,10}+,[0-9]{1,20}+,[0-9]{1,20}+,[\x00-\t\x0b-:<-\x7f]{0,30}+;"
@@ -322,12 +322,12 @@ class _Scan:
 
     def _line(self, raw: bytes, lineno: int) -> LogRecord | None:
         """The record of one line (decoded as the whole text would be); a malformed one is kept in `errors`."""
-        prio, seq, usec, message = _KMSG_ROW.match(raw.decode(errors="replace")).groups(default="")
+        prio, seq, usec, message = KMSG_ROW.match(raw.decode(errors="replace")).groups(default="")
         if prio:
-            return _kmsg_record(message, lineno, self.source, prio, seq, usec)
+            return kmsg_record(message, lineno, self.source, prio, seq, usec)
         if not message or message[0] == " ":
             return None  # blank, or a record's " KEY=value" continuation
-        one = _kmsg_line(message, self.source, lineno)
+        one = kmsg_line(message, self.source, lineno)
         if type(one) is ParseError:
             self.errors.append(one)
             return None
@@ -339,12 +339,12 @@ class _Scan:
         stop = end - 1  # the newline ending the last line
         while stop >= 0:
             start = buf.rfind(b"\n", 0, stop) + 1
-            prio, seq, _usec, message = _KMSG_ROW.match(buf[start:stop].decode(errors="replace")).groups(default="")
+            prio, seq, _usec, message = KMSG_ROW.match(buf[start:stop].decode(errors="replace")).groups(default="")
             if prio:
                 self.last = int(seq)
                 return
             if message and message[0] != " ":
-                one = _kmsg_line(message, self.source, 0)
+                one = kmsg_line(message, self.source, 0)
                 if type(one) is not ParseError:
                     self.last = one.seq
                     return
