@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
+from .flag_values import parse_float, parse_int, shown, split_list
 
 MAX_RACKS = 1_000_000
 MAX_NODES_PER_RACK = 10_000
@@ -26,61 +27,9 @@ MAX_POINTS = 1_001
 # Each point costs a pass over the rack's binomial (N + 1 terms); this many terms in all is about a second or two,
 # so a 10,000-node rack takes up to 199 points, an 18-node rack the full MAX_POINTS.
 MAX_TERMS = 2_000_000
-# Longer than any number a person types; keeps int()/float() away from thousand-digit strings.
-MAX_NUMBER_CHARS = 32
-MAX_LIST_CHARS = 4_096
 DEFAULT_STEP = 1.0  # percentage points between the values of "A..B"
 
 JSON_VERSION = 1
-
-
-# -- flags: every number is hostile until it is finite, bounded and named -----------------------------------------
-def shown(text: object) -> str:
-    """A flag's value as an error message quotes it: cut short, so a hostile value is not echoed back whole."""
-    s = str(text)
-    return repr(s if len(s) <= 40 else s[:40] + "…")
-
-
-def parse_int(text: str, flag: str, lo: int, hi: int) -> int:
-    """A whole number in [lo, hi]; anything else is a ConfigError naming the flag."""
-    s = str(text).strip()
-    digits = s[1:] if s[:1] in ("+", "-") else s
-    if not s or len(s) > MAX_NUMBER_CHARS or not s.isascii() or not digits.isdigit():
-        raise ConfigError(f"{flag} {shown(text)}: expected a whole number in [{lo:,}, {hi:,}]")
-    value = int(s)
-    if not lo <= value <= hi:
-        raise ConfigError(f"{flag} {value:,}: expected a whole number in [{lo:,}, {hi:,}]")
-    return value
-
-
-def parse_float(text: str, flag: str, lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False,
-                unit: str = "") -> float:
-    """A finite number in [lo, hi] (or open at either end); a trailing '%' is allowed where the unit is '%'."""
-    s = str(text).strip()
-    if unit == "%" and s.endswith("%"):
-        s = s[:-1].strip()
-    left, right = ("(" if lo_open else "["), (")" if hi_open else "]")
-    want = f"a finite number in {left}{lo:g}, {hi:g}{right}{unit}"
-    if not s or len(s) > MAX_NUMBER_CHARS or not s.isascii():
-        raise ConfigError(f"{flag} {shown(text)}: expected {want}")
-    try:
-        value = float(s)
-    except ValueError:
-        raise ConfigError(f"{flag} {shown(text)}: expected {want}") from None
-    if not math.isfinite(value) or value < lo or value > hi or (hi_open and value == hi) or (lo_open and value == lo):
-        raise ConfigError(f"{flag} {shown(text)}: expected {want}")
-    return value
-
-
-def split_list(text: str, flag: str) -> list[str]:
-    """The comma-separated values of a flag, each non-empty; the whole bounded in length."""
-    s = str(text)
-    if len(s) > MAX_LIST_CHARS:
-        raise ConfigError(f"{flag}: {len(s):,} characters; at most {MAX_LIST_CHARS:,}")
-    items = [i.strip() for i in s.split(",")]
-    if not items or any(not i for i in items):
-        raise ConfigError(f"{flag} {shown(text)}: an empty value in the list")
-    return items
 
 
 def parse_slices(text: str, nodes_per_rack: int, flag: str = "--slice") -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 from .adapters.base import Refused, Service, Transient
 from .adapters.slurm import MAX_NAME, SlurmAdapter, slurm_number, valid_name, parse_sinfo_json
 from .errors import ConfigError
+from .flag_values import parse_float, parse_int
 
 EXIT_PLAN, EXIT_NO_PLAN, EXIT_INPUT = 0, 1, 2
 EXIT_CODES = (("0", "a plan: the rack, the nodes it frees, the jobs to move"),
@@ -577,19 +578,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
-def _bounded(value: str | None, flag: str, lo: float, hi: float, integer: bool = False) -> float:
-    try:
-        if value is None or len(value) > 32:
-            raise ValueError
-        number = int(value) if integer else float(value)
-    except ValueError:
-        raise ConfigError(f"{flag}: {str(value)[:40]!r} is not {'a whole number' if integer else 'a number'}") \
-            from None
-    if not (math.isfinite(number) and lo <= number <= hi):
-        raise ConfigError(f"{flag}: {value} is not in {lo:g}..{hi:g}")
-    return number
-
-
 def _names(values: Sequence[str], flag: str) -> frozenset[str]:
     out = set()
     for v in values:
@@ -735,8 +723,8 @@ def render(p: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    size = int(_bounded(args.slice, "--slice", 1, MAX_SLICE, integer=True))
-    now = _bounded(args.now, "--now", 0, 1e11) if args.now is not None else time.time()
+    size = parse_int(args.slice, "--slice", 1, MAX_SLICE)
+    now = parse_float(args.now, "--now", 0, 1e11) if args.now is not None else time.time()
     nodes, jobs, modes = gather(args, now)
     policy = policy_from(args, modes)
     result = plan(nodes, jobs, size, policy)

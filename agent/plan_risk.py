@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .errors import ConfigError
-from .plan_capacity import MAX_NODES_PER_RACK, MAX_RACKS, split_list, parse_float, parse_int
+from .flag_values import parse_float, parse_int, split_list
+from .plan_capacity import MAX_NODES_PER_RACK, MAX_RACKS
 
 DAYS_PER_YEAR = 365.0
 MAX_MTBI_DAYS = 1_000_000.0   # about 2,700 years

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+from .flag_values import parse_float, parse_int, shown
 
 if TYPE_CHECKING:  # the simulator (and the agent it drives) loads when a simulation runs, not with the CLI
     from .sim_fleet import Burst, Policy, Report, SimConfig
@@ -25,7 +25,6 @@ MAX_BURSTS = 64
 # Each failure costs a few milliseconds of real decisions and scheduler writes: a run is bounded by the failures
 # it would expect (10,000 nodes for a year at 490 days a node: about 7,500).
 MAX_EXPECTED_FAILURES = 20_000
-MAX_NUMBER_CHARS = 32
 JSON_VERSION = 1
 
 
@@ -72,55 +71,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- flags: every number is hostile until it is finite, bounded and named -----------------------------------------
-def _shown(text: object) -> str:
-    s = str(text)
-    return repr(s if len(s) <= 40 else s[:40] + "…")
-
-
-def _int(text: Any, flag: str, lo: int, hi: int) -> int:
-    s = str(text).strip()
-    digits = s[1:] if s[:1] in "+-" and s else s
-    if not s or len(s) > MAX_NUMBER_CHARS or not s.isascii() or not digits.isdigit():
-        raise ConfigError(f"{flag} {_shown(text)}: expected a whole number from {lo:,} to {hi:,}")
-    value = int(s)
-    if not lo <= value <= hi:
-        raise ConfigError(f"{flag} {value:,}: expected a whole number from {lo:,} to {hi:,}")
-    return value
-
-
-def _float(text: Any, flag: str, lo: float, hi: float, lo_open: bool = False) -> float:
-    s = str(text).strip()
-    want = f"a finite number {'above' if lo_open else 'from'} {lo:g} {'and at most' if lo_open else 'to'} {hi:g}"
-    if not s or len(s) > MAX_NUMBER_CHARS or not s.isascii():
-        raise ConfigError(f"{flag} {_shown(text)}: expected {want}")
-    try:
-        value = float(s)
-    except ValueError:
-        raise ConfigError(f"{flag} {_shown(text)}: expected {want}") from None
-    if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
-        raise ConfigError(f"{flag} {_shown(text)}: expected {want}")
-    return value
-
-
 def parse_policy(text: Any, nodes_per_rack: int) -> Policy:
     """`spares=K,slice=S` (either order, both required)."""
     from .sim_fleet import Policy
 
     s = str(text)
     if len(s) > 64:
-        raise ConfigError(f"--policy {_shown(text)}: expected spares=K,slice=S")
+        raise ConfigError(f"--policy {shown(text)}: expected spares=K,slice=S")
     fields: dict[str, str] = {}
     for part in s.split(","):
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in ("spares", "slice") or key in fields:
-            raise ConfigError(f"--policy {_shown(text)}: expected spares=K,slice=S (each once)")
+            raise ConfigError(f"--policy {shown(text)}: expected spares=K,slice=S (each once)")
         fields[key] = value
     if set(fields) != {"spares", "slice"}:
-        raise ConfigError(f"--policy {_shown(text)}: expected spares=K,slice=S (both)")
-    spares = _int(fields["spares"], "--policy spares", 0, nodes_per_rack - 1)
-    size = _int(fields["slice"], "--policy slice", 1, nodes_per_rack - spares)
+        raise ConfigError(f"--policy {shown(text)}: expected spares=K,slice=S (both)")
+    spares = parse_int(fields["spares"], "--policy spares", 0, nodes_per_rack - 1)
+    size = parse_int(fields["slice"], "--policy slice", 1, nodes_per_rack - spares)
     return Policy(spares, size)
 
 
@@ -132,21 +100,21 @@ def parse_burst(text: Any, racks: int, nodes_per_rack: int, days: float) -> Burs
     rack, colon, rest = s.partition(":")
     nodes, at, hours = rest.partition("@")
     if len(s) > 64 or not colon or not at:
-        raise ConfigError(f"--burst {_shown(text)}: expected RACK:NODES@HOURS (e.g. 3:6@24)")
-    return Burst(_int(rack, "--burst RACK", 0, racks - 1), _int(nodes, "--burst NODES", 1, nodes_per_rack),
-                 _float(hours, "--burst HOURS", 0.0, days * 24.0))
+        raise ConfigError(f"--burst {shown(text)}: expected RACK:NODES@HOURS (e.g. 3:6@24)")
+    return Burst(parse_int(rack, "--burst RACK", 0, racks - 1), parse_int(nodes, "--burst NODES", 1, nodes_per_rack),
+                 parse_float(hours, "--burst HOURS", 0.0, days * 24.0))
 
 
 def parse(args: argparse.Namespace) -> tuple[SimConfig, list[Policy]]:
     from .sim_fleet import SimConfig
 
-    racks = _int(args.racks, "--racks", 1, MAX_NODES)
-    per_rack = _int(args.nodes_per_rack, "--nodes-per-rack", 1, 1024)
+    racks = parse_int(args.racks, "--racks", 1, MAX_NODES)
+    per_rack = parse_int(args.nodes_per_rack, "--nodes-per-rack", 1, 1024)
     if racks * per_rack > MAX_NODES:
         raise ConfigError(f"--racks {racks:,} × --nodes-per-rack {per_rack:,} = {racks * per_rack:,} nodes; "
                           f"at most {MAX_NODES:,}")
-    days = _float(args.days, "--days", 0.0, 3650.0, lo_open=True)
-    mtbi = _float(args.mtbi_days, "--mtbi-days", 1.0, 100_000.0)
+    days = parse_float(args.days, "--days", 0.0, 3650.0, lo_open=True)
+    mtbi = parse_float(args.mtbi_days, "--mtbi-days", 1.0, 100_000.0)
     expected = racks * per_rack * days / mtbi
     if expected > MAX_EXPECTED_FAILURES:
         raise ConfigError(f"--days {days:g} on {racks * per_rack:,} nodes at --mtbi-days {mtbi:g}: about "
@@ -161,11 +129,11 @@ def parse(args: argparse.Namespace) -> tuple[SimConfig, list[Policy]]:
     bursts = tuple(parse_burst(b, racks, per_rack, days) for b in args.burst or [])
     config = SimConfig(
         racks=racks, nodes_per_rack=per_rack, days=days, mtbi_days=mtbi,
-        repair_median_h=_float(args.repair_hours, "--repair-hours", 0.0, 8760.0, lo_open=True),
-        repair_sigma=_float(args.repair_sigma, "--repair-sigma", 0.0, 3.0),
-        restart_min=_float(args.restart_minutes, "--restart-minutes", 0.0, 1440.0),
-        breaker_reset_h=_float(args.breaker_reset_hours, "--breaker-reset-hours", 0.0, 8760.0),
-        bursts=bursts, seed=_int(args.seed, "--seed", 0, 2**63 - 1))
+        repair_median_h=parse_float(args.repair_hours, "--repair-hours", 0.0, 8760.0, lo_open=True),
+        repair_sigma=parse_float(args.repair_sigma, "--repair-sigma", 0.0, 3.0),
+        restart_min=parse_float(args.restart_minutes, "--restart-minutes", 0.0, 1440.0),
+        breaker_reset_h=parse_float(args.breaker_reset_hours, "--breaker-reset-hours", 0.0, 8760.0),
+        bursts=bursts, seed=parse_int(args.seed, "--seed", 0, 2**63 - 1))
     return config, policies
 
 

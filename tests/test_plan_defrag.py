@@ -393,9 +393,11 @@ def test_plan_defrag_partitions_hostile(text, says):
 
 def test_plan_defrag_bad_flags_and_files(capsys, tmp_path):
     files = ["--squeue", str(SQUEUE), "--sinfo", str(SINFO), "--preemptible-partitions", "batch"]
-    for flag, value, says in (("--slice", "0", "--slice: 0 is not in"), ("--slice", "abc", "not a whole number"),
-                              ("--slice", "9" * 40, "not a whole number"), ("--slice", "1e3", "not a whole"),
-                              ("--now", "nan", "--now: nan is not in"), ("--now", "inf", "--now: inf")):
+    for flag, value, says in (("--slice", "0", "--slice 0: expected a whole number in"),
+                              ("--slice", "abc", "expected a whole number"),
+                              ("--slice", "9" * 40, "expected a whole number"), ("--slice", "1e3", "a whole number"),
+                              ("--now", "nan", "--now 'nan': expected a finite number in"),
+                              ("--now", "inf", "--now 'inf': expected a finite")):
         argv = ["--slice", value, *files] if flag == "--slice" else ["--slice", "2", *files, flag, value]
         with pytest.raises(ConfigError, match=says):
             pd.run(parser().parse_args(argv))
