@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from .errors import GpuwardenError
+from .sqlite_files import schema_version, write_transaction
 from .sweep_model import Outcome
 
 SCHEMA_VERSION = "1"
@@ -114,16 +115,7 @@ class SweepHistory:
         try:
             if not self._checked:
                 self._check_schema(db)
-            if not write:
-                return fn(db)
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(db)
-                db.execute("COMMIT")
-                return result
-            finally:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
+            return write_transaction(db, fn) if write else fn(db)
         except sqlite3.Error as exc:
             self._checked = False
             raise self._error(exc) from None
@@ -131,23 +123,7 @@ class SweepHistory:
             db.close()
 
     def _check_schema(self, db: sqlite3.Connection) -> None:
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if not tables:
-                for statement in _SCHEMA.split(";"):  # not executescript: it would commit the open transaction
-                    db.execute(statement)
-                db.execute(f"INSERT INTO {_META} VALUES ('schema', ?)", (SCHEMA_VERSION,))
-                found = SCHEMA_VERSION
-            elif {_META, "figures"} <= tables:
-                row = db.execute(f"SELECT value FROM {_META} WHERE key = 'schema'").fetchone()
-                found = row[0] if row else None
-            else:
-                found = None
-            db.execute("COMMIT")
-        finally:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+        found = schema_version(db, _SCHEMA, _META, {"figures"}, SCHEMA_VERSION)
         if found != SCHEMA_VERSION:
             what = ("another program's SQLite database" if found is None
                     else f"schema {found!r:.40}, not {SCHEMA_VERSION}")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from .. import logs
 from ..spares import healthy_spares
+from ..sqlite_files import schema_version, write_transaction
 from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
 
 log = logs.get_logger("gpuwarden.adapter")
@@ -333,30 +334,11 @@ class LocalAdapter:
         return db
 
     def _check_schema(self, db: sqlite3.Connection) -> None:
+        # Tables added since schema 1 are made in place (IF NOT EXISTS); the instance id is made once, with them.
+        since = (_SWEEP_HOLDS, _OUTBOX, ("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)",
+                                          (os.urandom(8).hex(),)))
         try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-                if not tables:
-                    for statement in _SCHEMA.split(";"):  # not executescript: it would commit the open transaction
-                        if statement.strip():
-                            db.execute(statement)
-                    db.execute("INSERT INTO gpuwarden_local_scheduler VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-                    found = str(SCHEMA_VERSION)
-                elif "gpuwarden_local_scheduler" in tables and "nodes" in tables:
-                    row = db.execute("SELECT value FROM gpuwarden_local_scheduler WHERE key = 'schema'").fetchone()
-                    found = row[0] if row else None
-                else:
-                    found = None
-                if found == str(SCHEMA_VERSION):
-                    db.execute(_SWEEP_HOLDS)
-                    db.execute(_OUTBOX)
-                    db.execute("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)",
-                               (os.urandom(8).hex(),))
-                db.execute("COMMIT")
-            finally:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
+            found = schema_version(db, _SCHEMA, "gpuwarden_local_scheduler", {"nodes"}, str(SCHEMA_VERSION), since)
         except sqlite3.Error as exc:
             raise self._error(exc) from None
         if found != str(SCHEMA_VERSION):
@@ -374,16 +356,7 @@ class LocalAdapter:
     def _call(self, fn: Callable[[sqlite3.Connection], Any], write: bool, again: bool = True) -> Any:
         db = self._connect()
         try:
-            if not write:
-                return fn(db)
-            db.execute("BEGIN IMMEDIATE")  # the write lock first: the reads below see what no one else can change
-            try:
-                result = fn(db)
-                db.execute("COMMIT")
-                return result
-            finally:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
+            return write_transaction(db, fn) if write else fn(db)
         except sqlite3.Error as exc:
             if again and "no such table" in str(exc):
                 # The file was deleted or emptied since this adapter last looked: start it again, once.
