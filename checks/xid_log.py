@@ -123,13 +123,15 @@ def parse_gpu_preamble(message: str) -> tuple[str, str] | None:
     return (_bdf(m[1], m[2], m[3], m[4]), m[5]) if m else None
 
 
-@dataclass(slots=True)
 class XidRun:
     """The XID lines of one text among a batch's records: one event, logged at each of ``at`` (indices into the
     records, in order). A flood repeats a few texts: each is read once and its lines counted, not read one by one."""
 
-    event: XidEvent  # with the first of them as its record
-    at: list[int]
+    __slots__ = ("event", "at")  # a plain class: a dataclass costs every start about a millisecond to make
+
+    def __init__(self, event: XidEvent, at: list[int]):
+        self.event = event  # with the first of them as its record
+        self.at = at
 
 
 def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[LoggedGpu], list[LogRecord]]:
