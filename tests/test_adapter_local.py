@@ -366,28 +366,31 @@ def test_the_breaker_and_the_spare_plan_read_the_local_schedulers_view(local, cl
 
 
 # -- the actions log holds each change once, whatever a crash cuts short ---------------------------------------------
-def _crash_in(tmp_path: Path, where: str) -> None:
-    """A process that drains n1 and is killed (SIGKILL) at `where`: "commit" (the change committed, its line not yet
-    written), "written" (the line written, its row in the database not yet forgotten)."""
+def _drain_and_die(log: str, where: str) -> None:
+    """Drains n1 and is killed (SIGKILL) at `where`: "commit" (the change committed, its line not yet written),
+    "written" (the line written, its row in the database not yet forgotten). A process of its own (spawned)."""
     import os
     import signal
 
-    pid = os.fork()
-    if pid == 0:  # the child: dies where told, as a kill -9 would leave it
-        try:
-            def die(*_args, **_kwargs):
-                os.kill(os.getpid(), signal.SIGKILL)
+    def die(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
 
-            if where == "commit":
-                LocalAdapter._flush = die  # type: ignore[method-assign]
-            else:
-                real = os.fsync
-                os.fsync = lambda fd: (real(fd), die())  # the line on disk, then the end
-            LocalAdapter(tmp_path / "actions.jsonl").drain("n1", "xid 79")
-        finally:
-            os._exit(3)  # not reached when the kill lands
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    if where == "commit":
+        LocalAdapter._flush = die  # type: ignore[method-assign]
+    else:
+        real = os.fsync
+        os.fsync = lambda fd: (real(fd), die())  # the line on disk, then the end
+    LocalAdapter(Path(log)).drain("n1", "xid 79")
+
+
+def _crash_in(tmp_path: Path, where: str) -> None:
+    import signal
+
+    proc = multiprocessing.get_context("spawn").Process(target=_drain_and_die,
+                                                        args=(str(tmp_path / "actions.jsonl"), where))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL, proc.exitcode
 
 
 @pytest.mark.parametrize("where", ["commit", "written"])
