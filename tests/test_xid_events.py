@@ -434,6 +434,10 @@ def test_daemon_the_same_xid_in_kernel_log_and_nvml_counts_once(daemon):
 
 def test_daemon_a_gpu_off_the_bus_is_left_out_of_the_subscription_at_once(daemon):
     d, root, _ = daemon
+    # GPU 0 subscribed first: the NVML thread may subscribe late on a loaded machine, and a GPU lost before it is
+    # registered has no event to deliver (its XID 79 would come from the kernel log alone; none is written here).
+    add_event(root, 0, 13)
+    wait_for(lambda: xid_finding(d, "13"), what="an XID through GPU 0's subscription")
     add_event(root, 0, 79)
     edit_nvml(root, lambda d_: d_["gpus"][0].update(errors={"*": "GPU_IS_LOST"}))  # XID 79: off the bus
     wait_for(lambda: xid_finding(d, "79"), what="the XID 79")
