@@ -8,7 +8,8 @@ mapped file that are touched count in the process's memory), each chunk's comple
 texts with ``bytes.find`` (C), and only a line that holds one is decoded and parsed, with the same per-line parser
 a whole-file parse uses (agent/kernel_log.py parse_line). The newlines between two such lines are counted
 (``bytes.count``, C) for their line numbers, which are exact. The search looks first for one rare byte of each text
-(``memchr``: X, V) and checks the text there; where that byte is common it searches for the texts themselves.
+(``memchr``: X, V) and checks the text there; where that byte is common it searches for the texts themselves
+(agent/line_search.py, which the followed kernel log's reader shares).
 
 What is read is what a parse of the whole file reads, and so the findings are the same (tests/test_analyze_scan.py
 compares both on every recorded log and on generated ones):
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import GpuwardenError, ParseError
+from .line_search import Probes, lines_holding, probes_for
 from .kernel_log import (DMESG_LINES, HEAD_CHARS, LogRecord, LogRecordBuilder, classify_line, gc_paused, parse_line,
                          stamp_usec)
 
@@ -56,15 +58,11 @@ LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line
 BATCH = 4096  # records handed to the checks' judges at a time ...
 BATCH_BYTES = 8 << 20  # ... or fewer, when their lines add up to this
 MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; past this, counted
-# Bytes tried first when looking for a text, rarest first: in kernel text upper-case letters are rare, and X and V
-# the rarest of those the checks' texts hold (byte counts over fixtures/logs/kernel and fixtures/nodes/*/kmsg).
-_PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
 PART = 1 << 19  # bytes of a large file read by one process at a time: a part of XID lines only is ~1.5 MiB of rows
 PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
 MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
 READER_NICE = 5  # the readers' niceness, above this process's
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
-_RUN_LIMIT = 1024  # hits of a probe byte that are not the text, per chunk, before searching for the texts instead
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
 # one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
 _SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
@@ -88,17 +86,6 @@ def read_head(f: BinaryIO, chars: int = HEAD_CHARS, have: bytes = b"") -> tuple[
         text.append(out)
         got += len(out)
     return b"".join(raw), "".join(text)[:chars]
-
-
-def _probes(needles: Sequence[bytes]) -> list[tuple[bytes, int, tuple[bytes, ...]]]:
-    """(probe byte, its offset in each text, the texts) groups: texts that share their rarest byte at one offset
-    are checked with one ``startswith`` at each hit of that byte."""
-    groups: dict[tuple[bytes, int], list[bytes]] = {}
-    for needle in needles:
-        _, at = min((_PROBE_ORDER.find(b) if (b := needle[i:i + 1]) in _PROBE_ORDER else 1000 + needle[i], i)
-                    for i in range(len(needle)))
-        groups.setdefault((needle[at:at + 1], at), []).append(needle)
-    return [(probe, at, tuple(texts)) for (probe, at), texts in groups.items()]
 
 
 @dataclass
@@ -148,7 +135,7 @@ def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any] | Callab
         assert not callable(consumers), "the texts the consumers read come with a function that loads them"
         interest = [t for c in consumers for t in c.interest]
     needles = list(dict.fromkeys(t.encode() for t in interest))
-    probes = _probes(needles)
+    probes = probes_for(needles)
     plan = _plan(f, first, workers, PART if part is None else part)
     if plan is not None:
         try:
@@ -221,7 +208,7 @@ def _reader(f: BinaryIO, first: bytes) -> Callable[[memoryview], int]:
 
 
 def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
-                probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], kmsg: bool, buf: bytearray, chunk: int,
+                probes: Probes, kmsg: bool, buf: bytearray, chunk: int,
                 line_max: int, final: bool, hit: Callable[[bytes | bytearray, int], None],
                 long_line: Callable[[int, int], None]) -> tuple[int, bool]:
     """Reads lines from ``read`` to its end: each line that holds one of ``needles`` goes to ``hit`` with its line
@@ -233,39 +220,13 @@ def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
     have = 0  # bytes of a partial line at the front of buf
     blank = True
     last: tuple[int, bytes] | None = None  # the last complete line: (line number, bytes)
-    count, find, rfind = buf.count, buf.find, buf.rfind
-
-    def hits(start: int, stop: int) -> list[tuple[int, int]]:
-        """(start, end) of the lines in buf[start:stop] (complete lines) that hold a text, in order; end is the
-        offset of the line's newline."""
-        found: dict[int, int] = {}
-        startswith = buf.startswith
-        for probe, at, texts in probes:
-            i = find(probe, start + at, stop)
-            misses = 0
-            while i >= 0:
-                if startswith(texts, i - at):
-                    le = find(b"\n", i, stop)
-                    found[rfind(b"\n", start, i) + 1 or start] = le
-                    i = find(probe, le + 1 + at, stop)  # on from the next line
-                    continue
-                misses += 1
-                if misses > _RUN_LIMIT:  # the probe byte is common here: search for the texts themselves
-                    for text in texts:
-                        j = find(text, i - at + 1, stop)
-                        while j >= 0:
-                            le = find(b"\n", j, stop)
-                            found[rfind(b"\n", start, j) + 1 or start] = le
-                            j = find(text, le + 1, stop)
-                    break
-                i = find(probe, i + 1, stop)
-        return sorted(found.items()) if len(probes) > 1 else list(found.items())
+    count, rfind = buf.count, buf.rfind
 
     def lines_of(start: int, stop: int) -> None:
         """Reads the complete lines buf[start:stop] (stop just past a newline)."""
         nonlocal lines, last, blank
         at = start
-        for ls, le in hits(start, stop):
+        for ls, le in lines_holding(buf, start, stop, probes):
             lines += count(b"\n", at, ls)
             at = ls
             hit(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
@@ -402,7 +363,7 @@ def _line_start(fd: int, at: int, size: int) -> int:
 
 def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
                 needles: Sequence[bytes],
-                probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], chunk: int, line_max: int,
+                probes: Probes, chunk: int, line_max: int,
                 parts: list[tuple[int, int]], workers: int) -> ScanResult:
     procs: list[tuple[int, int]] = []  # (pid, read end of its pipe), in the order started
     ended: dict[int, int] = {}  # pid -> wait status
@@ -507,7 +468,7 @@ def _status_text(status: int) -> str:
 
 
 def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequence[bytes],
-                    probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], chunk: int, line_max: int,
+                    probes: Probes, chunk: int, line_max: int,
                     parts: list[tuple[int, tuple[int, int]]], nparts: int) -> None:
     """A forked reader: reads its parts in order and sends each one's result; exits without returning (nothing of
     the parent's, its buffers or exit handlers, runs twice)."""
@@ -532,7 +493,7 @@ def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequenc
 
 
 def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: bool, needles: Sequence[bytes],
-               probes: Sequence[tuple[bytes, int, tuple[bytes, ...]]], buf: bytearray, chunk: int,
+               probes: Probes, buf: bytearray, chunk: int,
                line_max: int) -> tuple[Any, ...]:
     """One part's result: (rows of the records, malformed kmsg records (what, line), their count, lines read cut
     (line, length), their count, lines, blank); line numbers from 1 at the part's first line."""

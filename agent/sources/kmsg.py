@@ -19,6 +19,7 @@ from .. import logs
 from ..errors import ParseError, SourceError
 from ..kernel_log import (KMSG_ROW, KmsgBatch, LogRecord, kmsg_line, kmsg_record, parse_kmsg_filtered,
                           parse_kmsg_text)
+from ..line_search import lines_holding, probes_for
 from . import confine
 from .inotify import FolderWaiter
 
@@ -51,6 +52,7 @@ class Interest:
         # An ASCII needle is found in the bytes exactly where it is in the decoded text (a byte below 0x80 is never
         # part of a UTF-8 sequence, nor swallowed by a replacement); a needle that is not ASCII turns the byte scan off.
         self.raw = tuple(n.encode() for n in self.needles) if all(n.isascii() and n for n in self.needles) else None
+        self.probes = probes_for(self.raw) if self.raw is not None else None  # how the follower finds them
 
     def __call__(self, message: str) -> object:
         return self._search(message)
@@ -284,7 +286,7 @@ class _Scan:
     and parsed, each exactly as parse_kmsg_filtered parses it. Line numbers count every line read in the poll."""
 
     def __init__(self, source: str, keep: Interest):
-        self.source, self.keep, self.needles = source, keep, keep.raw or ()
+        self.source, self.keep, self.probes = source, keep, keep.probes or ()
         self.records: list[LogRecord] = []
         self.errors: list[ParseError] = []
         self.last: int | None = None
@@ -298,15 +300,8 @@ class _Scan:
             end = len(buf)
         if self.first is None:
             self.first = _seq_of(buf)
-        starts: set[int] = set()
-        find, rfind = buf.find, buf.rfind
-        for needle in self.needles:
-            at = find(needle, 0, end)
-            while at >= 0:
-                start = rfind(b"\n", 0, at) + 1
-                starts.add(start)
-                nl = find(b"\n", at, end)
-                at = find(needle, nl + 1, end)  # one hit per line is enough
+        starts = {line for line, _ in lines_holding(buf, 0, end, self.probes)}
+        find = buf.find
         if not _HEADER_AT.match(buf, 0, end) and buf[:1] not in (b" ", b"\n"):
             starts.add(0)
         starts.update(m.start() + 1 for m in _ODD_AFTER_NL.finditer(buf, 0, end - 1))

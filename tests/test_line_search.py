@@ -1,0 +1,42 @@
+"""agent/line_search.py: the lines of a buffer that hold one of a few texts, found by a rare byte of each and, where
+that byte is common, by the texts themselves: the same lines as a plain search of every line, whichever way."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwarden.agent.line_search import RUN_MIN, lines_holding, probes_for
+
+TEXTS = (b"NVRM: ", b"SXid", b"NVSwitch", b"AER", b"PCIe Bus Error", b"[Hardware Error]:")
+# Pieces of lines: the texts, their rare bytes alone and in near misses (so a probe byte is common or rare), noise.
+PIECES = (*TEXTS, b"X", b"V", b"R", b"H", b"B", b"Xid", b"NVR", b"AE", b"SX", b"[Hardware", b"ERROR", b"noise ", b"\n")
+
+
+def plain(buf: bytes, texts: tuple[bytes, ...]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    while at < len(buf):
+        end = buf.index(b"\n", at)
+        if any(t in buf[at:end] for t in texts):
+            out.append((at, end))
+        at = end + 1
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.sampled_from(PIECES), max_size=400), lead=st.binary(max_size=3),
+       texts=st.sampled_from([TEXTS, TEXTS[:3], TEXTS[3:], (b"SXid",)]))
+def test_the_lines_found_are_those_that_hold_a_text(parts, lead, texts):
+    body = b"".join(parts) + b"\n"
+    buf = lead.replace(b"\n", b" ") + b"\n" + body + b"partial line after the last newline, X V R SXid"
+    start, stop = len(lead) + 1, len(lead) + 1 + len(body)
+    got = lines_holding(buf, start, stop, probes_for(texts))
+    want = [(s, e) for s, e in plain(buf[:stop], texts) if s >= start]
+    assert got == want
+
+
+def test_a_common_probe_byte_turns_to_the_texts_and_finds_the_same_lines():
+    line = b"ROUTER RR: reset R R R\n"  # R is the probe byte of "AER": far more than one a KiB, none a text
+    buf = line * 500 + b"pcieport 0000:00:01.0: AER: Corrected error received\n" + line * 500
+    probes = probes_for((b"AER",))
+    assert probes == [(b"R", 2, (b"AER",))]
+    assert buf.count(b"R") > RUN_MIN and lines_holding(buf, 0, len(buf), probes) == plain(buf, (b"AER",))
