@@ -547,10 +547,8 @@ def _text_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tup
     """The rows of a text file's lines, as parse_line's text branch reads them: a dmesg line ("[secs.frac] " and no
     journal host after it) read by one findall over them all, any other line through classify_line. One pattern
     over the part's lines costs a third of a match, a second match and a function call for each line."""
-    lines = [raw.decode("utf-8", "replace") for raw in raws]
-    read = DMESG_LINES.findall("\n".join(lines))
-    if len(read) != len(lines):  # a line holds no newline, so each is one match; should one not be, read each alone
-        read = [DMESG_LINES.match(line).groups() for line in lines]  # type: ignore[union-attr]  # (.*)$ matches any
+    # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
+    read = DMESG_LINES.findall("\n".join([raw.decode("utf-8", "replace") for raw in raws]))
     # One object for each text that repeats (a flood's lines do): marshal sends it once and refers to it after, and
     # the judges here find the hash of a text they look up already made.
     same: dict[str, str] = {}
