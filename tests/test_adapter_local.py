@@ -260,6 +260,14 @@ def test_agents_emptying_one_pool_at_once_share_it_without_overlap(tmp_path):
     got = [s for r in results.values() for s in r if s is not None]
     assert len(got) == len(set(got)) == 30 and set(got) == {f"s{i}" for i in range(30)}
     assert sum(s is None for r in results.values() for s in r) == 15 and seeder.spares("big") == []
+    # Each agent's own actions log has its own calls, once each, in order, though the three shared one database.
+    ids = []
+    for me in ("a", "b", "c"):
+        log = LocalAdapter(tmp_path / f"{me}.jsonl", db=db).actions()
+        assert [(e["action"], e["node"], e["spare"]) for e in log] == [
+            ("take_spare", f"{me}-{i}", spare) for i, spare in enumerate(results[me])]
+        ids += [e["id"] for e in log]
+    assert len(set(ids)) == 45
 
 
 # -- a database held by another process, or not a database at all ----------------------------------------------------
