@@ -20,7 +20,7 @@ import heapq
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import ParseError, SourceError
@@ -80,7 +80,8 @@ def _incident(incidents: dict[str, dict[str, Any]], pci: str, xid: int, source: 
 
 
 def _take(incidents: dict[str, dict[str, Any]], touched: set[str], latest: dict[tuple[str, int], int],
-          e: XidEvent, records: Sequence[LogRecord], at: Sequence[int], event_time: Any, now: float) -> None:
+          e: XidEvent, records: Sequence[LogRecord], at: Sequence[int],
+          event_time: Callable[[LogRecord], float] | None, now: float) -> None:
     """Counts the records at `at` (indices into `records`, in order), each a line of the event `e`, onto its incident
     as each in turn would count: what they add is their number, the first and the last of them, their latest time
     and the event's pid, process and MIG instance, so a run of a flood's lines is one step. `latest`: the last line
@@ -89,8 +90,8 @@ def _take(incidents: dict[str, dict[str, Any]], touched: set[str], latest: dict[
     if event_time is None:
         when_first = when = now
     else:
-        when_first = event_time(first)
-        when = max(event_time(records[i]) for i in at)
+        times = [event_time(records[i]) for i in at]
+        when_first, when = times[0], max(times)
     inc = _incident(incidents, e.pci, e.xid, "kmsg", when_first, touched, len(at), when)
     if inc["first_seq"] is None and not inc["first_message"]:
         inc["first_seq"] = first.seq
