@@ -1,4 +1,4 @@
-"""The values of command-line flags, as the plan and sweep commands read them: every number is hostile until it is
+"""The values of command-line flags, as the plan commands read them: every number is hostile until it is
 finite, bounded and named. A value that is not one is a ConfigError naming the flag and quoting the value cut short;
 no int() or float() is ever given a thousand-digit string.
 """
