@@ -229,3 +229,45 @@ def test_metric_names_and_help():
         assert re.fullmatch(r"gpuwarden_[a-z_]+", name) and not name.endswith("_total")
     j = clock_events.judge({}, clock_events.ClockSample((), ()), cfg(), T0)
     assert j == clock_events.Judgement({"gpus": {}}, (), ())
+
+
+def test_a_quiet_gpu_window_is_credited_through_the_daemons_skipped_samples(scenario_copy, tmp_path):
+    """The daemon leaves a quiet check's identical samples unjudged and judges again after quiet_rejudge_s, at the
+    next tick; that judgement must come within max_gap_s, or the skipped stretch counts as unobserved and an idle
+    GPU's window never fills. The real daemon, on the check's production timings scaled down 20 times."""
+    import time
+    from dataclasses import replace
+
+    from test_daemon_idle import one_check_daemon
+    from conftest import wait_for
+    from gpuwarden.agent import config
+    from gpuwarden.checks import all_specs
+
+    scale = 0.05
+    cfg = config.defaults(all_specs())
+    defaults = cfg.checks[clock_events.CHECK_NAME]
+    for key in ("window_s", "min_window_s", "max_gap_s"):
+        defaults[key] = float(defaults[key]) * scale
+    spec = replace(SPEC, quiet_rejudge_s=SPEC.quiet_rejudge_s * scale)
+    d, store = one_check_daemon(scenario_copy("h100-hgx-healthy"), tmp_path, spec, cfg)
+    d.opt.intervals[spec.name] = clock_events.INTERVAL_S * scale
+    d.start()
+    try:
+        wait_for(lambda: d.results().get(spec.name) and d.results()[spec.name].state.get("gpus"), what="a reading")
+        began = time.monotonic()
+        time.sleep(6 * (SPEC.quiet_rejudge_s + clock_events.INTERVAL_S) * scale)
+        state = d.results()[spec.name].state
+        waited = time.monotonic() - began
+    finally:
+        d.stop()
+        store.close()
+    for gpu in state["gpus"].values():
+        observed = sum(b["obs"] for b in gpu["buckets"])
+        # Everything since the first reading was watched, up to the last judgement (at most one re-judge back).
+        assert observed >= waited - (SPEC.quiet_rejudge_s + 2 * clock_events.INTERVAL_S) * scale, (observed, waited)
+
+
+def test_a_quiet_recheck_comes_back_within_the_unobserved_gap():
+    """The production values themselves: the re-judge of a quiet GPU (the first tick past quiet_rejudge_s, at most
+    one interval later) comes seconds before max_gap_s, so a tick a little late still counts its stretch."""
+    assert SPEC.quiet_rejudge_s + clock_events.INTERVAL_S <= SPEC.defaults["max_gap_s"] - 5.0
