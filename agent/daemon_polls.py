@@ -39,6 +39,7 @@ class PollLoops:
         for fd in (wake_r, wake_w):
             os.set_blocking(fd, False)
         self._wakers[spec.name] = wake_w
+        sleeper = Sleeper(self._stop_r, wake_r)
         woken = False
         try:
             while not self.stop_event.is_set():
@@ -49,7 +50,7 @@ class PollLoops:
                         probe = probe or spec.change_probe(self.node)
                         if not woken and self._quiet(spec, started) and not probe.changed():
                             self._beat(loop, interval)
-                            woken = self._wait_aligned(interval, wake_r)
+                            woken = self._wait_aligned(interval, sleeper)
                             continue
                         probe.rearm()
                     self._sample_once(spec, started)
@@ -67,7 +68,7 @@ class PollLoops:
                         probe.close()
                         probe = None  # a probe that failed is built again
                 self._beat(loop, wait)
-                woken = self._wait_aligned(wait, wake_r)
+                woken = self._wait_aligned(wait, sleeper)
         finally:
             self._beat_off(loop)
             self._wakers.pop(spec.name, None)
@@ -76,13 +77,16 @@ class PollLoops:
             if probe is not None:
                 probe.close()
 
-    def _wait_aligned(self, interval: float, wake_fd: int | None = None) -> bool:
-        """Sleeps to the next multiple of `interval`; True when `wake_fd` (a device event) cut the sleep short."""
+    def _wait_aligned(self, interval: float, sleeper: Sleeper) -> bool:
+        """Sleeps to the next multiple of `interval`; True when the sleeper's wake pipe (a device event) cut the
+        sleep short."""
         # Every loop wakes on multiples of its interval on the one monotonic clock, so the checks due at the same
         # moment run in one burst: on an idle machine a wake-up finds the caches cold, and one burst pays for that
         # once instead of once per check.
+        if self.stop_event.is_set():
+            return False
         now = time.monotonic()
-        return self._sleep((math.floor(now / interval) + 1) * interval - now, wake_fd)
+        return sleeper.sleep((math.floor(now / interval) + 1) * interval - now)
 
     def wake(self, names: Any) -> None:
         """Cuts the sleep of these checks' polls short: a device they read came or went (a udev event)."""
@@ -155,10 +159,11 @@ class PollLoops:
         timeout, so an overrun is reported at most two timeouts after the sample began."""
         period = max(0.01, min(s.timeout_s for s in self.passive))
         trim_at: float | None = time.monotonic() + TRIM_AFTER_S
+        sleeper = Sleeper(self._stop_r)
         try:
             while not self.stop_event.is_set():
                 self._beat("watchdog", period)
-                self._wait_aligned(period)
+                self._wait_aligned(period, sleeper)
                 if trim_at is not None and time.monotonic() >= trim_at:
                     trim_at = None
                     memory.trim()  # once: what start-up and the first samples freed goes back to the system
@@ -193,6 +198,33 @@ class PollLoops:
                 pass
             return True
         return False
+
+
+class Sleeper:
+    """One loop's sleep: until a timeout, until stop() writes the stop pipe, or until the loop's own wake pipe is
+    written. The descriptors are registered once in a poll object: a select() of descriptor lists built at every
+    call cost about a quarter of an idle wake-up on the benchmark machine (bench/README.md, daemon idle). A poll
+    object is not shared between threads: one a loop."""
+
+    def __init__(self, stop_fd: int, wake_fd: int | None = None):
+        self._poll = select.poll()
+        self._poll.register(stop_fd, select.POLLIN)
+        self._wake_fd = wake_fd
+        if wake_fd is not None:
+            self._poll.register(wake_fd, select.POLLIN)
+
+    def sleep(self, seconds: float) -> bool:
+        """True when the wake pipe cut the sleep short (it is drained); False at the timeout or at stop()."""
+        # poll() takes milliseconds and rounds a timeout up: the loop wakes at, never before, its tick.
+        ready = self._poll.poll(max(0.0, seconds) * 1000.0)
+        if self._wake_fd is None or not any(fd == self._wake_fd for fd, _ in ready):
+            return False
+        try:
+            while os.read(self._wake_fd, 64):
+                pass
+        except BlockingIOError:
+            pass
+        return True
 
 
 @dataclass
