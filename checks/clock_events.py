@@ -155,6 +155,18 @@ def judge(state: Mapping[str, Any], sample: ClockSample, cfg: Mapping[str, Any],
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
 
 
+def durable(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of the state written at once: the judged reasons each GPU is in now and the seconds each was active
+    per bucket. Time observed while none is active (and the time of the last reading, and the reasons that are not
+    judged) is written with the next such change or at stop: an idle node does not write its disk at every
+    re-judge, and a kill -9 loses that time as unobserved, as it loses the time the daemon was down (the window's
+    ratios are then those of the last change, never higher)."""
+    judged = sum(REASONS[r] for r in JUDGED)
+    return {key: (int(g.get("last_mask", 0)) & judged,
+                  [(b["t"], on) for b in g.get("buckets", ()) if (on := {r: s for r, s in b["on"].items() if r in JUDGED})])
+            for key, g in state.get("gpus", {}).items()}
+
+
 def quiet(state: Mapping[str, Any]) -> bool:
     """No judged reason active at the last reading: the same readings again only add unthrottled time. Reasons that
     are not judged (an idle GPU's gpu_idle, a power cap) do not count: the same readings again cannot make a finding
@@ -184,6 +196,7 @@ SPEC = PassiveSpec(
         "sw_thermal_warn_ratio": 0.1,  # the GPU regulating itself works as designed: WARN only
     },
     timeout_s=10.0,
+    durable=durable,
     quiet=quiet,
     # The judgement after a skipped stretch credits it to the reasons of the (identical) sample, which is right only
     # while that stretch counts as observed: it must come back well within max_gap_s. It comes at the first tick past

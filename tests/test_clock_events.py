@@ -271,3 +271,22 @@ def test_a_quiet_recheck_comes_back_within_the_unobserved_gap():
     """The production values themselves: the re-judge of a quiet GPU (the first tick past quiet_rejudge_s, at most
     one interval later) comes seconds before max_gap_s, so a tick a little late still counts its stretch."""
     assert SPEC.quiet_rejudge_s + clock_events.INTERVAL_S <= SPEC.defaults["max_gap_s"] - 5.0
+
+
+def test_only_judged_reasons_make_a_change_that_is_written_at_once(scenario_copy):
+    """durable(): idle GPUs (gpu_idle, not judged) observed for minutes change nothing that must be written; a judged
+    reason coming on does, and so does every reading while it is on."""
+    root = scenario_copy("h100-hgx-healthy")
+    set_masks(root, {i: IDLE for i in range(8)})
+    d = Drive(root)
+    d.run(15)
+    idle = clock_events.durable(d.state)
+    d.run(150)  # new buckets; observed and idle time grow
+    assert clock_events.durable(d.state) == idle
+    set_masks(root, {4: BRAKE})
+    d.node = Node.recorded_at(root)
+    d.tick()
+    braking = clock_events.durable(d.state)
+    assert braking != idle
+    d.tick()
+    assert clock_events.durable(d.state) != braking, "each reading with a judged reason on adds its active time"
