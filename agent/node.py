@@ -84,6 +84,7 @@ class Node:
         self._nvml_error: NvmlError | None = None
         self._gpus_lock = threading.RLock()  # checks run concurrently; gpus() reads nvml under it
         self._nvml_stamp: int | None = None  # mtime of a recorded nvml.json when last loaded
+        self._nvml_path: str | None = None
         self._follower: KmsgFollower | None = None
 
     @property
@@ -112,8 +113,10 @@ class Node:
         """A recorded node is re-read when its nvml.json changes, as a live node is re-read on every poll: the
         daemon's scenario tests inject a fault by rewriting the file."""
         assert self.root is not None
+        if self._nvml_path is None:
+            self._nvml_path = os.fspath(self.root / "nvml.json")  # asked at every NVML read: no path built each time
         try:
-            stamp = (self.root / "nvml.json").stat().st_mtime_ns
+            stamp = os.stat(self._nvml_path).st_mtime_ns
         except OSError:
             stamp = None
         if stamp != self._nvml_stamp:
