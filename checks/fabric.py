@@ -214,4 +214,8 @@ SPEC = PassiveSpec(
     },
     choices={"fabric_manager": MODES},
     timeout_s=15.0,
+    # Every registration completed and Fabric Manager seen running: nothing is timed, so the same reading judges the
+    # same (the daemon counts the check quiet only while its record has no findings).
+    quiet=lambda state: not state.get("not_ready_since") and state.get("fm_inactive_since") is None,
+    quiet_rejudge_s=300.0,
 )

@@ -147,4 +147,8 @@ SPEC = PassiveSpec(
         "node_name": "",  # this node's name in the verdicts ("" = [remediation] node_name, else the hostname)
         "hold_s": 14400.0,  # a verdict's findings hold this long after the sweep (a drained node is not swept)
     },
+    # The same file again judges the same, once no finding holds (the daemon counts a check quiet only while its
+    # record has no findings): a node no sweep has judged, or one a sweep passed, is not judged every 30 s.
+    quiet=lambda state: True,
+    quiet_rejudge_s=300.0,
 )

@@ -39,3 +39,53 @@ def test_an_idle_gpu_is_a_quiet_clock_state():
     for judged in ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown"):
         assert not clock_events.quiet(state(0x1, 0x1 | clock_events.REASONS[judged]))
     assert not clock_events.quiet(state(0x1, read_once=True))  # the second reading gives the ratios a value
+
+
+def test_a_quiet_state_judges_the_same_sample_the_same_later(scenario_copy, tmp_path):
+    """What the daemon relies on when it leaves a quiet check's unchanged sample unjudged (PassiveSpec.quiet): on every
+    bundled healthy node, a check whose state is quiet and whose judgement holds no finding gives the same findings for
+    the same sample judged again up to its quiet_rejudge_s later (a fabric registration in progress, timed, is not
+    quiet)."""
+    import json
+
+    from gpuwarden.agent import config
+    from gpuwarden.agent.errors import GpuwardenError
+    from gpuwarden.agent.node import Node
+    from gpuwarden.checks import PASSIVE, all_specs
+
+    import shutil
+
+    from conftest import NODES, edit_nvml
+
+    def registering(data):  # one GPU's fabric registration still in progress: timed, so never quiet
+        data["gpus"][0]["fabric"]["state"] = 2
+
+    cfgs = config.defaults(all_specs())
+    seen = set()
+    for scenario, edit in (("h100-hgx-healthy", None), ("gb200-nvl72-healthy", None), ("gb200-nvl72-faulty", None),
+                           ("h200-vm-1gpu", None), ("gb200-nvl72-healthy", registering)):
+        if edit is None:
+            root = scenario_copy(scenario)
+        else:
+            root = tmp_path / "edited"
+            shutil.copytree(NODES / scenario, root, symlinks=True, ignore=shutil.ignore_patterns("tools"))
+            edit_nvml(root, edit)
+        node = Node.recorded_at(root)
+        for spec in (s for s in PASSIVE if s.quiet is not None):
+            cfg = cfgs.for_check(spec.name)
+            t0 = 1_760_000_000.0
+            try:
+                first = spec.judge({}, spec.sample(node, cfg, {}), cfg, t0)
+                state = json.loads(json.dumps(first.state))
+                sample = spec.sample(node, cfg, state)
+            except GpuwardenError:
+                continue  # not applicable on this node (no IB port, no fabric)
+            now = t0 + spec.interval_s
+            judged = spec.judge(state, sample, cfg, now)
+            state = json.loads(json.dumps(judged.state))
+            if judged.findings or not spec.quiet(state):
+                continue
+            seen.add(spec.name)
+            later = spec.judge(state, sample, cfg, now + 0.9 * spec.quiet_rejudge_s)
+            assert later.findings == judged.findings, (scenario, spec.name)
+    assert {"fabric", "nccl_sweep", "clock_events", "ib_port", "nvlink_lanes"} <= seen, seen
