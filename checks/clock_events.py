@@ -162,8 +162,12 @@ def durable(state: Mapping[str, Any]) -> dict[str, Any]:
     re-judge, and a kill -9 loses that time as unobserved, as it loses the time the daemon was down (the window's
     ratios are then those of the last change, never higher)."""
     judged = sum(REASONS[r] for r in JUDGED)
+
+    def active(bucket: Mapping[str, Any]) -> dict[str, float]:
+        return {r: s for r, s in bucket["on"].items() if r in JUDGED}
+
     return {key: (int(g.get("last_mask", 0)) & judged,
-                  [(b["t"], on) for b in g.get("buckets", ()) if (on := {r: s for r, s in b["on"].items() if r in JUDGED})])
+                  [(b["t"], on) for b in g.get("buckets", ()) if (on := active(b))])
             for key, g in state.get("gpus", {}).items()}
 
 
