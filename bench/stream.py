@@ -218,6 +218,31 @@ def main() -> None:
         write_rows(args.json, rows, load0)
 
 
+class _Feeder:
+    """A daemon (not started) whose kernel-log consumers are fed one XID line at a time, each followed by the
+    writer's durable commit."""
+
+    def __init__(self, work: Path):
+        self.daemon, root, self.store = new_daemon(work)
+        self.follower = _Follower(self.daemon.node.kmsg.boot_id)
+        self.seq = last_seq(root / "kmsg")[0]
+
+    def one(self, pci: str, x: int) -> tuple[float, float]:
+        """(judge and memory, durable commit) seconds for one XID line."""
+        self.seq += 1
+        records, _ = parse_kmsg_text(XID_LINE.format(seq=self.seq, usec=self.seq * 10, pci=pci, xid=x), "kmsg")
+        t0 = time.perf_counter()
+        self.daemon._feed(records, self.follower, None)
+        t1 = time.perf_counter()
+        if not self.daemon._write_once():
+            raise SystemExit(f"the store write failed: {self.daemon.store_error}")
+        return t1 - t0, time.perf_counter() - t1
+
+    def close(self) -> None:
+        self.daemon.stop()
+        self.store.close()
+
+
 class _Follower:
     """What the daemon's feed reads of its follower (the kernel-log loop is not run: records are fed by hand)."""
     advanced = lost = 0
@@ -236,46 +261,44 @@ def commit_pairs(n: int) -> list[tuple[str, int]]:
 def commit(args: argparse.Namespace) -> list[dict]:
     """One XID after another fed to the daemon's consumers as the kernel-log loop feeds them (judge, then the change
     in memory), each followed by the writer's durable commit (one SQLite transaction), as (GPU, XID) pairs
-    accumulate from 1 to --pairs; then --commits more at --pairs pairs, the WAL's size read after each."""
+    accumulate from 1 to --pairs; then --commits more at --pairs pairs, the WAL's size read after each.
+
+    The growth figure compares two daemons timed in turn, one holding 1 pair and one holding --pairs, --repeats
+    XIDs each (ABBA order): taken minutes apart, two medians of sub-millisecond times would measure the VM's drift
+    as much as the store."""
     rng = random.Random(7)
     with tempfile.TemporaryDirectory() as tmp:
-        d, root, store = new_daemon(Path(tmp))
-        follower = _Follower(d.node.kmsg.boot_id)
-        seq = last_seq(root / "kmsg")[0]
+        one_pair, many = _Feeder(Path(tmp) / "one"), _Feeder(Path(tmp) / "many")
         combos = commit_pairs(args.pairs)
-        wal = Path(f"{store.path}-wal")
+        wal = Path(f"{many.store.path}-wal")
         by_pairs: dict[int, list[tuple[float, float]]] = {}
         wal_max = 0
-
-        def one(pci: str, x: int) -> tuple[float, float]:
-            nonlocal seq
-            seq += 1
-            records, _ = parse_kmsg_text(XID_LINE.format(seq=seq, usec=seq * 10, pci=pci, xid=x), "kmsg")
-            t0 = time.perf_counter()
-            d._feed(records, follower, None)
-            t1 = time.perf_counter()
-            if not d._write_once():
-                raise SystemExit(f"the store write failed: {d.store_error}")
-            return t1 - t0, time.perf_counter() - t1
-
         try:
+            one_pair.one(*combos[0])
             for n in range(1, args.pairs + 1):
-                one(*combos[n - 1])  # the new pair
-                by_pairs[n] = [one(*rng.choice(combos[:n])) for _ in range(args.repeats)]
+                many.one(*combos[n - 1])  # the new pair
+                by_pairs[n] = [many.one(*rng.choice(combos[:n])) for _ in range(args.repeats)]
+            timed: dict[int, list[tuple[float, float]]] = {1: [], args.pairs: []}
+            for i in range(args.repeats):
+                order = ((one_pair, 1), (many, args.pairs)) if i % 4 in (0, 3) else ((many, args.pairs), (one_pair, 1))
+                for feeder, n in order:
+                    timed[n].append(feeder.one(*rng.choice(combos[:n])))
             for _ in range(args.commits):
-                one(*rng.choice(combos))
+                many.one(*rng.choice(combos))
                 wal_max = max(wal_max, wal.stat().st_size if wal.exists() else 0)
-            state_bytes = len(json.dumps(d.results()["xid"].state))
-            db_bytes = store.path.stat().st_size
+            state_bytes = len(json.dumps(many.daemon.results()["xid"].state))
+            db_bytes = many.store.path.stat().st_size
         finally:
-            d.stop()
-            store.close()
+            one_pair.close()
+            many.close()
 
     def p50(n: int, which: int | None = None) -> float:
-        return statistics.median(sum(t) if which is None else t[which] for t in by_pairs[n]) * 1000
+        samples = timed.get(n) or by_pairs[n]
+        return statistics.median(sum(t) if which is None else t[which] for t in samples) * 1000
 
     first, last = 1, args.pairs
-    print(f"XID -> durable commit (judge + memory, then one SQLite transaction), median of {args.repeats}: "
+    print(f"XID -> durable commit (judge + memory, then one SQLite transaction), median of {args.repeats} each, "
+          "the two daemons in turn: "
           f"{first} pair {p50(first):.2f} ms (judge {p50(first, 0):.2f}, write {p50(first, 1):.2f}); "
           f"{last} pairs {p50(last):.2f} ms (judge {p50(last, 0):.2f}, write {p50(last, 1):.2f}); "
           f"growth x{p50(last) / p50(first):.2f}")
