@@ -17,6 +17,7 @@ a tuple, which ctypes refuses), and the fabric info is read into nvml.h's own la
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import struct
@@ -107,6 +108,8 @@ _VALUE_DECODE = {const(f"NVML_VALUE_TYPE_{t}"): struct.Struct(f"={c}") for t, c 
     ("DOUBLE", "d"), ("UNSIGNED_INT", "I"), ("UNSIGNED_LONG", "Q"), ("UNSIGNED_LONG_LONG", "Q"),
     ("SIGNED_LONG_LONG", "q"), ("SIGNED_INT", "i"), ("UNSIGNED_SHORT", "H"))
     if hasattr(pynvml, f"NVML_VALUE_TYPE_{t}")}
+_VALUE_UNPACK = {kind: layout.unpack_from for kind, layout in _VALUE_DECODE.items()}
+_DOUBLE = const("NVML_VALUE_TYPE_DOUBLE")
 _SUCCESS = const("NVML_SUCCESS")
 # Field ids by number -> name, for error messages.
 FIELD_NAMES: dict[int, str] = {}
@@ -145,6 +148,22 @@ class Gpu:
     @property
     def entity(self) -> Entity:
         return Entity("gpu", self.uuid or self.pci or f"index-{self.index}", self.index, self.pci)
+
+
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=8)
+def _nvlink_fields(links: tuple[int, ...]) -> list[tuple[Any, int, int | None]]:
+    """The field read of nvlinks() for these links: (key, field id, scope) of each link's state and counters. The
+    same few link sets are read every poll (all links at a relearn, else the GPU's own), so it is built once."""
+    fields: list[tuple[Any, int, int | None]] = []
+    for link in links:
+        fields.append(((link, "state"), NVLINK_STATE_FIELD, link))
+        fields += [((link, name), fid, link) for name, fid in NVLINK_COUNTER_FIELDS.items()]
+        if link in NVLINK_CRC_DATA_FIELDS:
+            fields.append(((link, "crc_data"), NVLINK_CRC_DATA_FIELDS[link], None))
+    return fields
 
 
 class Nvml:
@@ -252,22 +271,22 @@ class Nvml:
         if len(raw) != len(fields) * _FV_SIZE:
             raise NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
                             f"{len(raw)} bytes for {len(fields)} fields")
+        unpack = _VALUE_UNPACK.get
         for (key, fid, scope), (kind, ret, value) in zip(fields, _FV_LAYOUT.iter_unpack(raw), strict=True):
-            if ret != _SUCCESS:
+            decode = unpack(kind) if ret == _SUCCESS else None
+            if decode is not None:
+                number = decode(value)[0]
+                if kind != _DOUBLE or math.isfinite(number):  # only a double can be NaN or infinite
+                    out[key] = number
+                    continue
+                what = f"{FIELD_NAMES.get(fid, fid)}: not a finite number ({number})"
+            elif ret != _SUCCESS:
                 where = FIELD_NAMES.get(fid, f"field {fid}") + ("" if scope is None else f" scope {scope}")
                 out[key] = NvmlError("nvmlDeviceGetFieldValues", ERROR_NAMES.get(ret, f"CODE_{ret}"), gpu.index, where)
                 continue
-            decode = _VALUE_DECODE.get(kind)
-            if decode is None:
-                out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
-                                     f"{FIELD_NAMES.get(fid, fid)}: value type {kind} not known")
-                continue
-            number = decode.unpack_from(value)[0]
-            if number != number or number in (math.inf, -math.inf):
-                out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
-                                     f"{FIELD_NAMES.get(fid, fid)}: not a finite number ({number})")
-                continue
-            out[key] = number
+            else:
+                what = f"{FIELD_NAMES.get(fid, fid)}: value type {kind} not known"
+            out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index, what)
         return out
 
     def ecc_counters(self, gpu: Gpu) -> dict[str, Any]:
@@ -366,16 +385,10 @@ class Nvml:
         The data CRC count of a link without a field of its own (12 and up) is the one count read by its own call;
         where NVML has no field values at all (NOT_SUPPORTED), every value is."""
         every = gpu._links is None or not gpu._links or gpu._link_reads % NVLINK_RELEARN_EVERY == 0
-        links = range(const("NVML_NVLINK_MAX_LINKS")) if every else gpu._links
+        links = tuple(range(const("NVML_NVLINK_MAX_LINKS"))) if every else gpu._links
         gpu._link_reads += 1
-        fields: list[tuple[Any, int, int | None]] = []
-        for link in links:
-            fields.append(((link, "state"), NVLINK_STATE_FIELD, link))
-            fields += [((link, name), fid, link) for name, fid in NVLINK_COUNTER_FIELDS.items()]
-            if link in NVLINK_CRC_DATA_FIELDS:
-                fields.append(((link, "crc_data"), NVLINK_CRC_DATA_FIELDS[link], None))
         try:
-            got = self.field_values(gpu, fields)
+            got = self.field_values(gpu, _nvlink_fields(links))
         except NvmlError as exc:
             if not exc.not_supported:
                 raise
@@ -393,9 +406,8 @@ class Nvml:
                 raise state
             entry: dict[str, Any] = {"link": link, "state": int(state), "errors": {}}
             for name in NVLINK_COUNTERS:
-                if (link, name) in got:
-                    value: Any = got[(link, name)]
-                else:
+                value: Any = got.get((link, name), _ABSENT)
+                if value is _ABSENT:
                     try:
                         value = int(self._dev(gpu, "nvmlDeviceGetNvLinkErrorCounter", link, NVLINK_COUNTERS[name]))
                     except NvmlError as exc:
