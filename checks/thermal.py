@@ -235,7 +235,9 @@ SPEC = PassiveSpec(
     },
     timeout_s=10.0,
     durable=durable,
-    # No condition holding: the same temperatures judged again change only the time of the last reading (a run
-    # breaks after sustain_s without one, longer than quiet_rejudge_s).
+    # No condition holding: the same temperatures judged again change only the time of the last reading, and
+    # nothing in the state runs on time (a run breaks after sustain_s without a reading, but there is none). New
+    # temperatures are judged at once; the same ones again only every quiet_rejudge_s.
     quiet=lambda state: not any(g.get("runs") for g in state.get("gpus", {}).values()),
+    quiet_rejudge_s=300.0,
 )

@@ -88,4 +88,4 @@ def test_a_quiet_state_judges_the_same_sample_the_same_later(scenario_copy, tmp_
             seen.add(spec.name)
             later = spec.judge(state, sample, cfg, now + 0.9 * spec.quiet_rejudge_s)
             assert later.findings == judged.findings, (scenario, spec.name)
-    assert {"fabric", "nccl_sweep", "clock_events", "ib_port", "nvlink_lanes"} <= seen, seen
+    assert {"fabric", "nccl_sweep", "clock_events", "ib_port", "nvlink_lanes", "thermal"} <= seen, seen
