@@ -116,7 +116,7 @@ def test_a_change_shows_on_the_next_scrape(served, real_snapshot):
     before = scrape(ep)[1]
     # One sample's value changes, one check's status goes UNKNOWN, a counter moves: each on the next scrape.
     check, samples = next((c, s) for c, s in real_snapshot.samples.items() if s)
-    changed = (dataclasses.replace(samples[0], value=samples[0].value + 12345.5), *samples[1:])
+    changed = (samples[0]._replace(value=samples[0].value + 12345.5), *samples[1:])
     name = sorted(real_snapshot.results)[0]
     results = {**real_snapshot.results, name: CheckResult(name, Status.UNKNOWN, (), "could not look", 0.5)}
     collector.update(dataclasses.replace(real_snapshot, samples={**real_snapshot.samples, check: changed},
