@@ -42,7 +42,13 @@ class EventLoops:
                 except GpuwardenError as exc:
                     records, error = [], str(exc)
                 now_mono = time.monotonic()
-                if records or error or now_mono >= next_idle:
+                if not records and not error and now_mono >= next_idle and self._consumers_quiet():
+                    # Nothing the consumers hold moves with time, so they are not judged; the node's own state still
+                    # moves on at the tick (a quarantine or a retest that falls due).
+                    with self._lock:
+                        self._commit([], None, self.opt.clock())
+                    next_idle = (math.floor(now_mono / tick) + 1) * tick
+                elif records or error or now_mono >= next_idle:
                     self._feed(records, follower, error)
                     self._kmsg_first.set()
                     next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
@@ -66,6 +72,20 @@ class EventLoops:
             # latest until the next idle tick: an idle kernel log costs no wake-up beyond that tick.
             follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s, wake_fd=self._stop_r)
         self._beat_off("kmsg")
+
+    def _consumers_quiet(self) -> bool:
+        """Whether an empty batch would change nothing: the log was read, no hold is due, and every consumer's record
+        is OK without findings on a state it calls quiet (KernelConsumer.quiet)."""
+        with self._lock:
+            log_record = self._records.get(KMSG_CHECK)
+            if self._kmsg_wake_at is not None or log_record is None or log_record.status is not Status.OK:
+                return False
+            for consumer in self.consumers:
+                rec = self._records.get(consumer.name)
+                if (consumer.quiet is None or rec is None or rec.status is not Status.OK or rec.findings or rec.error
+                        or not consumer.quiet(rec.state)):
+                    return False
+            return True
 
     def _feed(self, records: list, follower: Any, error: str | None) -> None:
         now = self.opt.clock()

@@ -153,6 +153,10 @@ class KernelConsumer:
     # Substrings of the messages this consumer reads; the follower builds records only for those (a flood of
     # unrelated lines then costs a header check each). Empty: every record.
     interest: tuple[str, ...] = ()
+    # Whether a state holds nothing that moves with time (no incident held, no event in a window, no unread line
+    # shown): an empty batch would judge it the same, so the daemon's idle tick leaves it alone while its record is
+    # OK without findings. None: every idle tick judges it.
+    quiet: "Callable[[Mapping[str, Any]], bool] | None" = None
 
 
 def one_look(spec: PassiveSpec) -> CheckSpec:

@@ -359,8 +359,15 @@ def _judge_batch(state: Mapping[str, Any], batch: Any, cfg: Mapping[str, Any], n
                                 event_time=getattr(batch, "event_time", None))
 
 
+def kernel_quiet(state: Mapping[str, Any]) -> bool:
+    """No error event in any window (sysfs's or the kernel log's), and the kernel log's history already taken (the
+    first batch is what happened before gpuwarden looked): an empty batch would judge the same."""
+    return state.get("version") == 1 and "kmsg" in state and not any(
+        d.get("events") for part in ("sysfs", "kmsg") for d in state.get(part, {}).values())
+
+
 # The kernel-log half of the same check: same name, so the daemon keeps ONE state and one set of findings for
 # pcie_aer, fed by both the sysfs poll and the followed kernel log (judged one at a time).
 KERNEL_CONSUMER = KernelConsumer(name=CHECK_NAME, summary=SPEC.summary, judge=_judge_batch, defaults=SPEC.defaults,
-                                 list_types=SPEC.list_types,
+                                 list_types=SPEC.list_types, quiet=kernel_quiet,
                                  interest=("AER", "PCIe Bus Error", "[Hardware Error]:"))

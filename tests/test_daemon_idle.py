@@ -227,3 +227,76 @@ def test_a_check_that_does_not_apply_is_asked_again_only_now_and_then(scenario_c
     finally:
         d.stop()
         store.close()
+
+
+XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+
+
+def test_idle_ticks_leave_quiet_kernel_consumers_alone_and_an_xid_still_lands(scenario_copy, tmp_path):
+    """The kernel log's idle tick (an empty batch, so time-based rules advance) is skipped while every consumer's
+    state is quiet (nothing held, no event in a window); a new XID is judged at once, and from then on the idle
+    ticks judge again (its incident holds and ends by time)."""
+    from gpuwarden.checks import KERNEL_CONSUMERS
+
+    from conftest import append_kmsg
+
+    root = scenario_copy("h100-hgx-healthy")
+    calls: dict[str, int] = {}
+
+    def counted(consumer):
+        def judge(*args):
+            calls[consumer.name] = calls.get(consumer.name, 0) + 1
+            return consumer.judge(*args)
+        return replace(consumer, judge=judge)
+
+    store = Store(tmp_path / "state.db")
+    d = Daemon(Node.recorded_at(root), [], [counted(c) for c in KERNEL_CONSUMERS], config.defaults(all_specs()), store,
+               LocalAdapter(tmp_path / "actions.jsonl"), DaemonCollector(),
+               DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05))
+    d.start()
+    try:
+        last = max(int(line.split(",")[1]) for line in (root / "kmsg").read_text().splitlines() if line[:1].isdigit())
+        wait_for(lambda: (d._meta.get("kmsg_cursor") or {}).get("seq") == last, what="the backlog read")
+        wait_for(lambda: d._consumers_quiet(), what="the consumers quiet")
+        judged = dict(calls)
+        time.sleep(0.5)  # ten idle ticks
+        assert calls == judged, "a quiet kernel log's idle ticks judged nothing"
+        append_kmsg(root, XID79)
+        wait_for(lambda: [f.code for f in d.results()["xid"].findings], what="the XID judged")
+        assert calls["xid"] > judged["xid"] and not d._consumers_quiet()
+        after = calls["xid"]
+        wait_for(lambda: calls["xid"] >= after + 3, what="idle ticks judging the held incident again")
+    finally:
+        d.stop()
+        store.close()
+
+
+def test_a_quiet_kernel_consumer_judges_an_empty_batch_the_same_later(scenario_copy):
+    """What the idle tick's skip relies on (KernelConsumer.quiet): on every bundled node, a consumer whose state is
+    quiet and whose judgement of the node's whole kernel log holds no finding judges an empty batch a day later the
+    same: no finding, a state still quiet. A node with an XID incident or an AER event is not quiet."""
+    from gpuwarden.agent.passive import KernelBatch
+    from gpuwarden.agent.kernel_log import parse_kmsg_text
+    from gpuwarden.checks import KERNEL_CONSUMERS, pcie_aer, xid
+
+    cfgs = config.defaults(all_specs())
+    t0 = 1_760_000_000.0
+    seen = set()
+    for scenario in ("h100-hgx-healthy", "gb200-nvl72-healthy", "gb200-nvl72-faulty", "h200-vm-1gpu"):
+        node = Node.recorded_at(scenario_copy(scenario))
+        for consumer in KERNEL_CONSUMERS:
+            cfg = cfgs.for_check(consumer.name)
+            first = consumer.judge({}, KernelBatch(node.kmsg.records(), [], node.kmsg.boot_id), cfg, t0)
+            state = json.loads(json.dumps(first.state))
+            if first.findings or not consumer.quiet(state):
+                continue
+            seen.add(consumer.name)
+            later = consumer.judge(state, KernelBatch([], [], node.kmsg.boot_id), cfg, t0 + 86_400)
+            assert later.findings == () and consumer.quiet(json.loads(json.dumps(later.state))), (scenario, consumer)
+    assert seen == {c.name for c in KERNEL_CONSUMERS}, seen
+    records, _ = parse_kmsg_text(XID79.format(seq=1, usec=1000) + "\n", "kmsg")
+    held = xid.CONSUMER.judge({}, KernelBatch(records, [], "b"), cfgs.for_check("xid"), t0)
+    assert held.state["incidents"] and not xid.CONSUMER.quiet(held.state)
+    assert not pcie_aer.kernel_quiet({"version": 1, "devices": {}, "sysfs": {}}), "the history batch not yet taken"
+    event = {"counts": {}, "events": [[t0, "fatal", 1]], "last": ""}
+    assert not pcie_aer.kernel_quiet({"version": 1, "devices": {}, "sysfs": {}, "kmsg": {"0000:3b:00.0": event}})
