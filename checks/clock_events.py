@@ -205,7 +205,8 @@ SPEC = PassiveSpec(
     # The judgement after a skipped stretch credits it to the reasons of the (identical) sample, which is right only
     # while that stretch counts as observed: it must come back well within max_gap_s. It comes at the first tick past
     # this (ticks every interval), so this plus one interval plus the judge's own delay must stay under max_gap_s:
-    # 15 + 10 = 20 s against 30. (25 s here came back at the 30 s tick, a few ms past max_gap_s: a quiet GPU's window
-    # was never credited, and a later slowdown was judged against its own minutes alone.)
+    # 15 + 10 = 25 s at most (the 20 s tick in practice) against 30. (25 s here came back at the 30 s tick, a few ms
+    # past max_gap_s: a quiet GPU's window was never credited, and a later slowdown was judged against its own
+    # minutes alone.)
     quiet_rejudge_s=15.0,
 )
