@@ -224,7 +224,7 @@ _KMSG = re.compile(r"(\d{1,10}),(\d{1,19}),(\d{1,19}),[^;]*+;")
 _DECODE = re.compile(r"([a-z]{2,8}) *:([a-z]{3,6}) *: ")
 _LEVELS = {"emerg": 0, "alert": 1, "crit": 2, "err": 3, "warn": 4, "notice": 5, "info": 6, "debug": 7}
 _STAMP = r"\[ *+(\d{1,12})\.(\d{1,9})\]"
-DMESG_STAMP = re.compile(_STAMP + " ?")  # dmesg: "[ 1234.567890] "
+_DMESG_STAMP_RE = re.compile(_STAMP + " ?")  # dmesg: "[ 1234.567890] "
 _CTIME = re.compile(r"\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4})\] ?")  # dmesg -T
 # dmesg --time-format iso (comma fraction) and journalctl -o short-iso[-precise] / RFC 3339 syslog
 _ISO = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?) ")
@@ -232,10 +232,10 @@ _ISO = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d
 # character by character.
 _SYSLOG = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d) (\S++) ")  # "Jan 01 09:30:56 host "
 _HOST_KERNEL = r"\S++ kernel: "
-HOST_KERNEL = re.compile(_HOST_KERNEL)  # journal/syslog "host kernel: " after the timestamp
+_HOST_KERNEL_RE = re.compile(_HOST_KERNEL)  # journal/syslog "host kernel: " after the timestamp
 # Lines joined by newlines, each read in one findall as classify_line reads a line that starts with a dmesg stamp and
 # has no journal host after it: (secs, frac, message), and ("", "", line) for any other line. The space after the
-# stamp is taken possessively, as DMESG_STAMP.match takes it before HOST_KERNEL is tried where it ends.
+# stamp is taken possessively, as _DMESG_STAMP_RE.match takes it before _HOST_KERNEL_RE is tried where it ends.
 DMESG_LINES = re.compile(r"^(?:" + _STAMP + r" ?+(?!" + _HOST_KERNEL + r"))?+(.*)$", re.M)
 # A kernel line quoted inside other text ("mynode-066 | ERROR: ... [ 3606.832215] NVRM: Xid ..."):
 # only NVIDIA driver lines are looked for, so ordinary text is not cut at a stray "[1.5]".
@@ -266,7 +266,7 @@ def classify_line(line: str) -> tuple[str, str, str | None, int | None, int | No
     timestamp = usec = None
     kind = ""
     if s.startswith("["):
-        m = DMESG_STAMP.match(s)
+        m = _DMESG_STAMP_RE.match(s)
         if m:
             usec, kind, s = stamp_usec(m[1], m[2]), "dmesg", s[m.end():]
         else:
@@ -285,12 +285,12 @@ def classify_line(line: str) -> tuple[str, str, str | None, int | None, int | No
                 s = s[8:]
     if kind and kind != "syslog":
         # journalctl (short-iso, short-monotonic) puts "host kernel: " after its timestamp.
-        m = HOST_KERNEL.match(s)
+        m = _HOST_KERNEL_RE.match(s)
         if m:
             s = s[m.end():]
             kind = "journal-iso" if kind == "dmesg-iso" else "journal"
     if kind in ("syslog", "journal-iso", "journal") and s.startswith("["):
-        m = DMESG_STAMP.match(s)  # kern.log keeps the kernel's own "[secs.frac]" after "kernel: "
+        m = _DMESG_STAMP_RE.match(s)  # kern.log keeps the kernel's own "[secs.frac]" after "kernel: "
         if m:
             usec, s = stamp_usec(m[1], m[2]), s[m.end():]
     if kind:
