@@ -262,17 +262,23 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
     def _commit(self, updates: list[CheckRecord], meta: dict | None, now: float, retest: bool | None = None) -> None:
         """Applies one observation to memory (call with the lock held): the records, the node state, and what the
         writer and the action worker are to carry out. Never waits on the disk or the scheduler."""
+        # A check's own hooks (durable, quiet) run first: one that raises leaves memory as it was, never a record
+        # that /metrics and the node's state have not seen.
+        weighed = []
         for rec in updates:
             old = self._records.get(rec.name)
-            if _differs(old, rec, self._durable.get(rec.name)):
+            quiet = self._quiet_specs.get(rec.name)
+            quiet_now = None if quiet is None else rec.status is Status.OK and not rec.findings and quiet(rec.state)
+            weighed.append((rec, old, _differs(old, rec, self._durable.get(rec.name)), quiet_now))
+        for rec, old, differs, quiet_now in weighed:
+            if differs:
                 self._dirty.add(rec.name)
                 self._unflushed.discard(rec.name)
             elif old is not None and old.state != rec.state:
                 self._unflushed.add(rec.name)  # a change only outside the durable part: written later
             self._records[rec.name] = rec
-            quiet = self._quiet_specs.get(rec.name)
-            if quiet is not None:
-                self._quiet_records[rec.name] = rec.status is Status.OK and not rec.findings and quiet(rec.state)
+            if quiet_now is not None:
+                self._quiet_records[rec.name] = quiet_now
         for key, value in (meta or {}).items():
             self._set_meta(key, value)
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,

@@ -467,3 +467,24 @@ def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp
     finally:
         d.stop()
         store.close()
+
+
+def test_a_commit_whose_check_hook_raises_changes_nothing(scenario_copy, tmp_path):
+    """A check's quiet (or durable) hook that raises while its record is committed leaves memory as it was: no record
+    that /metrics was never told of (the check's loop then reports it UNKNOWN, as the test above shows)."""
+    from gpuwarden.agent.model import Status
+    from gpuwarden.agent.store import CheckRecord
+
+    def quiet(state):
+        raise KeyError("ports")
+
+    spec = PassiveSpec("flaky", "a check with a bug", sample=lambda n, c, s: 1,
+                       judge=lambda s, x, c, now: Judgement({"n": x}), interval_s=0.02, quiet=quiet)
+    d = make(scenario_copy("gb200-nvl72-healthy"), tmp_path / "state", [spec])
+    try:
+        before = d.results()
+        with d._lock, pytest.raises(KeyError):
+            d._commit([CheckRecord("flaky", {"n": 1}, Status.OK, None, (), 1.0, 0.0)], None, 1.0)
+        assert d.results() == before and "flaky" not in d._quiet_records
+    finally:
+        d.store.close()
