@@ -184,20 +184,10 @@ class PollLoops:
                                   f"sample timed out after {flight.timeout_s:g}s (still running)",
                                   now - flight.deadline + flight.timeout_s)
 
-    def _sleep(self, seconds: float, wake_fd: int | None = None) -> bool:
-        """Sleeps `seconds`, or until stop(), or until `wake_fd` is readable (then drained, and True)."""
-        if self.stop_event.is_set():
-            return False
-        fds = [self._stop_r] if wake_fd is None else [self._stop_r, wake_fd]
-        ready = select.select(fds, [], [], max(0.0, seconds))[0]
-        if wake_fd is not None and wake_fd in ready:
-            try:
-                while os.read(wake_fd, 64):
-                    pass
-            except BlockingIOError:
-                pass
-            return True
-        return False
+    def _sleep(self, seconds: float) -> None:
+        """Sleeps `seconds`, or until stop(): a loop's backoff after an error (rare: a sleeper made for it)."""
+        if not self.stop_event.is_set():
+            Sleeper(self._stop_r).sleep(seconds)
 
 
 class Sleeper:

@@ -31,6 +31,7 @@ REASONS: dict[str, int] = {
 # The specific HW causes come first: the umbrella hw_slowdown is reported only when they do not explain it.
 HW_REASONS = ("hw_thermal_slowdown", "hw_power_brake_slowdown", "hw_slowdown")
 JUDGED = HW_REASONS + ("sw_thermal_slowdown",)
+JUDGED_MASK = sum(REASONS[r] for r in JUDGED)
 WHY = {  # what the reason means, and what to do when it is frequent enough to FAIL
     "hw_thermal_slowdown": ("HW thermal slowdown (clocks cut by half or more to protect an overheating GPU)",
                             "cooling is failing; drain and inspect the cooling"),
@@ -161,12 +162,10 @@ def durable(state: Mapping[str, Any]) -> dict[str, Any]:
     judged) is written with the next such change or at stop: an idle node does not write its disk at every
     re-judge, and a kill -9 loses that time as unobserved, as it loses the time the daemon was down (the window's
     ratios are then those of the last change, never higher)."""
-    judged = sum(REASONS[r] for r in JUDGED)
-
     def active(bucket: Mapping[str, Any]) -> dict[str, float]:
         return {r: s for r, s in bucket["on"].items() if r in JUDGED}
 
-    return {key: (int(g.get("last_mask", 0)) & judged,
+    return {key: (int(g.get("last_mask", 0)) & JUDGED_MASK,
                   [(b["t"], on) for b in g.get("buckets", ()) if (on := active(b))])
             for key, g in state.get("gpus", {}).items()}
 

@@ -199,6 +199,5 @@ SXID_CONSUMER = KernelConsumer(
     defaults=DEFAULTS,  # the one [checks.nvswitch_sxid] table, read by every form
     list_types=CHECK.list_types,
     interest=("SXid", "NVSwitch"),  # SXid lines and their Severity/Data continuations; Fabric Manager's wording
-    # No incident and no unread line: nothing holds, so nothing can end by time.
-    quiet=lambda state: not state.get("incidents") and not state.get("unread"),
+    quiet=unread_lines.nothing_held,
 )

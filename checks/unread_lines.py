@@ -20,6 +20,12 @@ def note(unread: dict[str, Any], records: Iterable[Any], at_of: Callable[[Any], 
             lines.append({"source": r.source, "line": r.line, "seq": r.seq, "message": r.message[:300]})
 
 
+def nothing_held(state: Mapping[str, Any]) -> bool:
+    """A kernel-log check's state with no incident and no unread line: nothing holds, so nothing ends by time (its
+    KernelConsumer.quiet)."""
+    return not state.get("incidents") and not state.get("unread")
+
+
 def standing(unread: Mapping[str, Any], now: float, hold_s: float, hold: bool = True) -> bool:
     """Whether the unread lines are still reported: for hold_s after the last one (always without `hold`)."""
     return bool(unread) and (not hold or now - unread["last_at"] <= hold_s)

@@ -489,6 +489,5 @@ CONSUMER = KernelConsumer(
     defaults=DEFAULTS,  # the one [checks.xid] table, read by every form
     list_types=CHECK.list_types,
     interest=("NVRM: ",),  # XIDs and the driver's "GPU at PCI" lines that name the GPU
-    # No incident and no unread line: nothing holds, so nothing can end by time.
-    quiet=lambda state: not state.get("incidents") and not state.get("unread"),
+    quiet=unread_lines.nothing_held,
 )
