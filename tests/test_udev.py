@@ -145,6 +145,9 @@ def test_daemon_a_device_removal_wakes_the_poll_that_reads_it(scenario_copy, tmp
     try:
         first = wait_for(lambda: d.results().get("ib_port") if d.results().get("ib_port") and
                          d.results()["ib_port"].status.value == "ok" else None, what="the first look")
+        # The device loop watches from when its monitor is made (as a netlink subscription does): an event written
+        # before that is not news. Under load the loop starts after the first look; wait for its first beat.
+        wait_for(lambda: "udev" in d._beats, what="the device monitor made")
         shutil.rmtree(root / "sys/class/infiniband/mlx5_2")
         append(root, "remove infiniband /sys/devices/pci0012:00/0012:00:00.0/0012:01:00.0/infiniband/mlx5_2\n")
         found = wait_for(lambda: [f for f in d.results()["ib_port"].findings if f.entity.id == "mlx5_2/1"],
