@@ -42,15 +42,15 @@ class EventLoops:
                 except GpuwardenError as exc:
                     records, error = [], str(exc)
                 now_mono = time.monotonic()
-                if not records and not error and now_mono >= next_idle and self._consumers_quiet():
-                    # Nothing the consumers hold moves with time, so they are not judged; the node's own state still
-                    # moves on at the tick (a quarantine or a retest that falls due).
-                    with self._lock:
-                        self._commit([], None, self.opt.clock())
-                    next_idle = (math.floor(now_mono / tick) + 1) * tick
-                elif records or error or now_mono >= next_idle:
-                    self._feed(records, follower, error)
-                    self._kmsg_first.set()
+                if records or error or now_mono >= next_idle:
+                    if records or error or not self._consumers_quiet():
+                        self._feed(records, follower, error)
+                        self._kmsg_first.set()
+                    else:
+                        # An idle tick where nothing the consumers hold moves with time: they are not judged; the
+                        # node's own state still moves on (a quarantine or a retest that falls due).
+                        with self._lock:
+                            self._commit([], None, self.opt.clock())
                     next_idle = (math.floor(now_mono / tick) + 1) * tick  # aligned with the polls (_wait_aligned)
                     # An incident whose hold ends before the next tick is judged again when it ends, so the node's
                     # state follows at once (a quarantined node's retest waits for its faults to clear).

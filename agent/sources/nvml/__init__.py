@@ -24,7 +24,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pynvml
 
@@ -154,7 +154,7 @@ _ABSENT = object()
 
 
 @functools.lru_cache(maxsize=8)
-def _nvlink_fields(links: tuple[int, ...]) -> list[tuple[Any, int, int | None]]:
+def _nvlink_fields(links: tuple[int, ...]) -> tuple[tuple[Any, int, int | None], ...]:
     """The field read of nvlinks() for these links: (key, field id, scope) of each link's state and counters. The
     same few link sets are read every poll (all links at a relearn, else the GPU's own), so it is built once."""
     fields: list[tuple[Any, int, int | None]] = []
@@ -163,7 +163,7 @@ def _nvlink_fields(links: tuple[int, ...]) -> list[tuple[Any, int, int | None]]:
         fields += [((link, name), fid, link) for name, fid in NVLINK_COUNTER_FIELDS.items()]
         if link in NVLINK_CRC_DATA_FIELDS:
             fields.append(((link, "crc_data"), NVLINK_CRC_DATA_FIELDS[link], None))
-    return fields
+    return tuple(fields)  # shared by every caller through the cache: not to be changed
 
 
 class Nvml:
@@ -255,7 +255,8 @@ class Nvml:
         current, pending = self._dev(gpu, "nvmlDeviceGetEccMode")
         return {"current": int(current), "pending": int(pending)}
 
-    def field_values(self, gpu: Gpu, fields: list[tuple[Any, int, int | None]]) -> dict[Any, int | float | NvmlError]:
+    def field_values(self, gpu: Gpu, fields: Sequence[tuple[Any, int, int | None]]
+                     ) -> dict[Any, int | float | NvmlError]:
         """One nvmlDeviceGetFieldValues call for `fields` ([(key, field id, scope or None)]): each key's value, or the
         NvmlError of that field alone (NVML reports a per-field failure inside a call that succeeds). Raises NvmlError
         when the call itself fails (GPU lost, no field values on this driver)."""
