@@ -208,3 +208,30 @@ def test_checks_lists_preflight_passive_and_kernel_log_checks_with_their_tables(
         assert text.count(f"[checks.{name}]") == 1, name
     assert "quick+1s" in text and "quick+kmsg" in text
     assert "xid_watch" not in text and "ecc_watch" not in text and "ib_downtime" not in text
+
+
+@pytest.mark.parametrize("args", [("analyze", "fixtures/logs/kernel/gpud__dmesg-ctime__xid119-gsp-timeout-with-stack.log"),
+                                  ("preflight", "--root", scenario("gb200-nvl72-faulty"), "--json")])
+def test_a_verdict_nobody_reads_ends_with_141_and_no_traceback(args: tuple[str, ...]):
+    # The command ends at its verdict without the interpreter's teardown: the output still held in its buffer is
+    # written first, and a reader that went away (`gpuwarden ... | head`, here a pipe closed before anything was
+    # written) is the shell's SIGPIPE status, whether the verdict fitted in the buffer (analyze) or not (preflight).
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", *args], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=ROOT)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_command_writes_a_verdict_longer_than_a_pipe_holds_whole():
+    logs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "fixtures" / "logs" / "kernel").iterdir()
+                  if not p.name.endswith(".source.txt"))
+    proc = gpuwarden("analyze", "--json", *logs)
+    assert len(proc.stdout) > 1 << 16  # more than a pipe holds: written while the test reads
+    report = json.loads(proc.stdout)
+    assert len(report["results"]) == len(logs)
+    assert proc.returncode == report["exit_code"] == 1
