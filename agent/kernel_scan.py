@@ -24,8 +24,9 @@ anyway, are not looked for (a full parse validates every line at ~4x the cost).
 
 A large file (a regular file of PARALLEL_MIN bytes or more, where this process may use more than one CPU and can
 fork) is read by forked processes, one per CPU up to MAX_WORKERS: it is cut at line starts into parts of about PART
-bytes, part i read by process i mod N, which sends back (marshal, through a pipe) the part's lines the checks read,
-parsed, numbered from the part's first line, and its newline count. This process takes the parts in file order,
+bytes, each read by whichever reader is free for it (a reader takes the next part's number from a pipe when it has
+sent the last), which sends back (marshal, through a pipe of its own) the part's lines the checks read, parsed,
+numbered from the part's first line, and its newline count. This process takes the parts in file order,
 numbers their lines on from the parts before, and judges them as they come: the judges see the records a single
 reader gives, in the same order (the tests compare both, with a part boundary at every line end). A reader that
 fails (an exception, an exit, a signal) is a ScanError naming the file and the part's bytes, never a partial result.
@@ -33,8 +34,9 @@ The judging stays here, in order, because each check's judge carries its state f
 
 Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes in each reader, records judged in batches
 of BATCH records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the
-daemon's does), notes capped at MAX_NOTES; with readers, at most one finished part per reader waits (in its pipe of
-PIPE_SIZE bytes, or in the reader until it is taken) besides the one being judged.
+daemon's does), notes capped at MAX_NOTES; with readers, at most one finished part per reader is held here ahead
+of its turn besides the one being judged (the others wait in the readers' pipes of PIPE_SIZE bytes, and a reader
+whose pipe is full waits), and parts are handed out at most CLAIM_AHEAD per reader past the one judged.
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
 MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
 READER_NICE = 5  # the readers' niceness, above this process's
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
+CLAIM_AHEAD = 2  # parts per reader handed out past the one being judged: a reader waits for one only when it is
+                 # that far ahead of the judging here
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
 # one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
 _SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
@@ -299,11 +303,14 @@ def _long_line(buf: bytearray, line_max: int, have: int, read: Callable[[memoryv
 
 # ---------------------------------------------------------------- a large file, read in parts by several processes
 # The search and the newline count of a large file are split over the CPUs: the file is cut at line starts into
-# parts of about PART bytes, forked processes read them (part i by process i mod N, each part in its order), and
-# each sends back one part's lines the checks read, parsed, with line numbers counted from the part's start. This
-# process takes the parts in file order, adds the lines before each part to its numbers and judges the records as
-# they come: the judges see exactly the records, in the order, that one reader gives them. In flight at any time:
-# at most one finished part per process (its next part waits until this one is taken) and the one being judged.
+# parts of about PART bytes and forked processes read them, each sending back one part's lines the checks read,
+# parsed, with line numbers counted from the part's start. A reader takes its next part when it has sent the last
+# (a part's number from a pipe this process writes them to, in file order), so a reader that gets less of a CPU
+# (the judging here shares one with it) reads fewer parts and they all end together. This process takes the parts
+# in file order, adds the lines before each part to its numbers and judges the records as they come: the judges see
+# exactly the records, in the order, that one reader gives them. Parts are handed out at most CLAIM_AHEAD per reader
+# past the one judged; in this process's memory at any time: at most one finished part per reader, read ahead of its
+# turn, and the one being judged (the rest wait in the readers' pipes, which stop a reader when full).
 
 def _plan(f: BinaryIO, first: bytes, workers: int | None, part: int) -> tuple[list[tuple[int, int]], int] | None:
     """The parts (start, stop byte offsets) of the file from where ``first`` was read, and the processes to read
@@ -362,14 +369,30 @@ def _line_start(fd: int, at: int, size: int) -> int:
     return size
 
 
-def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
-                needles: Sequence[bytes],
-                probes: Probes, chunk: int, line_max: int,
-                parts: list[tuple[int, int]], workers: int) -> ScanResult:
-    procs: list[tuple[int, int]] = []  # (pid, read end of its pipe), in the order started
-    ended: dict[int, int] = {}  # pid -> wait status
-    try:
-        for w in range(workers):
+_PART_NO = struct.Struct("<i")  # a part's number in the pipe the readers take them from: 4 bytes, read atomically
+_HELD = struct.Struct("<q")  # a reader's slot in the shared page: the part it reads now, -1 between parts
+
+
+class _Readers:
+    """The reader processes of one file: started, handed parts, their results taken in file order, ended."""
+
+    def __init__(self, workers: int, parts: list[tuple[int, int]], source: str) -> None:
+        import mmap
+
+        self.parts, self.source = parts, source
+        self.procs: list[tuple[int, int]] = []  # (pid, read end of its pipe), in the order started
+        self.ended: dict[int, int] = {}  # pid -> wait status
+        self.ahead: list[tuple[Any, ...] | None] = []  # per reader: its next message, read before its turn
+        self.claims_r, self.claims_w = os.pipe()
+        self.handed = 0  # parts whose number is in the pipe
+        # What each reader reads now, where this process sees it without a message: a reader killed in a part is
+        # named with that part's bytes.
+        self.held = mmap.mmap(-1, _HELD.size * workers)
+        self.held.write(_HELD.pack(-1) * workers)
+        self.workers = workers
+
+    def start(self, read_part: Callable[..., tuple[Any, ...]], *args: Any) -> None:
+        for w in range(self.workers):
             r, wr = os.pipe()
             _widen(wr)
             try:
@@ -381,30 +404,110 @@ def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Cal
             if pid == 0:  # the reader: never returns
                 try:
                     os.close(r)
-                    for _, other in procs:
+                    os.close(self.claims_w)
+                    for _, other in self.procs:
                         os.close(other)
-                    _reader_process(fd, wr, source, kmsg, needles, probes, chunk, line_max,
-                                    [(i, parts[i]) for i in range(w, len(parts), workers)], len(parts))
+                    _reader_process(self.claims_r, wr, self.held, w, self.parts, read_part, args)
                 finally:
                     os._exit(1)  # reached only if the reader could not start: the parent says so
             os.close(wr)
-            procs.append((pid, r))
-        judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
-        with gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
-            return _take_parts(procs, ended, judges, source, parts, workers, line_max)
-    finally:
-        for pid, r in procs:
+            self.procs.append((pid, r))
+            self.ahead.append(None)
+        os.close(self.claims_r)
+        self.claims_r = -1
+        self.hand_out(CLAIM_AHEAD * self.workers)
+
+    def hand_out(self, upto: int) -> None:
+        """Puts the numbers of the parts before ``upto`` in the readers' pipe; closes it after the last part's."""
+        upto = min(upto, len(self.parts))
+        if self.handed < upto:
+            data = b"".join(_PART_NO.pack(i) for i in range(self.handed, upto))
+            while data:  # a pipe holds 16k numbers: a write of them returns only when all are in
+                data = data[os.write(self.claims_w, data):]
+            self.handed = upto
+        if self.handed == len(self.parts) and self.claims_w >= 0:
+            os.close(self.claims_w)  # a reader that asks for another part now ends
+            self.claims_w = -1
+
+    def take(self, i: int) -> tuple[Any, ...]:
+        """Part i's result, from whichever reader read it (the parts before it taken already)."""
+        import select
+
+        while True:
+            for w, got in enumerate(self.ahead):
+                if got is not None and got[1] == i:
+                    self.ahead[w] = None
+                    return got[2]
+            waiting = select.poll()
+            fds = {}
+            for w, (pid, r) in enumerate(self.procs):
+                if self.ahead[w] is None and pid not in self.ended:
+                    waiting.register(r, select.POLLIN)
+                    fds[r] = w
+            if not fds:  # every reader ended and none read it: not a result to give
+                self._failed(i, "no reader read it")
+            for r, _ in waiting.poll():
+                self._next(fds[r], i)
+
+    def _next(self, w: int, waited: int) -> None:
+        """Reads reader w's next message (a part's result), or learns that it ended."""
+        pid, r = self.procs[w]
+        got = _receive(r)
+        if got is not None and got[0] == "part":
+            self.ahead[w] = got
+            return
+        held = _HELD.unpack_from(self.held, _HELD.size * w)[0]
+        if got is not None:  # ("error", part, what): it raised
+            self._failed(got[1] if got[1] >= 0 else waited, got[2])
+        status = self.ended[pid] = os.waitpid(pid, 0)[1]
+        if status or held >= 0:  # it ended in a part, or not as a reader ends
+            self._failed(held if held >= 0 else waited, _status_text(status))
+
+    def _failed(self, i: int, why: str) -> None:
+        start, stop = self.parts[i]
+        raise ScanError(f"{self.source}: reading bytes {start}-{stop} failed ({why}); the file was not read whole")
+
+    def wait(self) -> None:
+        """Each reader's end, once every part is taken: a reader that failed after its parts is an error too."""
+        for pid, _ in self.procs:
+            if pid not in self.ended:
+                self.ended[pid] = os.waitpid(pid, 0)[1]
+            if self.ended[pid]:
+                raise ScanError(f"{self.source}: a process reading it failed after its parts "
+                                f"({_status_text(self.ended[pid])})")
+
+    def close(self) -> None:
+        for fd in (self.claims_r, self.claims_w):
+            if fd >= 0:
+                os.close(fd)
+        self.claims_r = self.claims_w = -1
+        for pid, r in self.procs:
             os.close(r)
-            if pid not in ended:
+            if pid not in self.ended:
                 try:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                 except OSError:
                     pass
+        self.held.close()
 
 
-def _take_parts(procs: list[tuple[int, int]], ended: dict[int, int], judges: _Judges, source: str,
-                parts: list[tuple[int, int]], workers: int, line_max: int) -> ScanResult:
+def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
+                needles: Sequence[bytes],
+                probes: Probes, chunk: int, line_max: int,
+                parts: list[tuple[int, int]], workers: int) -> ScanResult:
+    readers = _Readers(workers, parts, source)
+    try:
+        buf_size = chunk + line_max
+        readers.start(_read_part, fd, source, kmsg, needles, probes, buf_size, chunk, line_max)
+        judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
+        with gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
+            return _take_parts(readers, judges, source, line_max)
+    finally:
+        readers.close()
+
+
+def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) -> ScanResult:
     """The readers' results, part by part in file order, numbered on and judged."""
     records: list[LogRecord] = []
     errors: list[ParseError] = []
@@ -413,15 +516,9 @@ def _take_parts(procs: list[tuple[int, int]], ended: dict[int, int], judges: _Ju
     offset = 0  # lines before the part
     blank = True
     build, record_type = LogRecordBuilder, LogRecord
-    for i, (start, stop) in enumerate(parts):
-        pid, r = procs[i % workers]
-        got = _receive(r)
-        if got is None or got[0] != "part":
-            if got is None:
-                ended[pid] = os.waitpid(pid, 0)[1]
-            why = got[1] if got is not None else _status_text(ended[pid])
-            raise ScanError(f"{source}: reading bytes {start}-{stop} failed ({why}); the file was not read whole")
-        rows, errs, part_malformed, cuts, part_cut, lines, part_blank = got[1]
+    for i in range(len(readers.parts)):
+        rows, errs, part_malformed, cuts, part_cut, lines, part_blank = readers.take(i)
+        readers.hand_out(i + 1 + CLAIM_AHEAD * readers.workers)
         for what, line in errs:
             if len(errors) < MAX_NOTES:
                 errors.append(ParseError(what, source, line + offset))
@@ -445,10 +542,7 @@ def _take_parts(procs: list[tuple[int, int]], ended: dict[int, int], judges: _Ju
                     held = 0
         offset += lines
     judges.judge(records)
-    for pid, _ in procs:
-        status = ended[pid] = os.waitpid(pid, 0)[1]
-        if status:
-            raise ScanError(f"{source}: a process reading it failed after its parts ({_status_text(status)})")
+    readers.wait()
     return _result(judges, errors, offset, blank, notes, source, cut, malformed, line_max)
 
 
@@ -468,25 +562,33 @@ def _status_text(status: int) -> str:
     return f"its reader exited with status {os.WEXITSTATUS(status)}"
 
 
-def _reader_process(fd: int, out: int, source: str, kmsg: bool, needles: Sequence[bytes],
-                    probes: Probes, chunk: int, line_max: int,
-                    parts: list[tuple[int, tuple[int, int]]], nparts: int) -> None:
-    """A forked reader: reads its parts in order and sends each one's result; exits without returning (nothing of
-    the parent's, its buffers or exit handlers, runs twice)."""
+def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tuple[int, int]],
+                    read_part: Callable[..., tuple[Any, ...]], args: tuple[Any, ...]) -> None:
+    """A forked reader: takes the number of a part from ``claims``, reads the part, sends its result, until the
+    pipe ends; exits without returning (nothing of the parent's, its buffers or exit handlers, runs twice)."""
     code = 1
+    i = -1
     try:
         gc.disable()  # the rows hold only str, int and None: no cycles to collect
         # This process judges every part in order and is the one the readers wait for: where CPUs are short, it
         # runs first and the readers fill the time it leaves.
         os.nice(READER_NICE)
-        buf = bytearray(chunk + line_max)  # one for every part: a buffer this size anew is fresh pages each time
-        for i, (start, stop) in parts:
-            _send(out, ("part", _read_part(fd, start, stop, i == nparts - 1, source, kmsg, needles, probes, buf,
-                                           chunk, line_max)))
+        fd, source, kmsg, needles, probes, buf_size, chunk, line_max = args
+        buf = bytearray(buf_size)  # one for every part: a buffer this size anew is fresh pages each time
+        at = _HELD.size * slot
+        last = len(parts) - 1
+        while number := os.read(claims, _PART_NO.size):
+            i = _PART_NO.unpack(number)[0]
+            held[at:at + _HELD.size] = _HELD.pack(i)
+            start, stop = parts[i]
+            result = read_part(fd, start, stop, i == last, source, kmsg, needles, probes, buf, chunk, line_max)
+            _send(out, ("part", i, result))
+            held[at:at + _HELD.size] = _HELD.pack(-1)
+            i = -1
         code = 0
     except BaseException as exc:  # noqa: BLE001  # any failure is reported to the parent, which names the file
         try:
-            _send(out, ("error", f"{type(exc).__name__}: {exc}"))
+            _send(out, ("error", i, f"{type(exc).__name__}: {exc}"))
         except BaseException:  # noqa: BLE001  # the parent is gone or the pipe is broken: the exit status says it
             pass
     finally:

@@ -379,6 +379,42 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     assert no_child_left()
 
 
+def test_a_reader_that_is_held_up_reads_fewer_parts_and_the_result_is_the_same(tmp_path, monkeypatch):
+    """Parts go to whichever reader is free: one reader slowed down (as by sharing its CPU with the judging) leaves
+    its parts to the other, instead of the whole waiting on it; the findings stay the whole parse's."""
+    import os
+    import time
+
+    data = generated(9, "dmesg", 4000)
+    path = tmp_path / "held.log"
+    path.write_bytes(data)
+    slow, log = tmp_path / "slow", tmp_path / "who"
+    real = kernel_scan._read_part
+
+    def read_part(*args):
+        try:  # the first reader to read a part is the slow one
+            os.close(os.open(slow, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.environ["HELD_UP"] = "1"
+        except FileExistsError:
+            pass
+        if os.environ.get("HELD_UP"):
+            time.sleep(0.05)
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, b"%d\n" % os.getpid())
+        os.close(fd)
+        return real(*args)
+
+    monkeypatch.setattr(kernel_scan, "_read_part", read_part)
+    monkeypatch.delenv("HELD_UP", raising=False)
+    got = in_parts(path, 2, 4096)
+    assert got == (*whole(data, "p.log"), lines_in(data))
+    counts = sorted(log.read_text().split().count(pid) for pid in set(log.read_text().split()))
+    with open(path, "rb") as f:
+        assert len(counts) == 2 and sum(counts) == len(kernel_scan._parts(f.fileno(), 0, len(data), 4096))
+    assert counts[1] > 2 * counts[0], counts  # read in turn, each would have read half
+    assert no_child_left()
+
+
 def test_a_large_file_is_read_in_parts_by_default(tmp_path, monkeypatch):
     """Past PARALLEL_MIN bytes, as many processes as CPUs read it: the result is the whole parse's."""
     import os
