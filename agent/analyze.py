@@ -15,13 +15,15 @@ How, and what a streamed read validates: docs/analyze.md.
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Sequence
 
 from .errors import GpuwardenError
 from .kernel_log import HEAD_CHARS, HEAD_LINES, format_of_votes, format_votes
 
 if TYPE_CHECKING:
+    from collections import Counter
+    from pathlib import Path
+
     from .model import CheckResult, Report
 
 TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
@@ -41,6 +43,82 @@ def _kernel_consumers() -> tuple[Any, ...]:
     return xid.CONSUMER, nvswitch_sxid.SXID_CONSUMER
 
 
+# ---------------------------------------------------------------- a large kernel log's readers, started first
+# The command line's first FILE, when it is a large kernel log, has its readers started before the command line is
+# parsed and the CLI loaded (what the installed command does first: agent/command.py); `analyze` then takes them
+# up when it comes to that file. What is read ahead is the file's head, as analyze_file reads it, and nothing
+# else is done before the CLI has judged the command line: a command line it refuses ends the readers unused.
+_AHEAD: dict[str, tuple[BinaryIO, bytes, str, Any, float]] = {}  # the FILE as written -> (file, head, format,
+#                                                                   its readers, when its reading started)
+
+
+def read_ahead(args: Sequence[str]) -> None:
+    """Starts the readers of the first FILE of `gpuwarden analyze ARGS` if it is a large kernel log. Only a
+    command line of the plain forms is looked at (FILEs, --json, --log-format/--log-level with a value, --): any
+    other option, or a file that cannot be opened, leaves every file to analyze_file."""
+    import os
+    import stat
+
+    from . import kernel_scan
+
+    arg = _first_file(args)
+    if arg is None or arg in _AHEAD:
+        return
+    started = time.monotonic()
+
+    def large(st: os.stat_result) -> bool:  # a pipe's or a device's bytes read here would be lost to analyze_file
+        return stat.S_ISREG(st.st_mode) and st.st_size >= kernel_scan.PARALLEL_MIN
+
+    try:
+        if not large(os.stat(arg)):
+            return
+        f = open(arg, "rb")  # noqa: SIM115  # kept open for analyze_file, or closed here or by drop_ahead
+    except (OSError, ValueError):  # analyze_file says what is wrong with it
+        return
+    readers = None
+    try:
+        if large(os.fstat(f.fileno())):
+            head, _, _, votes = _head_votes(f)
+            if _kernel_lines_lead(votes):
+                fmt = format_of_votes(votes)
+                readers = kernel_scan.start_readers(f, fmt == "kmsg", KERNEL_INTEREST, first=head)
+    except (OSError, GpuwardenError):  # analyze_file reads it again and says what is wrong with it
+        readers = None
+    if readers is None:
+        f.close()
+        return
+    _AHEAD[arg] = (f, head, fmt, readers, started)
+
+
+def _first_file(args: Sequence[str]) -> str | None:
+    it = iter(args)
+    for arg in it:
+        if arg == "--":
+            return next(it, None)
+        if arg in ("--log-format", "--log-level"):
+            next(it, None)
+        elif arg != "--json" and not arg.startswith(("--log-format=", "--log-level=")):
+            return None if arg.startswith("-") else arg
+    return None
+
+
+def _take_ahead(path: Path) -> tuple[BinaryIO, bytes, str, Any, float] | None:
+    from pathlib import Path
+
+    for arg in _AHEAD:
+        if Path(arg) == path:
+            return _AHEAD.pop(arg)
+    return None
+
+
+def drop_ahead() -> None:
+    """Ends the readers started ahead that analyze did not take up (the command line was refused)."""
+    while _AHEAD:
+        f, _, _, readers, _ = _AHEAD.popitem()[1]
+        readers.close()
+        f.close()
+
+
 def _kernel_lines_lead(votes: dict[str, int]) -> bool:
     return sum(n for fmt, n in votes.items() if fmt in _KERNEL_FORMATS) * 2 > sum(votes.values())
 
@@ -49,6 +127,17 @@ def analyze_file(path: Path) -> CheckResult:
     # The model is loaded after a large file's readers have started (kernel_scan), not before: the start is what
     # the readers wait for.
     start = time.monotonic()
+    ahead = _take_ahead(path)
+    if ahead is not None:
+        f, head, fmt, readers, start = ahead
+        try:
+            with f:
+                return _kernel_log(path, f, head, fmt, start, readers)
+        except GpuwardenError as exc:  # kernel_scan.ScanError: a process reading a part of it failed
+            from .model import CheckResult, Status
+
+            return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
+                               source=str(path))
     try:
         f = open(path, "rb")  # noqa: SIM115  # closed below, whichever way the file is read
     except OSError as exc:
@@ -71,7 +160,9 @@ def analyze_file(path: Path) -> CheckResult:
                            source=str(path))
 
 
-def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
+def _head_votes(f: BinaryIO) -> tuple[bytes, str, bool, Counter[str]]:
+    """The file's head as read so far, its text, whether that is all of the head the tools' detectors read, and the
+    line formats' votes over it."""
     from .kernel_scan import read_head
 
     # The vote reads the head's first HEAD_LINES lines: where a shorter head holds them (or the whole file), the rest
@@ -81,9 +172,15 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
     if not whole_head and head_text.count("\n") < HEAD_LINES:
         head, head_text = read_head(f, HEAD_CHARS, have=head)
         whole_head = True
-    votes = format_votes(head_text)
+    return head, head_text, whole_head, format_votes(head_text)
+
+
+def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
+    head, head_text, whole_head, votes = _head_votes(f)
     if not _kernel_lines_lead(votes):
         from gpuwarden.checks import ALL
+
+        from .kernel_scan import read_head
 
         if not whole_head:
             head, head_text = read_head(f, HEAD_CHARS, have=head)
@@ -95,12 +192,13 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
     return _kernel_log(path, f, head, format_of_votes(votes), start)
 
 
-def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float) -> CheckResult:
+def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float, readers: Any = None) -> CheckResult:
     """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
-    them (each check's findings under its own name)."""
+    them (each check's findings under its own name). ``readers``: its reader processes, started by read_ahead."""
     from .kernel_scan import scan
 
-    result = scan(f, str(path), fmt == "kmsg", _kernel_consumers, first=head, interest=KERNEL_INTEREST)
+    result = scan(f, str(path), fmt == "kmsg", _kernel_consumers, first=head, interest=KERNEL_INTEREST,
+                  readers=readers)
     from .model import CheckResult, Status, fold_status
 
     findings = result.findings

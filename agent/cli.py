@@ -545,32 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
-# Commands whose work is done when their verdict is written. The installed command ends them there: the interpreter's
-# own teardown after it (a full collection over every object the run made, then each module's) changes nothing
-# outside the process and took 15-50 ms of a 0.2-0.3 s run. Their threads are daemon threads and every tool they
-# start is waited for or ended before the verdict.
-_ENDS_AT_ITS_VERDICT = frozenset(("preflight", "analyze", "slurm"))
-
-
-def console() -> None:
-    """The installed `gpuwarden` command: main() with this process's arguments, and its exit status."""
-    argv = sys.argv[1:]
-    code = main(argv)
-    words = _chosen(argv)
-    if not words or words[0] not in _ENDS_AT_ITS_VERDICT:
-        sys.exit(code)
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:  # the reader went away before the last of the output (`... | head`), as main() says
-        code = 141
-    except OSError:  # stdout could not take it (a full disk): the verdict was not written whole
-        code = code or 2
-    try:
-        sys.stderr.flush()
-    except OSError:
-        pass
-    os._exit(code)
-
-
 if __name__ == "__main__":  # pragma: no cover
-    console()
+    from .command import console
+
+    console(main)

@@ -36,7 +36,7 @@ Memory stays flat in the file's size: one buffer of CHUNK + LINE_MAX bytes in ea
 of BATCH records or BATCH_BYTES of their lines (each check's judge carries its state from batch to batch, as the
 daemon's does), notes capped at MAX_NOTES; with readers, at most one finished part per reader is held here ahead
 of its turn besides the one being judged (the others wait in the readers' pipes of PIPE_SIZE bytes, and a reader
-whose pipe is full waits), and parts are handed out at most CLAIM_AHEAD per reader past the one judged.
+whose pipe is full waits).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import gc
 import marshal
 import os
 import re
+import select
 import signal
 import stat
 import struct
@@ -66,8 +67,10 @@ PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone
 MAX_WORKERS = 4  # past a few readers the judging here, in order, is what takes the time
 READER_NICE = 5  # the readers' niceness, above this process's
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
-CLAIM_AHEAD = 2  # parts per reader handed out past the one being judged: a reader waits for one only when it is
-                 # that far ahead of the judging here
+# Part numbers handed to the readers past the part being judged, as many as their pipe takes (4 bytes each; a pipe
+# holds 64 KiB): the readers do not wait for this process to hand them more while it is busy (loading the checks,
+# or the CLI). What the readers read ahead is bounded by their result pipes, not by this.
+HANDED_AHEAD = 1 << 14
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
 # one is found the lines are not blank, without a copy of them (a copy of a chunk is fresh pages each time).
 _SURELY_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]").search
@@ -127,26 +130,54 @@ class _NoFork(Exception):
     """A reader process could not be started."""
 
 
+def start_readers(f: BinaryIO, kmsg: bool, interest: Sequence[str], first: bytes = b"", chunk: int = CHUNK,
+                  line_max: int = LINE_MAX, workers: int | None = None, part: int | None = None) -> _Readers | None:
+    """The reader processes of a large file, started: they read ``f`` from where ``first`` was read from it, for
+    the lines that hold one of the ``interest`` texts; scan(readers=) takes what they read. None where the file is
+    read by one process (see scan). ``workers``, ``part``: as scan's."""
+    needles = list(dict.fromkeys(t.encode() for t in interest))
+    plan = _plan(f, first, workers, PART if part is None else part)
+    if plan is None:
+        return None
+    parts, count = plan
+    readers = _Readers(count, parts)
+    try:
+        readers.start(_read_part, f.fileno(), kmsg, needles, probes_for(needles), chunk + line_max, chunk, line_max)
+    except _NoFork:  # no process to be had (a limit on them, no memory): read here, as a small file
+        readers.close()
+        return None
+    except BaseException:
+        readers.close()
+        raise
+    return readers
+
+
 def scan(f: BinaryIO, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
          first: bytes = b"", chunk: int = CHUNK, line_max: int = LINE_MAX, workers: int | None = None,
-         part: int | None = None, interest: Sequence[str] | None = None) -> ScanResult:
+         part: int | None = None, interest: Sequence[str] | None = None,
+         readers: _Readers | None = None) -> ScanResult:
     """Reads ``f`` (after ``first``, bytes already read from it) to its end; the findings of ``consumers``
     (KernelConsumers: their ``interest`` texts pick the lines, their judges decide) in their order.
 
     ``consumers`` may be a function that loads them, given the texts they read as ``interest``: a large file's
     readers then start while they load. ``workers``: processes that read parts of ``part`` bytes (PART if None)
-    each; None: one per CPU this process may use, for a regular file of PARALLEL_MIN bytes or more; 1: read here."""
+    each; None: one per CPU this process may use, for a regular file of PARALLEL_MIN bytes or more; 1: read here.
+    ``readers``: the file's readers, started already by start_readers with the same arguments (they are ended
+    here, whatever the outcome)."""
     if interest is None:
         assert not callable(consumers), "the texts the consumers read come with a function that loads them"
         interest = [t for c in consumers for t in c.interest]
+    if readers is None:
+        readers = start_readers(f, kmsg, interest, first, chunk, line_max, workers, part)
+    if readers is not None:
+        try:
+            judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
+            with gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
+                return _take_parts(readers, judges, source, line_max)
+        finally:
+            readers.close()
     needles = list(dict.fromkeys(t.encode() for t in interest))
     probes = probes_for(needles)
-    plan = _plan(f, first, workers, PART if part is None else part)
-    if plan is not None:
-        try:
-            return _scan_parts(f.fileno(), source, kmsg, consumers, needles, probes, chunk, line_max, *plan)
-        except _NoFork:  # no process to be had (a limit on them, no memory): read here, as a small file
-            pass
     judges = _Judges(consumers() if callable(consumers) else consumers)
     records: list[LogRecord] = []
     errors: list[ParseError] = []
@@ -308,9 +339,9 @@ def _long_line(buf: bytearray, line_max: int, have: int, read: Callable[[memoryv
 # (a part's number from a pipe this process writes them to, in file order), so a reader that gets less of a CPU
 # (the judging here shares one with it) reads fewer parts and they all end together. This process takes the parts
 # in file order, adds the lines before each part to its numbers and judges the records as they come: the judges see
-# exactly the records, in the order, that one reader gives them. Parts are handed out at most CLAIM_AHEAD per reader
-# past the one judged; in this process's memory at any time: at most one finished part per reader, read ahead of its
-# turn, and the one being judged (the rest wait in the readers' pipes, which stop a reader when full).
+# exactly the records, in the order, that one reader gives them. In this process's memory at any time: at most one
+# finished part per reader, read ahead of its turn, and the one being judged (the rest wait in the readers' pipes,
+# which stop a reader when full).
 
 def _plan(f: BinaryIO, first: bytes, workers: int | None, part: int) -> tuple[list[tuple[int, int]], int] | None:
     """The parts (start, stop byte offsets) of the file from where ``first`` was read, and the processes to read
@@ -376,10 +407,11 @@ _HELD = struct.Struct("<q")  # a reader's slot in the shared page: the part it r
 class _Readers:
     """The reader processes of one file: started, handed parts, their results taken in file order, ended."""
 
-    def __init__(self, workers: int, parts: list[tuple[int, int]], source: str) -> None:
+    def __init__(self, workers: int, parts: list[tuple[int, int]]) -> None:
         import mmap
 
-        self.parts, self.source = parts, source
+        self.parts = parts
+        self.source = "?"  # the file's name in errors: set by the scan that takes the parts
         self.procs: list[tuple[int, int]] = []  # (pid, read end of its pipe), in the order started
         self.ended: dict[int, int] = {}  # pid -> wait status
         self.ahead: list[tuple[Any, ...] | None] = []  # per reader: its next message, read before its turn
@@ -415,24 +447,28 @@ class _Readers:
             self.ahead.append(None)
         os.close(self.claims_r)
         self.claims_r = -1
-        self.hand_out(CLAIM_AHEAD * self.workers)
+        os.set_blocking(self.claims_w, False)
+        self.hand_out(HANDED_AHEAD)
 
     def hand_out(self, upto: int) -> None:
-        """Puts the numbers of the parts before ``upto`` in the readers' pipe; closes it after the last part's."""
+        """Puts the numbers of the parts before ``upto`` in the readers' pipe, as many as it takes now (the rest at a
+        later call); closes it after the last part's."""
         upto = min(upto, len(self.parts))
-        if self.handed < upto:
-            data = b"".join(_PART_NO.pack(i) for i in range(self.handed, upto))
-            while data:  # a pipe holds 16k numbers: a write of them returns only when all are in
-                data = data[os.write(self.claims_w, data):]
-            self.handed = upto
+        while self.handed < upto:
+            # At most PIPE_BUF bytes a write: all of it goes in or none (no number cut), and a full pipe is not
+            # waited for (the readers are busy then; it is filled again when the next part is taken).
+            stop = min(upto, self.handed + select.PIPE_BUF // _PART_NO.size)
+            try:
+                os.write(self.claims_w, b"".join(_PART_NO.pack(i) for i in range(self.handed, stop)))
+            except BlockingIOError:
+                return
+            self.handed = stop
         if self.handed == len(self.parts) and self.claims_w >= 0:
             os.close(self.claims_w)  # a reader that asks for another part now ends
             self.claims_w = -1
 
     def take(self, i: int) -> tuple[Any, ...]:
         """Part i's result, from whichever reader read it (the parts before it taken already)."""
-        import select
-
         while True:
             for w, got in enumerate(self.ahead):
                 if got is not None and got[1] == i:
@@ -492,23 +528,9 @@ class _Readers:
         self.held.close()
 
 
-def _scan_parts(fd: int, source: str, kmsg: bool, consumers: Sequence[Any] | Callable[[], Sequence[Any]],
-                needles: Sequence[bytes],
-                probes: Probes, chunk: int, line_max: int,
-                parts: list[tuple[int, int]], workers: int) -> ScanResult:
-    readers = _Readers(workers, parts, source)
-    try:
-        buf_size = chunk + line_max
-        readers.start(_read_part, fd, source, kmsg, needles, probes, buf_size, chunk, line_max)
-        judges = _Judges(consumers() if callable(consumers) else consumers)  # loaded while the readers read
-        with gc_paused():  # records and incidents form no cycles: the collector would only re-walk them
-            return _take_parts(readers, judges, source, line_max)
-    finally:
-        readers.close()
-
-
 def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) -> ScanResult:
     """The readers' results, part by part in file order, numbered on and judged."""
+    readers.source = source
     records: list[LogRecord] = []
     errors: list[ParseError] = []
     notes: list[str] = []
@@ -518,7 +540,7 @@ def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) 
     build, record_type = LogRecordBuilder, LogRecord
     for i in range(len(readers.parts)):
         rows, errs, part_malformed, cuts, part_cut, lines, part_blank = readers.take(i)
-        readers.hand_out(i + 1 + CLAIM_AHEAD * readers.workers)
+        readers.hand_out(i + 1 + HANDED_AHEAD)
         for what, line in errs:
             if len(errors) < MAX_NOTES:
                 errors.append(ParseError(what, source, line + offset))
@@ -573,7 +595,7 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
         # This process judges every part in order and is the one the readers wait for: where CPUs are short, it
         # runs first and the readers fill the time it leaves.
         os.nice(READER_NICE)
-        fd, source, kmsg, needles, probes, buf_size, chunk, line_max = args
+        fd, kmsg, needles, probes, buf_size, chunk, line_max = args
         buf = bytearray(buf_size)  # one for every part: a buffer this size anew is fresh pages each time
         at = _HELD.size * slot
         last = len(parts) - 1
@@ -581,7 +603,7 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
             i = _PART_NO.unpack(number)[0]
             held[at:at + _HELD.size] = _HELD.pack(i)
             start, stop = parts[i]
-            result = read_part(fd, start, stop, i == last, source, kmsg, needles, probes, buf, chunk, line_max)
+            result = read_part(fd, start, stop, i == last, kmsg, needles, probes, buf, chunk, line_max)
             _send(out, ("part", i, result))
             held[at:at + _HELD.size] = _HELD.pack(-1)
             i = -1
@@ -595,11 +617,12 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
         os._exit(code)
 
 
-def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: bool, needles: Sequence[bytes],
+def _read_part(fd: int, start: int, stop: int, final: bool, kmsg: bool, needles: Sequence[bytes],
                probes: Probes, buf: bytearray, chunk: int,
                line_max: int) -> tuple[Any, ...]:
     """One part's result: (rows of the records, malformed kmsg records (what, line), their count, lines read cut
-    (line, length), their count, lines, blank); line numbers from 1 at the part's first line."""
+    (line, length), their count, lines, blank); line numbers from 1 at the part's first line (the file's name and
+    the lines before the part are put to them where the parts are taken)."""
     rows: list[tuple[Any, ...]] = []
     errs: list[tuple[str, int]] = []
     cuts: list[tuple[int, int]] = []
@@ -625,7 +648,7 @@ def _read_part(fd: int, start: int, stop: int, final: bool, source: str, kmsg: b
             raws.append(raw)
             linenos.append(lineno)
             return
-        one = parse_line(raw.decode("utf-8", "replace"), lineno, source, kmsg)
+        one = parse_line(raw.decode("utf-8", "replace"), lineno, "", kmsg)
         if one is None:
             return
         if type(one) is ParseError:

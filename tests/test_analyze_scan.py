@@ -525,3 +525,92 @@ def test_no_process_to_be_had_reads_the_file_here(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_scan.os, "fork", fork)
     assert in_parts(path, 3, 2000) == (*whole(data, "p.log"), lines_in(data))
     assert len(forks) == 1 and no_child_left()
+
+
+# ---------------------------------------------------------------- the first FILE's readers, started before the CLI
+
+def counting_forks(monkeypatch) -> list[int]:
+    import os
+
+    forks: list[int] = []
+    real_fork = os.fork
+
+    def fork():
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(kernel_scan.os, "fork", fork)
+    return forks
+
+
+def test_readers_started_ahead_give_the_report_analyze_gives_alone(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("read in parts only where this process may use more than one CPU")
+    monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(kernel_scan, "PART", 4096)
+    data = generated(11, "dmesg", 3000)
+    path = tmp_path / "big.log"
+    path.write_bytes(data)
+    forks = counting_forks(monkeypatch)
+    analyze_mod.read_ahead(["--log-level", "info", "--json", f"{tmp_path}/./big.log", "other.log"])
+    started = len(forks)
+    assert started >= 2 and len(analyze_mod._AHEAD) == 1
+    report = analyze_mod.analyze([Path(f"{tmp_path}/./big.log")])  # as argparse gives it
+    assert len(forks) == started and not analyze_mod._AHEAD  # taken up: no reader started again
+    [result] = report.results
+    assert (list(result.findings), list(result.notes)) == whole(data, str(path))[1:] and result.findings
+    assert no_child_left()
+
+
+def test_a_command_line_the_cli_refuses_ends_the_readers_started_ahead(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from gpuwarden.agent import command
+
+    monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(kernel_scan, "PART", 4096)
+    path = tmp_path / "big.log"
+    path.write_bytes(generated(12, "dmesg", 3000))
+    forks = counting_forks(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["gpuwarden", "analyze", str(path), "--no-such-flag"])
+    with pytest.raises(SystemExit) as ended:
+        command.console()
+    assert ended.value.code == 2
+    assert forks or len(os.sched_getaffinity(0)) < 2
+    assert not analyze_mod._AHEAD and no_child_left()
+
+
+@pytest.mark.parametrize(("args", "first"), [
+    (["a.log", "b.log"], "a.log"),
+    (["--json", "a.log"], "a.log"),
+    (["--log-format", "json", "--log-level=debug", "a.log"], "a.log"),
+    (["--", "-a.log"], "-a.log"),
+    (["--help", "a.log"], None),  # any other option: argparse decides, nothing is read ahead
+    (["--js", "a.log"], None),  # an abbreviation argparse takes is left to it too
+    (["-"], None),
+    ([], None),
+])
+def test_the_first_file_read_ahead_is_only_one_the_cli_reads_the_same(args, first):
+    assert analyze_mod._first_file(args) == first
+
+
+def test_only_a_large_regular_file_is_read_ahead(tmp_path, monkeypatch):
+    """A pipe named first is not opened (its bytes would be lost to the analyze that follows); a small file is left
+    to analyze_file."""
+    import os
+
+    forks = counting_forks(monkeypatch)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with deadline():
+        analyze_mod.read_ahead([str(fifo)])  # an open() of it would wait for a writer
+    small = tmp_path / "small.log"
+    small.write_bytes(generated(13, "dmesg", 100))
+    analyze_mod.read_ahead([str(small)])
+    assert not analyze_mod._AHEAD and not forks

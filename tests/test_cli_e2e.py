@@ -210,8 +210,9 @@ def test_checks_lists_preflight_passive_and_kernel_log_checks_with_their_tables(
     assert "xid_watch" not in text and "ecc_watch" not in text and "ib_downtime" not in text
 
 
-@pytest.mark.parametrize("args", [("analyze", "fixtures/logs/kernel/gpud__dmesg-ctime__xid119-gsp-timeout-with-stack.log"),
-                                  ("preflight", "--root", scenario("gb200-nvl72-faulty"), "--json")])
+@pytest.mark.parametrize("args", [
+    ("analyze", "fixtures/logs/kernel/gpud__dmesg-ctime__xid119-gsp-timeout-with-stack.log"),
+    ("preflight", "--root", scenario("gb200-nvl72-faulty"), "--json")])
 def test_a_verdict_nobody_reads_ends_with_141_and_no_traceback(args: tuple[str, ...]):
     # The command ends at its verdict without the interpreter's teardown: the output still held in its buffer is
     # written first, and a reader that went away (`gpuwarden ... | head`, here a pipe closed before anything was
