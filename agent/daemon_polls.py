@@ -9,7 +9,7 @@ import os
 import select
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from . import logs
 from .model import Status
@@ -49,8 +49,13 @@ class PollLoops:
                     if spec.change_probe is not None:
                         probe = probe or spec.change_probe(self.node)
                         if not woken and self._quiet(spec, started) and not probe.changed():
-                            self._beat(loop, interval)
-                            woken = self._wait_aligned(interval, sleeper)
+                            # Where the probe's source says when to look (IB port events), a quiet check is
+                            # looked at only now and then besides.
+                            events = probe.event_fds()
+                            look = max(interval, spec.event_look_s or 0.0) if events else interval
+                            sleeper.watch(events)
+                            self._beat(loop, look)
+                            woken = self._wait_aligned(look, sleeper)
                             continue
                         probe.rearm()
                     self._sample_once(spec, started)
@@ -67,6 +72,7 @@ class PollLoops:
                     if probe is not None:
                         probe.close()
                         probe = None  # a probe that failed is built again
+                sleeper.watch(probe.event_fds() if probe is not None else ())
                 self._beat(loop, wait)
                 woken = self._wait_aligned(wait, sleeper)
         finally:
@@ -191,10 +197,11 @@ class PollLoops:
 
 
 class Sleeper:
-    """One loop's sleep: until a timeout, until stop() writes the stop pipe, or until the loop's own wake pipe is
-    written. The descriptors are registered once in a poll object: a select() of descriptor lists built at every
-    call cost about a quarter of an idle wake-up on the benchmark machine (bench/README.md, daemon idle). A poll
-    object is not shared between threads: one a loop."""
+    """One loop's sleep: until a timeout, until stop() writes the stop pipe, until the loop's own wake pipe is
+    written, or until one of the descriptors it was last told to `watch` (a change probe's events) is readable. The
+    descriptors are registered once in a poll object: a select() of descriptor lists built at every call cost about
+    a quarter of an idle wake-up on the benchmark machine (bench/README.md, daemon idle). A poll object is not
+    shared between threads: one a loop."""
 
     def __init__(self, stop_fd: int, wake_fd: int | None = None):
         self._poll = select.poll()
@@ -202,19 +209,46 @@ class Sleeper:
         self._wake_fd = wake_fd
         if wake_fd is not None:
             self._poll.register(wake_fd, select.POLLIN)
+        self._watched: tuple[int, ...] = ()  # as asked for
+        self._broken: set[int] = set()  # of those, the ones that reported an error: no longer waited on
+
+    def watch(self, fds: Sequence[int]) -> None:
+        """Wakes on these descriptors too, in place of those watched before (their owner reads them)."""
+        fds = tuple(fds)
+        if fds == self._watched:
+            return
+        for fd in self._watched:
+            if fd not in self._broken:
+                self._poll.unregister(fd)
+        for fd in fds:
+            self._poll.register(fd, select.POLLIN)
+        self._watched, self._broken = fds, set()
 
     def sleep(self, seconds: float) -> bool:
-        """True when the wake pipe cut the sleep short (it is drained); False at the timeout or at stop()."""
+        """True when the wake pipe (it is drained) or a watched descriptor cut the sleep short; False at the
+        timeout or at stop()."""
         # poll() takes milliseconds and rounds a timeout up: the loop wakes at, never before, its tick.
         ready = self._poll.poll(max(0.0, seconds) * 1000.0)
-        if self._wake_fd is None or not any(fd == self._wake_fd for fd, _ in ready):
-            return False
-        try:
-            while os.read(self._wake_fd, 64):
-                pass
-        except BlockingIOError:
-            pass
-        return True
+        woken = False
+        for fd, flags in ready:
+            if fd == self._wake_fd:
+                woken = True
+                try:
+                    while os.read(fd, 64):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd in self._watched:
+                woken = True
+                if flags & _FAILED and fd not in self._broken:
+                    # Readable for ever (a closed descriptor, a device gone): waiting on it again would spin. Its
+                    # owner finds the failure when it reads it, and the loop looks at its own pace meanwhile.
+                    self._poll.unregister(fd)
+                    self._broken.add(fd)
+        return woken
+
+
+_FAILED = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 @dataclass

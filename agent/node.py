@@ -146,6 +146,16 @@ class Node:
         a recorded node (events appended after this call). Raises SourceError where no monitor can be had."""
         return RecordedUdev(self.root) if self.root is not None else UdevMonitor()
 
+    def ib_port_events(self, devices: list[str], port_dirs: list[str]) -> Any:
+        """What says when the IB ports' state may have changed (agent/sources/ib_events.py): live, the RDMA
+        `devices`' asynchronous events; on a recorded node, its `port_dirs` (kernel paths) watched for writes.
+        Raises SourceError, saying why, where neither can be had (the ports are then looked at every second)."""
+        from .sources import ib_events
+
+        if self.root is not None:
+            return ib_events.WatchedFolders(self.sysfs.watch(port_dirs))
+        return ib_events.open_port_events(devices)
+
     def xid_events(self) -> XidEvents:
         """A subscription to NVML's XID events, the daemon's second XID source beside the kernel log (a recorded
         node serves nvml.json's "xid_events", appended ones included). Raises NvmlError when NVML fails."""

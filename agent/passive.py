@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from .check import CheckSpec
 from .model import Finding
@@ -76,6 +76,10 @@ class PassiveSpec:
     # While quiet, a cheaper look than a sample: `change_probe(node)` returns a ChangeProbe; when it sees no
     # change since it was last armed, the daemon skips the sample too (until quiet_rejudge_s).
     change_probe: "Callable[[Node], ChangeProbe] | None" = None
+    # Where the probe watches events that say when to look (event_fds), the longest sleep between two looks while
+    # quiet (None: every interval_s, events or not): a look at the probe's own pace besides, in case an event is
+    # never delivered.
+    event_look_s: float | None = None
 
 
 class ChangeProbe(Protocol):
@@ -84,6 +88,10 @@ class ChangeProbe(Protocol):
 
     def changed(self) -> bool:
         """Whether anything the sample reads may differ from the reference (any error counts as a change)."""
+
+    def event_fds(self) -> Sequence[int]:
+        """Descriptors readable when what the sample reads may have changed (none: no such events here). The
+        daemon samples when one is; rearm() reads them."""
 
     def close(self) -> None: ...
 

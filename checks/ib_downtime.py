@@ -15,6 +15,7 @@ from gpuwarden.checks.ib_port import IB_CLASS, PortReading, downtime_files, read
 CHECK_NAME = "ib_port"  # the daemon form of the ib_port concern: one name, one config table
 INTERVAL_S = 1.0
 COUNTER_MAX = 255  # IB PMA LinkDownedCounter is 8 bits and saturates there (it does not wrap)
+EVENT_LOOK_S = 10.0  # with port events watched, the longest wait between two looks while every port is up
 MAX_GAP_S = 5.0  # an outage that ends across a stretch nobody watched is charged at most this past the last look
 MAX_INTERVALS = 128  # down intervals kept per port; beyond that the oldest two merge (bounded state)
 MISSING = "MISSING"  # the state of a port whose HCA has left /sys/class/infiniband
@@ -153,6 +154,14 @@ def judge(state: Mapping[str, Any], sample: DowntimeSample, cfg: Mapping[str, An
     return Judgement({"version": 1, "ports": ports}, tuple(findings), tuple(metrics))
 
 
+def port_events(node: Any, files: list[str]) -> Any:
+    """The events of the ports whose `state` files are among ``files`` (node.ib_port_events)."""
+    dirs = sorted({f.rsplit("/", 1)[0] for f in files if f.endswith("/state")})
+    prefix = IB_CLASS + "/"
+    devices = sorted({d[len(prefix):].split("/", 1)[0] for d in dirs if d.startswith(prefix)})
+    return node.ib_port_events(devices, dirs)
+
+
 def durable(state: Mapping[str, Any]) -> dict[str, Any]:
     """All of the state but the last-look time of a port that is up: while every port is up and quiet that time
     is all a poll changes, and losing it to a kill -9 only loosens the cap on charged hidden flaps. The time of
@@ -168,7 +177,8 @@ def quiet(state: Mapping[str, Any]) -> bool:
 
 SPEC = PassiveSpec(
     name=CHECK_NAME,
-    summary="IB/RoCE port cumulative downtime (state polled every second plus link_downed) in a sliding window",
+    summary="IB/RoCE port cumulative downtime (port events, or the state polled every second, plus link_downed) in a "
+            "sliding window",
     sample=sample,
     judge=judge,
     interval_s=INTERVAL_S,
@@ -188,7 +198,11 @@ SPEC = PassiveSpec(
     quiet=quiet,
     quiet_rejudge_s=60.0,  # a new port, or a gauge decaying in the window, shows within a minute
     # The state files every second; link_downed (flaps between polls, charged flap_charge_s each) every 5th: a
-    # flap counted a few seconds late changes no window total, and the 1 s look is most of the idle cost.
+    # flap counted a few seconds late changes no window total, and the 1 s look is most of the idle cost. Where the
+    # devices' port events can be had, a port going down or up is sampled when its event comes, and while every
+    # port is up the files are looked at every EVENT_LOOK_S only (each look at a live port's state is a query the
+    # driver puts to the HCA); while a port is down, every second.
     change_probe=lambda node: FileSetProbe(node.sysfs, downtime_files, slow=lambda p: p.endswith("/link_downed"),
-                                           slow_every=5),
+                                           slow_every=5, events=lambda files: port_events(node, files)),
+    event_look_s=EVENT_LOOK_S,
 )

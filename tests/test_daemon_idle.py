@@ -101,6 +101,9 @@ class Counting:
                 counting.probes += 1
                 return probe.changed()
 
+            def event_fds(self):
+                return probe.event_fds()
+
             def close(self):
                 probe.close()
 
@@ -115,9 +118,15 @@ def one_check_daemon(root: Path, tmp_path: Path, spec: PassiveSpec, cfg=None, **
     return d, store
 
 
+def polled_every_interval(spec: PassiveSpec) -> PassiveSpec:
+    """The IB port check as it runs where no port events can be had: its files looked at every interval."""
+    return replace(spec, change_probe=lambda node: FileSetProbe(
+        node.sysfs, ib_downtime.downtime_files, slow=lambda p: p.endswith("/link_downed"), slow_every=5))
+
+
 def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy, tmp_path):
     root = scenario_copy("h100-hgx-healthy")
-    counting = Counting(ib_downtime.SPEC)
+    counting = Counting(polled_every_interval(ib_downtime.SPEC))
     cfg = config.defaults(all_specs())
     cfg.checks["ib_port"]["down_fail_s"] = 0.1
     d, store = one_check_daemon(root, tmp_path, counting.spec, cfg)
@@ -140,6 +149,34 @@ def test_a_quiet_ib_poll_only_probes_and_still_sees_a_port_go_down(scenario_copy
         wait_for(lambda: [f.code for f in d.results()["ib_port"].findings] == ["ib-port-down"],
                  what="the port-down finding")
         assert counting.samples > samples
+    finally:
+        d.stop()
+        store.close()
+
+
+def test_a_quiet_ib_poll_sleeps_until_a_port_event_and_sees_the_port_go_down(scenario_copy, tmp_path):
+    """With the ports' events watched (a recorded node's port folders; live, the devices' events), a quiet poll does
+    not look every interval: a port written down wakes it, and the finding comes at once (not at the next look,
+    60 s away, nor at the re-judge)."""
+    root = scenario_copy("h100-hgx-healthy")
+    counting = Counting(replace(ib_downtime.SPEC, event_look_s=60.0))
+    cfg = config.defaults(all_specs())
+    cfg.checks["ib_port"]["down_fail_s"] = 0.1
+    d, store = one_check_daemon(root, tmp_path, counting.spec, cfg)
+    d.start()
+    try:
+        wait_for(lambda: d.results().get("ib_port") and d.results()["ib_port"].status.value == "ok",
+                 what="the first look")
+        wait_for(lambda: counting.probes >= 1, what="the first probe")
+        samples, probes = counting.samples, counting.probes
+        time.sleep(0.5)  # 25 intervals of 20 ms: polled every interval, 25 looks
+        assert (counting.samples, counting.probes) == (samples, probes)
+        (root / "sys/class/infiniband/mlx5_5/ports/1/state").write_text("1: DOWN\n")
+        wait_for(lambda: [f.code for f in d.results()["ib_port"].findings] == ["ib-port-down"],
+                 what="the port-down finding")
+        assert counting.samples > samples
+        (root / "sys/class/infiniband/mlx5_5/ports/1/state").write_text("4: ACTIVE\n")
+        wait_for(lambda: not d.results()["ib_port"].findings, what="the port back up")
     finally:
         d.stop()
         store.close()

@@ -73,8 +73,9 @@ class DirWatch:
         self.close()
 
 
-def open_watch(folder: Path) -> DirWatch | None:
-    """A watch on `folder`'s entries, or None (with the reason logged) when inotify cannot be used here."""
+def open_watch(folder: Path, *more: Path) -> DirWatch | None:
+    """A watch on the entries of `folder` (and of `more` folders, on the same descriptor), or None (with the reason
+    logged) when inotify cannot be used here."""
     libc = _load_libc()
     if libc is None or not hasattr(libc, "inotify_init1"):
         return None
@@ -82,11 +83,12 @@ def open_watch(folder: Path) -> DirWatch | None:
     if fd < 0:
         log.info("inotify unavailable, polling instead", path=str(folder), error=os.strerror(ctypes.get_errno()))
         return None
-    if libc.inotify_add_watch(fd, os.fsencode(folder), _CHANGES) < 0:
-        # ENOSPC: fs.inotify.max_user_watches reached; ENOENT: the folder is gone. Polling still works.
-        log.info("inotify watch refused, polling instead", path=str(folder), error=os.strerror(ctypes.get_errno()))
-        os.close(fd)
-        return None
+    for one in (folder, *more):
+        if libc.inotify_add_watch(fd, os.fsencode(one), _CHANGES) < 0:
+            # ENOSPC: fs.inotify.max_user_watches reached; ENOENT: the folder is gone. Polling still works.
+            log.info("inotify watch refused, polling instead", path=str(one), error=os.strerror(ctypes.get_errno()))
+            os.close(fd)
+            return None
     return DirWatch(fd, Path(folder))
 
 

@@ -7,11 +7,18 @@ scenario (confine.py): a symlink that leads out of it is refused with a SourceEr
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
+from .. import logs
 from ..errors import SourceError
 from . import confine
+
+if TYPE_CHECKING:
+    from .inotify import DirWatch
+
+log = logs.get_logger("gpuwarden.sysfs")
 
 
 class Sysfs:
@@ -81,6 +88,25 @@ class Sysfs:
         except OSError as exc:
             raise SourceError(f"{p}: cannot list: {exc.strerror or exc}") from None
 
+    def watch(self, kernel_dirs: list[str]) -> DirWatch:
+        """An inotify watch on these folders (under a recorded root, confined to it): readable when a file in one
+        of them is written. Live sysfs attributes raise no such event; this is for a recorded node's files, which
+        a test or a replay writes. SourceError where no watch can be had."""
+        from .inotify import open_watch
+
+        if not kernel_dirs:
+            raise SourceError("no folder to watch")
+        try:
+            real = [Path(self._str(d) if self._inside is None else confine.check_dir(self._str(d), self._inside,
+                                                                                      self._dirs))
+                    for d in kernel_dirs]
+        except OSError as exc:
+            raise SourceError(f"{exc.filename or kernel_dirs[0]}: cannot watch: {exc.strerror or exc}") from None
+        watch = open_watch(*real)
+        if watch is None:
+            raise SourceError(f"{real[0]}: no inotify watch to be had here (see the log)")
+        return watch
+
     def link_target_name(self, kernel_path: str) -> str | None:
         """Basename of a symlink's target (e.g. an HCA's PCI device), or None when it is not a link."""
         try:
@@ -96,26 +122,63 @@ class FileSetProbe:
     whose device is removed fails its read (ENODEV): a change.
 
     `slow` files are re-read only every `slow_every`-th look: counters whose increase may be noticed a few
-    seconds late (the link_downed count of flaps between polls), beside state that must be seen at once."""
+    seconds late (the link_downed count of flaps between polls), beside state that must be seen at once.
+
+    `events(files)`, where given, opens a source of events that say when the files may have changed (the IB ports'
+    events: agent/sources/ib_events.py); its descriptors are event_fds() and it is read at each rearm(). It is
+    opened again when the files listed change, and after it failed (at most every EVENTS_RETRY_S); where it cannot
+    be had the reason is logged once and the daemon looks at every interval, as without it."""
 
     def __init__(self, sysfs: Sysfs, list_files: Callable[[Sysfs], list[str]],
-                 slow: Callable[[str], bool] | None = None, slow_every: int = 1):
+                 slow: Callable[[str], bool] | None = None, slow_every: int = 1,
+                 events: Callable[[list[str]], Events] | None = None):
         self.sysfs, self.list_files = sysfs, list_files
         self.slow, self.slow_every = slow, max(1, slow_every)
         self._fast: list[int] = []
         self._slow: list[int] = []
         self._reference: tuple[list[bytes], list[bytes]] | None = None
         self._looks = 0
+        self._open_events = events
+        self._events: Events | None = None
+        self._events_for: list[str] | None = None  # the files the events were opened (or refused) for
+        self._events_retry = 0.0  # monotonic time before which events that failed are not opened again
 
     def rearm(self) -> None:
-        self.close()
+        self._close_files()
+        files: list[str] | None = None
         try:
-            for path in self.list_files(self.sysfs):
+            files = self.list_files(self.sysfs)
+            for path in files:
                 (self._slow if self.slow is not None and self.slow(path) else self._fast).append(
                     self.sysfs.open_fd(path))
             self._reference = (_pread_all(self._fast), _pread_all(self._slow))
         except (SourceError, OSError):
             self._reference = None  # no reference: every look is a change, so every poll samples in full
+        if self._open_events is not None and files is not None:
+            self._arm_events(files)
+
+    def _arm_events(self, files: list[str]) -> None:
+        if self._events is not None and files == self._events_for:
+            try:
+                self._events.drain()  # what woke the loop, if anything: the sample that follows reads it all
+                return
+            except SourceError as exc:
+                log.warning("change events failed, looking every interval", error=str(exc))
+                self._close_events()
+                self._events_retry = time.monotonic() + EVENTS_RETRY_S
+        if files == self._events_for and (self._events is not None or time.monotonic() < self._events_retry):
+            return
+        self._close_events()
+        self._events_for = files
+        self._events_retry = float("inf")  # refused for these files until they change, or ...
+        try:
+            assert self._open_events is not None
+            self._events = self._open_events(files)
+        except SourceError as exc:
+            log.info("change events unavailable, looking every interval", error=str(exc))
+            return
+        self._events_retry = 0.0  # ... opened: if they fail, opened again later
+        self._events.drain()  # the reference just taken covers what they had queued
 
     def changed(self) -> bool:
         if self._reference is None:
@@ -128,10 +191,38 @@ class FileSetProbe:
         except OSError:
             return True
 
+    def event_fds(self) -> list[int]:
+        return self._events.fds() if self._events is not None else []
+
     def close(self) -> None:
+        self._close_files()
+        self._close_events()
+        self._events_for = None
+
+    def _close_files(self) -> None:
         for fd in (*self._fast, *self._slow):
             os.close(fd)
         self._fast, self._slow, self._reference = [], [], None
+
+    def _close_events(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
+
+EVENTS_RETRY_S = 300.0  # events that failed (a device reset) are opened again after this; the files are looked at
+#                         every interval meanwhile
+
+
+class Events(Protocol):
+    """A source of events that say when files may have changed: descriptors readable when one waits, drain() reads
+    them (SourceError when the source failed), close()."""
+
+    def fds(self) -> list[int]: ...
+
+    def drain(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 def _pread_all(fds: list[int]) -> list[bytes]:
