@@ -173,3 +173,16 @@ def _readable(fd: int, timeout_s: float = 0.0) -> bool:
     import select
 
     return bool(select.select([fd], [], [], timeout_s)[0])
+
+
+def test_events_that_fail_at_their_first_read_leave_the_probe_looking_every_interval(scenario_copy):
+    node = Node.recorded_at(scenario_copy("h100-hgx-healthy"))
+    log: list[str] = []
+    probe = FileSetProbe(node.sysfs, downtime_files, events=lambda files: FakeEvents(log, fail=True))
+    try:
+        with logs.capture() as entries:
+            probe.rearm()  # no exception: the check is not made UNKNOWN by its events
+        assert probe.event_fds() == [] and log == ["closed"] and not probe.changed()
+        assert any(e["event"] == "change events failed, looking every interval" for e in entries)
+    finally:
+        probe.close()

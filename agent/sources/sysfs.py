@@ -178,7 +178,12 @@ class FileSetProbe:
             log.info("change events unavailable, looking every interval", error=str(exc))
             return
         self._events_retry = 0.0  # ... opened: if they fail, opened again later
-        self._events.drain()  # the reference just taken covers what they had queued
+        try:
+            self._events.drain()  # the reference just taken covers what they had queued
+        except SourceError as exc:
+            log.warning("change events failed, looking every interval", error=str(exc))
+            self._close_events()
+            self._events_retry = time.monotonic() + EVENTS_RETRY_S
 
     def changed(self) -> bool:
         if self._reference is None:
