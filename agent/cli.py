@@ -370,9 +370,12 @@ def _node(root: Path | None):
 
 
 def _emit(report: Report, as_json: bool) -> int:
-    from .render import table
+    if as_json:
+        sys.stdout.write(report.to_json() + "\n")
+    else:
+        from .render import table  # the table's code is loaded only for a table
 
-    sys.stdout.write(report.to_json() + "\n" if as_json else table(report))
+        sys.stdout.write(table(report))
     return report.exit_code
 
 

@@ -246,7 +246,9 @@ _EMBEDDED_STAMP = re.compile(r"\[ *+(\d{1,12})\.(\d{1,9})\] ")
 
 
 def stamp_usec(secs: str, frac: str) -> int:
-    return int(secs) * 1_000_000 + int((frac + "000000")[:6])
+    """"[ 1234.5678]" -> 1234567800: the seconds' digits then the fraction's first six, as one number (one int()
+    of the joined digits; both are digits only, as the stamp patterns match them)."""
+    return int(secs + (frac + "000000")[:6])
 
 
 def classify_line(line: str) -> tuple[str, str, str | None, int | None, int | None, int | None]:
