@@ -127,25 +127,19 @@ def analyze_file(path: Path) -> CheckResult:
     # The model is loaded after a large file's readers have started (kernel_scan), not before: the start is what
     # the readers wait for.
     start = time.monotonic()
-    ahead = _take_ahead(path)
-    if ahead is not None:
-        f, head, fmt, readers, start = ahead
-        try:
+    ahead = _take_ahead(path)  # its readers started before the CLI loaded (read_ahead)
+    try:
+        if ahead is not None:
+            f, head, fmt, readers, start = ahead
             with f:
                 return _kernel_log(path, f, head, fmt, start, readers)
-        except GpuwardenError as exc:  # kernel_scan.ScanError: a process reading a part of it failed
+        try:
+            f = open(path, "rb")  # noqa: SIM115  # closed below, whichever way the file is read
+        except OSError as exc:
             from .model import CheckResult, Status
 
-            return CheckResult("analyze", Status.UNKNOWN, error=str(exc), duration_s=time.monotonic() - start,
+            return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
                                source=str(path))
-    try:
-        f = open(path, "rb")  # noqa: SIM115  # closed below, whichever way the file is read
-    except OSError as exc:
-        from .model import CheckResult, Status
-
-        return CheckResult("analyze", Status.UNKNOWN, error=f"{path}: cannot read: {exc.strerror or exc}",
-                           source=str(path))
-    try:
         with f:
             return _analyze_open(path, f, start)
     except OSError as exc:

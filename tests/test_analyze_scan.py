@@ -614,3 +614,28 @@ def test_only_a_large_regular_file_is_read_ahead(tmp_path, monkeypatch):
     small.write_bytes(generated(13, "dmesg", 100))
     analyze_mod.read_ahead([str(small)])
     assert not analyze_mod._AHEAD and not forks
+
+
+def test_a_reader_started_ahead_that_fails_makes_the_file_unknown(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("read in parts only where this process may use more than one CPU")
+    real = kernel_scan.classify_line
+
+    def failing(line):
+        if "0000:db:00" in line:
+            os._exit(3)
+        return real(line)
+
+    monkeypatch.setattr(kernel_scan, "classify_line", failing)
+    monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(kernel_scan, "PART", 5000)
+    path = tmp_path / "f.log"
+    path.write_bytes(generated(8, "syslog", 3000))
+    analyze_mod.read_ahead([str(path)])
+    assert analyze_mod._AHEAD
+    [result] = analyze_mod.analyze([Path(path)]).results
+    assert result.status is Status.UNKNOWN and result.error.startswith(f"{path}: reading bytes ")
+    assert "exited with status 3" in result.error and not analyze_mod._AHEAD and no_child_left()
