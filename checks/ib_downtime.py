@@ -1,6 +1,7 @@
-"""InfiniBand / RoCE port downtime over time: port state polled every second plus `counters/link_downed` (so a
-flap shorter than the poll still counts), accumulated per port in a sliding window that survives restarts. The
-criterion is downtime, not flap count: a port down past the NCCL IB timeout, or down too long in total."""
+"""InfiniBand / RoCE port downtime over time: port state looked at when the devices report a port event (every 10 s
+besides) or, where they cannot, every second, and every second while a port is down; plus `counters/link_downed`
+(so a flap shorter than the look still counts), accumulated per port in a sliding window that survives restarts.
+The criterion is downtime, not flap count: a port down past the NCCL IB timeout, or down too long in total."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
