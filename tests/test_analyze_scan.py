@@ -415,11 +415,10 @@ def test_a_reader_that_is_held_up_reads_fewer_parts_and_the_result_is_the_same(t
     assert no_child_left()
 
 
-def test_a_large_file_is_read_in_parts_by_default(tmp_path, monkeypatch):
-    """Past PARALLEL_MIN bytes, as many processes as CPUs read it: the result is the whole parse's."""
+def counting_forks(monkeypatch) -> list[int]:
     import os
 
-    forks = []
+    forks: list[int] = []
     real_fork = os.fork
 
     def fork():
@@ -429,6 +428,14 @@ def test_a_large_file_is_read_in_parts_by_default(tmp_path, monkeypatch):
         return pid
 
     monkeypatch.setattr(kernel_scan.os, "fork", fork)
+    return forks
+
+
+def test_a_large_file_is_read_in_parts_by_default(tmp_path, monkeypatch):
+    """Past PARALLEL_MIN bytes, as many processes as CPUs read it: the result is the whole parse's."""
+    import os
+
+    forks = counting_forks(monkeypatch)
     monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
     monkeypatch.setattr(kernel_scan, "PART", 4096)
     path = NODES / "gb200-nvl72-faulty" / "kmsg"
@@ -528,22 +535,6 @@ def test_no_process_to_be_had_reads_the_file_here(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the first FILE's readers, started before the CLI
-
-def counting_forks(monkeypatch) -> list[int]:
-    import os
-
-    forks: list[int] = []
-    real_fork = os.fork
-
-    def fork():
-        pid = real_fork()
-        if pid:
-            forks.append(pid)
-        return pid
-
-    monkeypatch.setattr(kernel_scan.os, "fork", fork)
-    return forks
-
 
 def test_readers_started_ahead_give_the_report_analyze_gives_alone(tmp_path, monkeypatch):
     import os
