@@ -96,6 +96,13 @@ class PortEvents:
 
 def open_port_events(devices: list[str]) -> PortEvents:
     """The event files of the RDMA devices named (each HCA under /sys/class/infiniband), opened non-blocking."""
+    try:
+        return _open(devices)
+    except (OSError, AttributeError, ValueError) as exc:  # a library without these calls, a descriptor refused
+        raise SourceError(f"{LIBRARY}: {type(exc).__name__}: {exc}") from None
+
+
+def _open(devices: list[str]) -> PortEvents:
     lib = _load()
     count = ctypes.c_int(0)
     listed = lib.ibv_get_device_list(ctypes.byref(count))
