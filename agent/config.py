@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -243,8 +244,6 @@ def extend(cfg: Config, specs: Iterable[Any]) -> None:
 def read_toml(path: Path) -> dict[str, Any]:
     """A TOML file read as untrusted input: bounded in size, UTF-8, nesting and numbers the parser can hold. Every
     failure is a ConfigError naming the file, except FileNotFoundError (the caller decides what a missing file is)."""
-    import tomllib  # loaded only where a file is read: most quick preflights have none (a few ms of their start)
-
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)
