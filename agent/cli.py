@@ -543,9 +543,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (`gpuwarden checks | head`): no traceback, and no second error when Python
-        # flushes stdout at exit. 141 = 128 + SIGPIPE, what a shell reports for a command killed by it.
+        # flushes stdout at exit; the status a shell reports for a command killed by SIGPIPE.
+        from .command import EXIT_SIGPIPE
+
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return EXIT_SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

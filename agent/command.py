@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Sequence
 
 ENDS_AT_ITS_VERDICT = frozenset(("preflight", "analyze", "slurm"))
-EXIT_SIGPIPE = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader went away
+EXIT_SIGPIPE = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader went away (cli.main says it too)
 
 
 def console(main: Callable[[Sequence[str]], int] | None = None) -> None:
@@ -41,7 +41,9 @@ def console(main: Callable[[Sequence[str]], int] | None = None) -> None:
     except BrokenPipeError:  # the reader went away before the last of the output (`... | head`), as main() says
         code = EXIT_SIGPIPE
     except OSError:  # stdout could not take it (a full disk): a verdict not written is no clean verdict
-        code = code or 2
+        from .model import EXIT_UNDECIDED
+
+        code = code or EXIT_UNDECIDED
     try:
         sys.stderr.flush()
     except OSError:

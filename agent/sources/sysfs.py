@@ -158,15 +158,8 @@ class FileSetProbe:
             self._arm_events(files)
 
     def _arm_events(self, files: list[str]) -> None:
-        if self._events is not None and files == self._events_for:
-            try:
-                self._events.drain()  # what woke the loop, if anything: the sample that follows reads it all
-                return
-            except SourceError as exc:
-                log.warning("change events failed, looking every interval", error=str(exc))
-                self._close_events()
-                self._events_retry = time.monotonic() + EVENTS_RETRY_S
         if files == self._events_for and (self._events is not None or time.monotonic() < self._events_retry):
+            self._drain_events()  # what woke the loop, if anything: the sample that follows reads it all
             return
         self._close_events()
         self._events_for = files
@@ -178,8 +171,14 @@ class FileSetProbe:
             log.info("change events unavailable, looking every interval", error=str(exc))
             return
         self._events_retry = 0.0  # ... opened: if they fail, opened again later
+        self._drain_events()  # the reference just taken covers what they had queued
+
+    def _drain_events(self) -> None:
+        """Reads what the events hold; events that fail are closed, and opened again after EVENTS_RETRY_S."""
+        if self._events is None:
+            return
         try:
-            self._events.drain()  # the reference just taken covers what they had queued
+            self._events.drain()
         except SourceError as exc:
             log.warning("change events failed, looking every interval", error=str(exc))
             self._close_events()
