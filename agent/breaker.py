@@ -39,10 +39,10 @@ the side that refuses more.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 from .adapters.base import NodeView
+from .records import dataclass
 
 _EPS = 1e-9  # share * n computed in floating point: 0.29 * 100 is 28.999999999999996, and the limit is 29
 

@@ -5,11 +5,12 @@ exceptions (-> UNKNOWN), NotApplicable (-> SKIPPED) and folding findings into a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .errors import ParseError
 from .model import Finding
+from .records import dataclass
 
 if TYPE_CHECKING:  # pragma: no cover
     from .node import Node

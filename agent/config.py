@@ -15,12 +15,13 @@ from __future__ import annotations
 import copy
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from .check import CheckSpec
 from .errors import ConfigError
+from .records import dataclass
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
 

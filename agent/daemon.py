@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any, Callable
 
 from . import logs
@@ -38,6 +38,7 @@ from .remediation import Engine, Hooks, Settings
 from .state import DEFAULT_POLICY, NodeRecord, NodeState, Transition, next_state, wants_retest
 from .store import CheckRecord, Store, StoreError
 from .systemd import name_this_thread
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.daemon")
 STORE_CHECK = "store"  # the state store, reported like a check on /metrics (never an input of the node state)

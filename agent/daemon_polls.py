@@ -8,7 +8,6 @@ import math
 import os
 import select
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from . import logs
@@ -18,6 +17,7 @@ from . import memory
 from .runner import could_not_look
 from .sources.tools import Scope
 from .store import CheckRecord
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.daemon")
 

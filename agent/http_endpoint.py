@@ -31,7 +31,6 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -41,6 +40,7 @@ from . import logs
 from . import web_config
 from .metrics import client_mirrored
 from .systemd import name_this_thread
+from .records import dataclass
 
 if TYPE_CHECKING:  # prometheus-client renders only what the registry's own page does not (see _negotiate)
     from prometheus_client.metrics_core import Metric

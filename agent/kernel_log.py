@@ -10,10 +10,11 @@ import gc
 import re
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import fields, make_dataclass
 from typing import Callable, Iterator, NamedTuple
 
 from .errors import ParseError
+from .records import dataclass
 
 
 @dataclass(frozen=True, slots=True)

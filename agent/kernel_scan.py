@@ -49,13 +49,14 @@ import select
 import signal
 import stat
 import struct
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, BinaryIO, Callable, Sequence
 
 from .errors import GpuwardenError, ParseError
 from .kernel_log import (DMESG_LINES, HEAD_CHARS, LogRecord, LogRecordBuilder, classify_line, gc_paused, parse_line,
                          stamp_usec)
 from .line_search import Probes, lines_holding, probes_for
+from .records import dataclass
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped

@@ -52,8 +52,10 @@ in rounds and tests, against the information-theoretic bound, is measured by ben
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Generator, Iterable, Iterator, Sequence
+
+from .records import dataclass
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
@@ -20,6 +20,7 @@ from .model import CheckResult, Status
 from .passive import MetricSample
 from .state import RECOVERY_STEPS, NodeRecord, NodeState
 from .version import VERSION
+from .records import dataclass
 
 if TYPE_CHECKING:  # prometheus-client is imported where its own rendering or registry is needed, not by the daemon
     from prometheus_client.core import Metric

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import field
 from operator import attrgetter
 from typing import Any, Iterable, Mapping
+
+from .records import dataclass
 
 
 class Status(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from .sources.nvml import Gpu, Nvml, XidEvents
 from .sources.sysfs import Sysfs
 from .sources.tools import ToolRunner
 from .sources.udev import RecordedUdev, UdevMonitor
+from .records import dataclass
 
 NODE_TOML_KEYS = {"hostname", "sku", "rack", "nvlink_domain", "boot_id", "recorded_at", "versions"}
 BOOT_ID = "/proc/sys/kernel/random/boot_id"

@@ -13,11 +13,12 @@ windows, downtime accumulators and log cursors are never lost or counted twice.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from .check import CheckSpec
 from .model import Finding
+from .records import dataclass
 
 if TYPE_CHECKING:  # pragma: no cover
     from .node import Node

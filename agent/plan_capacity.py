@@ -13,12 +13,12 @@ import json
 import math
 import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
 from .flag_values import parse_float, parse_int, shown, split_list
+from .records import dataclass
 
 MAX_RACKS = 1_000_000
 MAX_NODES_PER_RACK = 10_000

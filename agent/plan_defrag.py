@@ -16,7 +16,7 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -24,6 +24,7 @@ from .adapters.base import Refused, Service, Transient
 from .adapters.slurm import MAX_NAME, SlurmAdapter, slurm_number, valid_name, parse_sinfo_json
 from .errors import ConfigError
 from .flag_values import parse_float, parse_int
+from .records import dataclass
 
 EXIT_PLAN, EXIT_NO_PLAN, EXIT_INPUT = 0, 1, 2
 EXIT_CODES = (("0", "a plan: the rack, the nodes it frees, the jobs to move"),

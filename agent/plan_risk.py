@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .errors import ConfigError
 from .flag_values import parse_float, parse_int, split_list
 from .plan_capacity import MAX_NODES_PER_RACK, MAX_RACKS
+from .records import dataclass
 
 DAYS_PER_YEAR = 365.0
 MAX_MTBI_DAYS = 1_000_000.0   # about 2,700 years

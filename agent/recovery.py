@@ -34,13 +34,13 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from . import logs
 from .errors import SourceError, ToolError, ToolMissing
 from .sources.nvml import Gpu, canonical_bdf
 from .sources.tools import ToolRunner
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.recovery")
 T = TypeVar("T")

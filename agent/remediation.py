@@ -29,7 +29,7 @@ import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -40,6 +40,7 @@ from .adapters.base import REASON_PREFIX, Busy, Refused, SchedulerAdapter, Servi
 from .breaker import BreakerPolicy
 from .breaker import judge as breaker_judge
 from .passive import MetricSample
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.remediation")
 

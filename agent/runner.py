@@ -14,7 +14,6 @@ import math
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from . import logs
@@ -22,6 +21,7 @@ from .check import CheckSpec
 from .errors import GpuwardenError, NotApplicable, ToolMissing
 from .model import CheckResult, Finding, Status, fold_status
 from .sources.tools import Scope
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.runner")
 

@@ -52,7 +52,7 @@ import sqlite3
 import tempfile
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,6 +63,7 @@ from .daemon import transition_intents
 from .model import Action, Entity, Finding, Status
 from .remediation import RESET_AT_KEY, Engine, Hooks, Settings
 from .state import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
+from .records import dataclass
 
 HOUR = 3600.0
 DAY = 86400.0

@@ -24,10 +24,10 @@ The rules, all over the scheduler's fleet view (`SchedulerAdapter.nodes()`), so 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from .adapters.base import NodeView, Service
+from .records import dataclass
 
 _UNREACHABLE = (Service.DOWN, Service.UNKNOWN)
 

@@ -13,12 +13,13 @@ that clears is judged by the retest, which returns the node to service or, after
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import compress, repeat
 from operator import attrgetter, is_
 from typing import Any, Iterable, Mapping
 
 from .model import Action, Finding, Status
+from .records import dataclass
 
 
 class NodeState(enum.Enum):

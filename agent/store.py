@@ -23,7 +23,7 @@ import os
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from itertools import compress
 from operator import is_not
@@ -32,6 +32,7 @@ from typing import Any, Iterable
 from .errors import GpuwardenError
 from .model import Finding, Status
 from .state import NodeRecord, NodeState, Transition
+from .records import dataclass
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -31,7 +31,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -40,6 +40,7 @@ from .adapters.base import NodeView, Service
 from .model import Action, Entity, Finding, Status
 from .sweep_model import GroupRun, Outcome
 from .sweep_names import CHECK_NAME, FORMAT, MAX_NAME, valid_name  # noqa: F401 - this module's names as before
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.sweep")
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .errors import ConfigError, ParseError
 from .sweep_history import SweepHistory, SweepHistoryError
 from .sweep_model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT, GroupRun, Outcome
 from .thresholds import sku_table
+from .records import dataclass
 
 if TYPE_CHECKING:  # at run time imported where used: gpuwarden.checks loads every check, which import the agent
     from gpuwarden.checks.parse_nccl_tests import Line, NcclTestsRun, Row

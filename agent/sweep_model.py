@@ -4,7 +4,8 @@ localisation (agent/localise.py) and the orchestrator (agent/sweep.py) share the
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+from .records import dataclass
 
 
 class Outcome(enum.Enum):

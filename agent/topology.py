@@ -43,13 +43,13 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import logs
 from .adapters.base import AdapterError, NodeView
 from .errors import ConfigError, NvmlError
+from .records import dataclass
 
 log = logs.get_logger("gpuwarden.topology")
 

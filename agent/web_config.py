@@ -20,11 +20,11 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import ConfigError
+from .records import dataclass
 
 if TYPE_CHECKING:  # ssl (and OpenSSL with it) is loaded only where a web config asks for TLS
     import ssl

@@ -4,7 +4,6 @@ data corruption). Without PyTorch: DCGM's targeted_stress; without either the ch
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpuwarden.agent.check import CheckSpec
@@ -15,6 +14,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.sources.gemm import DTYPES, Gemm, GemmResult
 from gpuwarden.agent.thresholds import sku_table, threshold
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "burnin"
 HALF_DTYPES = ("bfloat16", "float16")  # the SKU table's floors are for these (same Tensor Core peak)

@@ -3,12 +3,12 @@ window (not one sample): HW slowdown, HW thermal slowdown, HW power brake, and S
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "clock_events"
 

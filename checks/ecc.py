@@ -2,13 +2,13 @@
 headroom left per bank (from NVML's row-remapper histogram), so a GPU is flagged before its banks run out."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.errors import NvmlError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "ecc"
 

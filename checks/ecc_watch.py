@@ -4,12 +4,13 @@ metrics. An uncorrectable error or a pending remap that appears under load reach
 at the next preflight; the corrected-error and remap counts feed dashboards and fleet-wide trends."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
 from gpuwarden.agent.model import Entity, Finding
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
+from gpuwarden.agent.records import dataclass
 
 from . import ecc
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gpuwarden.agent.errors import NotApplicable
@@ -31,6 +30,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.sources.nvml import ERROR_NAMES
+from gpuwarden.agent.records import dataclass
 
 from .fabric_manager import (MODES, FmReading, FmScope, check_mode, judge_fabric_manager, nvswitches_on_bus,
                              read_fabric_manager, scope)

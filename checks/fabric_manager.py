@@ -41,13 +41,13 @@ Sources:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.agent.errors import ConfigError, SourceError, ToolError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import MetricSample
 from gpuwarden.agent.sources.procs import find_processes
+from gpuwarden.agent.records import dataclass
 
 MODES = ("auto", "required", "off")
 FM_SKUS = ("H100-SXM-HGX", "H200-SXM-HGX", "B200-HGX")  # NVSwitch HGX baseboards: FM runs on the node

@@ -4,7 +4,7 @@ besides) or, where they cannot, every second, and every second while a port is d
 The criterion is downtime, not flap count: a port down past the NCCL IB timeout, or down too long in total."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
 from gpuwarden.agent.errors import NotApplicable
@@ -12,6 +12,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.sources.sysfs import FileSetProbe
 from gpuwarden.checks.ib_port import IB_CLASS, PortReading, downtime_files, read_ports
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "ib_port"  # the daemon form of the ib_port concern: one name, one config table
 INTERVAL_S = 1.0

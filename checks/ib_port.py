@@ -3,12 +3,12 @@ it should. (Cumulative downtime over time is the daemon's job.)"""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import NotApplicable, SourceError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "ib_port"
 IB_CLASS = "/sys/class/infiniband"

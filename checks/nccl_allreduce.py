@@ -3,7 +3,6 @@ corruption), a crashed or truncated run, and bus bandwidth at large sizes under 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpuwarden.agent.check import Analyzer, CheckSpec
@@ -11,6 +10,7 @@ from gpuwarden.agent.errors import NotApplicable, ParseError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.sku import sku_from_gpu_name
 from gpuwarden.agent.thresholds import threshold
+from gpuwarden.agent.records import dataclass
 
 from .parse_nccl_tests import Line, NcclTestsRun, parse_nccl_tests
 

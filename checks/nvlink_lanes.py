@@ -37,13 +37,13 @@ of the counter. A first sample only sets the baseline: errors accumulated before
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gpuwarden.agent.errors import ConfigError, NotApplicable
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "nvlink_lanes"
 COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")  # nvml.json / Nvml.nvlinks() names

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
 from gpuwarden.agent.check import CheckSpec
@@ -20,6 +19,7 @@ from gpuwarden.agent.errors import ParseError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, KernelConsumer, MetricSample, boot_batch
+from gpuwarden.agent.records import dataclass
 
 from . import unread_lines
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any, Iterable
 
 from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.records import dataclass
 
 from .parse_limits import MAX_DIGITS, bounded_int, check_size, is_decimal, text_lines
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.records import dataclass
 
 from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
 

@@ -18,9 +18,10 @@ system cannot run. Several runs may be concatenated; a later matrix for the same
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.records import dataclass
 
 from .parse_limits import bounded_int, check_size, finite_float, text_lines
 

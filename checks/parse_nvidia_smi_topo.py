@@ -8,9 +8,10 @@ a "NIC Legend" naming the device (newer drivers), or the device name itself ("ml
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.records import dataclass
 
 from .parse_limits import check_size, text_lines
 

@@ -7,9 +7,10 @@ perftest prints bandwidth in Gb/sec with --report_gbits (1 Gb = 125,000,000 byte
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.records import dataclass
 
 from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpuwarden.agent.errors import NotApplicable, ParseError, SourceError
@@ -14,6 +13,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.node import driver_gpu_uuid, nvidia_pci_gpus
 from gpuwarden.agent.passive import KernelConsumer, Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.sources.sysfs import FileSetProbe
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "pcie_aer"
 PCI = "/sys/bus/pci/devices"

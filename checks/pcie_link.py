@@ -4,7 +4,6 @@ SKU's design (`nvidia-smi topo -m`). A downtrained link (x8 of x16, Gen4 of Gen5
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -15,6 +14,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.node import nvidia_pci_gpus
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.thresholds import sku_table
+from gpuwarden.agent.records import dataclass
 
 from .parse_nvidia_smi_topo import DISTANCE_NAMES, PCIE_DISTANCE, TopoMatrix, parse_topo_matrix
 

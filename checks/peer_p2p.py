@@ -12,7 +12,7 @@ that file the deltas are zero."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import permutations
 from typing import Any, Iterable, Mapping
 
@@ -24,6 +24,7 @@ from gpuwarden.agent.per_gpu import device_error_finding, read_each_gpu
 from gpuwarden.agent.sources import confine
 from gpuwarden.agent.sources.gemm import CopyMismatch, Gemm
 from gpuwarden.agent.thresholds import threshold
+from gpuwarden.agent.records import dataclass
 
 from .parse_nvbandwidth import parse_nvbandwidth
 

@@ -3,7 +3,7 @@ else the SKU table's), and the HBM-over-core gradient against the node's other G
 liquid-cooled tray shows as one GPU's growing gap), each only when sustained."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Mapping
 
 from gpuwarden.agent.errors import NvmlError
@@ -11,6 +11,7 @@ from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.per_gpu import read_each_gpu
 from gpuwarden.agent.thresholds import threshold
+from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "thermal"
 LIMIT_KEYS = ("gpu_max_c", "memory_max_c")  # checks/data/thresholds/thermal.toml, or [checks.thermal]

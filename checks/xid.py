@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import json
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from gpuwarden.agent.check import CheckSpec
@@ -27,6 +26,7 @@ from gpuwarden.agent.errors import ParseError, SourceError
 from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, boot_batch
+from gpuwarden.agent.records import dataclass
 
 from . import unread_lines
 from .xid_catalog import XidInfo, load_catalog, recovery_action

@@ -5,11 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from gpuwarden.agent.model import Action
+from gpuwarden.agent.records import dataclass
 
 CATALOG_FILE = "data/xid_catalog.csv"
 

@@ -11,11 +11,12 @@ The driver's formats (NVIDIA open-gpu-kernel-modules, src/nvidia/src/kernel/gpu/
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import fields, make_dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
 from gpuwarden.agent.kernel_log import LogRecord
 from gpuwarden.agent.model import Entity
+from gpuwarden.agent.records import dataclass
 
 _PCI = r"PCI:([0-9a-fA-F]{1,8}+):([0-9a-fA-F]{2}+):([0-9a-fA-F]{2}+)(?:\.([0-7]))?+"
 # Every quantifier is bounded or possessive and the prefix is a literal: a search is linear in the line.

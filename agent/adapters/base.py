@@ -22,8 +22,9 @@ scheduler's view back. The contract:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Protocol, Sequence
+
+from ..records import dataclass
 
 REASON_PREFIX = "gpuwarden:"  # every drain/cordon reason the agent writes starts with this
 SPARE_REASON = "gpuwarden: spare"  # a spare held out of service (Slurm: drained with this reason)

@@ -26,11 +26,11 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import logs
 from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
+from ..records import dataclass
 
 log = logs.get_logger("gpuwarden.adapter.slurm")
 

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,6 +29,7 @@ from typing import Any, Sequence
 from ..errors import SourceError
 from . import confine
 from .tools import current_scope
+from ..records import dataclass
 
 BURNIN_FILE = "burnin.json"
 DTYPES = ("bfloat16", "float16", "float32")

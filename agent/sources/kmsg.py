@@ -11,7 +11,6 @@ import os
 import re
 import select
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +21,7 @@ from ..kernel_log import (KMSG_ROW, KmsgBatch, LogRecord, kmsg_line, kmsg_record
 from ..line_search import lines_holding, probes_for
 from . import confine
 from .inotify import FolderWaiter
+from ..records import dataclass
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log

@@ -14,12 +14,12 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 from .. import logs
 from ..errors import ToolMissing
 from .tools import Scope, ToolOutput, ToolProcess, ToolRunner, ToolTimeout, read_output, current_scope
+from ..records import dataclass
 
 log = logs.get_logger("gpuwarden.perftest")
 

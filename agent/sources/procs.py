@@ -9,10 +9,10 @@ a SourceError, never "not running".
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from ..errors import SourceError
 from .sysfs import Sysfs
+from ..records import dataclass
 
 COMM_LEN = 15  # TASK_COMM_LEN (16) less the NUL: comm holds the first 15 characters of the executable's name
 

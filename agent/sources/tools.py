@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import IO, Callable, Iterator, Sequence
@@ -40,6 +39,7 @@ from typing import IO, Callable, Iterator, Sequence
 from .. import logs
 from ..errors import SourceError, ToolError, ToolMissing
 from . import confine
+from ..records import dataclass
 
 log = logs.get_logger("gpuwarden.tools")
 

@@ -22,7 +22,7 @@ import json
 import math
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,6 +34,7 @@ from .. import confine
 from .bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
 from .events import XidEvents
 from .recorded import RecordedNvml
+from ...records import dataclass
 
 # NVML error number -> its name without the NVML_ERROR_ prefix, from the installed bindings.
 ERROR_NAMES: dict[int, str] = {

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pynvml
 
 from ...errors import NvmlError
+from ...records import dataclass
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import Gpu, Nvml
