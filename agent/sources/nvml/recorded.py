@@ -15,7 +15,7 @@ import ctypes
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import pynvml
 from ...errors import SourceError
 from ..inotify import FolderWaiter
 from .bindings import const
+from ...records import dataclass
 
 EVENT_KEYS = {"gpu", "xid"}  # one entry of nvml.json "xid_events" (docs/scenario-format.md)
 _EVENT_POLL_S = 0.02  # how often a waiting recorded event set looks at nvml.json (a sleep, not a spin)
@@ -78,6 +79,8 @@ _NVLINK_FIELDS: dict[int, tuple[str, str, int | None]] = {
 
 _MEMORY_TEMP = const("NVML_FI_DEV_MEMORY_TEMP")
 _SUCCESS = const("NVML_SUCCESS")
+_NOT_SUPPORTED = const("NVML_ERROR_NOT_SUPPORTED")
+_INVALID_ARGUMENT = const("NVML_ERROR_INVALID_ARGUMENT")
 _ULL = const("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG")
 _write = ctypes.Structure.__setattr__  # past pynvml's Python __setattr__ (str to bytes): ints only here
 
@@ -112,6 +115,7 @@ class RecordedNvml:
         self._delivered = 0  # "xid_events" entries this instance has handed out: a new set never repeats them
         self._field_answers: dict[int, dict[tuple[int, int], tuple[int, int | None]]] = {}
         self._field_arrays: dict[tuple[int, tuple[Any, ...]], bytes] = {}
+        self._links_of: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}  # (GPU, call) -> link -> its entry
         # Wakes a waiting event set when nvml.json's folder is written (a test appends an XID to the file).
         self._waiter = FolderWaiter(Path(path).parent) if path is not None else None
 
@@ -280,7 +284,7 @@ class RecordedNvml:
             answer = answers.get((field_id, scope))
             if answer is None:
                 try:
-                    answer = (self._field_value(gpu, field_id, scope), None)
+                    answer = self._field_value(gpu, index, field_id, scope)
                 except pynvml.NVMLError as exc:
                     answer = (0, exc.value)
                 answers[(field_id, scope)] = answer
@@ -294,35 +298,42 @@ class RecordedNvml:
             self._field_arrays[request] = bytes(values)
         return values
 
-    def _field_value(self, gpu: dict[str, Any], field_id: int, scope: int) -> int:
-        """One field's value, or the NVMLError NVML would report for it."""
+    def _field_value(self, gpu: dict[str, Any], index: int, field_id: int, scope: int) -> tuple[int, int | None]:
+        """One field's (value, None), or (0, the error NVML would report for it). An error recorded for the function
+        that reads the same counter is raised (NVMLError). The codes of the common answers are returned, not raised:
+        a preflight asks some 150 fields of each GPU, most of them links and counters it does not have."""
         if field_id == _MEMORY_TEMP:
             temps = self._record(gpu, "temperature", "nvmlDeviceGetFieldValues")
             if temps.get("memory") is None:
-                raise _error("NOT_SUPPORTED")  # no HBM sensor reported
-            return int(temps["memory"])
+                return 0, _NOT_SUPPORTED  # no HBM sensor reported
+            return int(temps["memory"]), None
         ecc = _ECC_FIELDS.get(field_id)
         if ecc is not None:
             call, key, path = ecc
             value = self._record(gpu, key, call)
             for part in path:
                 value = value[part]
-            return int(value)
+            return int(value), None
         link_field = _NVLINK_FIELDS.get(field_id)
-        if link_field is not None:
-            call, name, link = link_field
-            link = scope if link is None else link
-            entry = next((e for e in self._record(gpu, "nvlinks", call) if int(e["link"]) == link), None)
-            if entry is None:
-                raise _error("INVALID_ARGUMENT")  # what NVML answers for a link the GPU does not have
-            if name == "state":
-                return int(entry["state"])
-            if name in (entry.get("unread") or {}):
-                raise _error(str(entry["unread"][name]))  # recorded as NVML failed to read it
-            if name not in entry["errors"]:
-                raise _error("NOT_SUPPORTED")  # a counter NVML did not offer when recorded
-            return int(entry["errors"][name])
-        raise _error("NOT_SUPPORTED")
+        if link_field is None:
+            return 0, _NOT_SUPPORTED
+        call, name, link = link_field
+        by_link = self._links_of.get((index, call))
+        if by_link is None:
+            by_link = {}
+            for e in self._record(gpu, "nvlinks", call):
+                by_link.setdefault(int(e["link"]), e)  # the first entry of a link, as a scan in order finds it
+            self._links_of[(index, call)] = by_link
+        entry = by_link.get(scope if link is None else link)
+        if entry is None:
+            return 0, _INVALID_ARGUMENT  # what NVML answers for a link the GPU does not have
+        if name == "state":
+            return int(entry["state"]), None
+        if name in (entry.get("unread") or {}):
+            return 0, _error(str(entry["unread"][name])).value  # recorded as NVML failed to read it
+        if name not in entry["errors"]:
+            return 0, _NOT_SUPPORTED  # a counter NVML did not offer when recorded
+        return int(entry["errors"][name]), None
 
     def _record(self, gpu: dict[str, Any], key: str, call: str) -> Any:
         """gpu[key] for a field that reads what `call` reads: the error nvml.json records for `call` fails the field."""
