@@ -55,7 +55,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 from .errors import GpuwardenError, ParseError
 from .kernel_log import (DMESG_LINES, HEAD_CHARS, LogRecord, LogRecordBuilder, classify_line, gc_paused, parse_line,
                          stamp_usec)
-from .line_search import Probes, lines_holding, probes_for
+from .line_search import ProbeMemory, Probes, lines_holding, probes_for
 from .records import dataclass
 
 CHUNK = 1 << 20  # bytes read at a time
@@ -247,23 +247,25 @@ def _reader(f: BinaryIO, first: bytes) -> Callable[[memoryview], int]:
 def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
                 probes: Probes, kmsg: bool, buf: bytearray, chunk: int,
                 line_max: int, final: bool, hit: Callable[[bytes | bytearray, int], None],
-                long_line: Callable[[int, int], None]) -> tuple[int, bool]:
+                long_line: Callable[[int, int], None], memory: ProbeMemory | None = None) -> tuple[int, bool]:
     """Reads lines from ``read`` to its end: each line that holds one of ``needles`` goes to ``hit`` with its line
     number (counted from 1 at the first byte read), each line longer than ``line_max`` to ``long_line`` (its
     number, its length). ``final``: the end read is the file's end (in raw kmsg its last line is read in any case).
-    ``buf``, of chunk + line_max bytes, is where they are read. Returns (lines read, nothing but white space)."""
+    ``buf``, of chunk + line_max bytes, is where they are read; ``memory``, what earlier reads of the same log taught
+    of the probes (one is made for this read otherwise). Returns (lines read, nothing but white space)."""
     view = memoryview(buf)
     lines = 0  # newlines before buf[0]
     have = 0  # bytes of a partial line at the front of buf
     blank = True
     last: tuple[int, bytes] | None = None  # the last complete line: (line number, bytes)
     count, rfind = buf.count, buf.rfind
+    memory = memory if memory is not None else ProbeMemory()
 
     def lines_of(start: int, stop: int) -> None:
         """Reads the complete lines buf[start:stop] (stop just past a newline)."""
         nonlocal lines, last, blank
         at = start
-        for ls, le in lines_holding(buf, start, stop, probes):
+        for ls, le in lines_holding(buf, start, stop, probes, memory):
             lines += count(b"\n", at, ls)
             at = ls
             hit(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
@@ -598,13 +600,14 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
         os.nice(READER_NICE)
         fd, kmsg, needles, probes, buf_size, chunk, line_max = args
         buf = bytearray(buf_size)  # one for every part: a buffer this size anew is fresh pages each time
+        memory = ProbeMemory()  # the parts are one log's: what one taught of its probe bytes holds for the next
         at = _HELD.size * slot
         last = len(parts) - 1
         while number := os.read(claims, _PART_NO.size):
             i = _PART_NO.unpack(number)[0]
             held[at:at + _HELD.size] = _HELD.pack(i)
             start, stop = parts[i]
-            result = read_part(fd, start, stop, i == last, kmsg, needles, probes, buf, chunk, line_max)
+            result = read_part(fd, start, stop, i == last, kmsg, needles, probes, buf, chunk, line_max, memory)
             _send(out, ("part", i, result))
             held[at:at + _HELD.size] = _HELD.pack(-1)
             i = -1
@@ -620,7 +623,7 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
 
 def _read_part(fd: int, start: int, stop: int, final: bool, kmsg: bool, needles: Sequence[bytes],
                probes: Probes, buf: bytearray, chunk: int,
-               line_max: int) -> tuple[Any, ...]:
+               line_max: int, memory: ProbeMemory | None = None) -> tuple[Any, ...]:
     """One part's result: (rows of the records, malformed kmsg records (what, line), their count, lines read cut
     (line, length), their count, lines, blank); line numbers from 1 at the part's first line (the file's name and
     the lines before the part are put to them where the parts are taken)."""
@@ -664,7 +667,7 @@ def _read_part(fd: int, start: int, stop: int, final: bool, kmsg: bool, needles:
         if len(cuts) < MAX_NOTES:
             cuts.append((lineno, size))
 
-    lines, blank = _read_lines(read, needles, probes, kmsg, buf, chunk, line_max, final, hit, long_line)
+    lines, blank = _read_lines(read, needles, probes, kmsg, buf, chunk, line_max, final, hit, long_line, memory)
     if raws:
         _text_rows(raws, linenos, rows)
     return rows, errs, counts[0], cuts, counts[1], lines, blank

@@ -166,6 +166,8 @@ def aer_events_from_records(records: Iterable[LogRecord]) -> list[AerEvent]:
                 events.append(AerEvent(m.group(1), ghes_sev, None, msg, r.seq, r.usec, "ghes"))
                 pending[(m.group(1), ghes_sev)] = r.usec
             continue
+        if ": AER: " not in msg and "PCIe Bus Error" not in msg:
+            continue  # what both patterns below hold: most records handed here are another check's (XIDs)
         if m := _PORT.search(msg):
             port, sev, bdf, rid = m.group(1), _severity(m.group(2)), m.group(3), m.group(4)
             if bdf is None:  # id=BBDF: bus, device<<3|function, in the port's domain

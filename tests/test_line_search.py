@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.agent.line_search import RUN_MIN, lines_holding, probes_for
+from gpuwarden.agent.line_search import FORGET_AFTER, RUN_MIN, ProbeMemory, lines_holding, probes_for
 
 TEXTS = (b"NVRM: ", b"SXid", b"NVSwitch", b"AER", b"PCIe Bus Error", b"[Hardware Error]:")
 # Pieces of lines: the texts, their rare bytes alone and in near misses (so a probe byte is common or rare), noise.
@@ -40,3 +40,28 @@ def test_a_common_probe_byte_turns_to_the_texts_and_finds_the_same_lines():
     probes = probes_for((b"AER",))
     assert probes == [(b"R", 2, (b"AER",))]
     assert buf.count(b"R") > RUN_MIN and lines_holding(buf, 0, len(buf), probes) == plain(buf, (b"AER",))
+
+
+@settings(max_examples=150, deadline=None)
+@given(buffers=st.lists(st.lists(st.sampled_from(PIECES), max_size=300), min_size=1, max_size=6),
+       texts=st.sampled_from([TEXTS, TEXTS[3:], (b"AER",)]))
+def test_a_memory_of_earlier_buffers_changes_no_line_found(buffers, texts):
+    memory, probes = ProbeMemory(), probes_for(texts)
+    for parts in buffers:
+        buf = b"".join(parts) + b"\n"
+        assert lines_holding(buf, 0, len(buf), probes, memory) == plain(buf, texts)
+
+
+def test_a_probe_byte_common_in_one_buffer_is_searched_by_its_texts_in_the_next_and_forgotten_later():
+    noisy = b"ROUTER RR: reset R R R\n" * 500 + b"pcieport 0000:00:01.0: AER: Corrected error received\n"
+    quiet = b"kernel: all well\n" * 50 + b"pcieport 0000:00:01.0: AER: Corrected error received\n"
+    memory, probes = ProbeMemory(), probes_for((b"AER",))
+    assert lines_holding(noisy, 0, len(noisy), probes, memory) == plain(noisy, (b"AER",))
+    assert memory.common == {0}  # learnt: the next buffer searches for "AER" itself
+    for _ in range(FORGET_AFTER - 2):
+        assert lines_holding(quiet, 0, len(quiet), probes, memory) == plain(quiet, (b"AER",))
+        assert memory.common == {0}
+    lines_holding(quiet, 0, len(quiet), probes, memory)
+    assert memory.common == set()  # forgotten: where the byte is rare again it is the probe again
+    lines_holding(quiet, 0, len(quiet), probes, memory)
+    assert memory.common == set()

@@ -18,7 +18,7 @@ from .. import logs
 from ..errors import ParseError, SourceError
 from ..kernel_log import (KMSG_ROW, KmsgBatch, LogRecord, kmsg_line, kmsg_record, parse_kmsg_filtered,
                           parse_kmsg_text)
-from ..line_search import lines_holding, probes_for
+from ..line_search import ProbeMemory, lines_holding, probes_for
 from . import confine
 from .inotify import FolderWaiter
 from ..records import dataclass
@@ -137,6 +137,7 @@ class KmsgFollower:
         self._pending = b""
         self._skipping = False  # inside an over-long line: dropped up to its newline
         self.more = False  # the last poll stopped at its byte budget: more is there to read now
+        self._probe_memory = ProbeMemory()  # what the pieces read so far taught of the interest's probe bytes
 
     def close(self) -> None:
         if self._fd is not None:
@@ -200,7 +201,7 @@ class KmsgFollower:
         data = self._read_live_bytes()
         if not data:
             return None
-        scan = _Scan(self.log.name, self.keep)
+        scan = _Scan(self.log.name, self.keep, self._probe_memory)
         scan.feed(data, len(data))
         return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
@@ -235,7 +236,7 @@ class KmsgFollower:
             fd = confine.open_file(self.log.path, self.log.inside)
         except OSError as exc:
             raise SourceError(f"{self.log.path}: cannot read kernel log: {exc.strerror or exc}") from None
-        scan = _Scan(self.log.name, self.keep)
+        scan = _Scan(self.log.name, self.keep, self._probe_memory)
         try:
             budget = _POLL_BYTES
             while budget > 0:
@@ -285,8 +286,8 @@ class _Scan:
     (malformed, or well-formed past the fast pattern's bounds), found with one search; only those lines are decoded
     and parsed, each exactly as parse_kmsg_filtered parses it. Line numbers count every line read in the poll."""
 
-    def __init__(self, source: str, keep: Interest):
-        self.source, self.keep, self.probes = source, keep, keep.probes or ()
+    def __init__(self, source: str, keep: Interest, memory: ProbeMemory | None = None):
+        self.source, self.keep, self.probes, self.memory = source, keep, keep.probes or (), memory
         self.records: list[LogRecord] = []
         self.errors: list[ParseError] = []
         self.last: int | None = None
@@ -300,7 +301,7 @@ class _Scan:
             end = len(buf)
         if self.first is None:
             self.first = _seq_of(buf)
-        starts = {line for line, _ in lines_holding(buf, 0, end, self.probes)}
+        starts = {line for line, _ in lines_holding(buf, 0, end, self.probes, self.memory)}
         find = buf.find
         if not _HEADER_AT.match(buf, 0, end) and buf[:1] not in (b" ", b"\n"):
             starts.add(0)
