@@ -36,17 +36,20 @@ Sources:
   supported"). With FM down, NVLink/NVSwitch errors go unhandled and after the next GPU reset or reboot the GPUs
   cannot register (CUDA fails with cudaErrorSystemNotReady; NVSentinel#889: a broken FM left fabric.state "In
   Progress" for 20 days). A registration that never completes is `fabric`'s own fabric-not-ready.
+- Asked every 30 s by the daemon, `systemctl` is a process started each time (some 4 ms of CPU): once FM's process
+  is known it answers alone while it runs (read_fabric_manager).
 - Could not look is not healthy: with neither systemctl nor the host's process table readable, or the unit not
   active and the process table unreadable (FM may run in a container we cannot see), FM is UNKNOWN.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from gpuwarden.agent.errors import ConfigError, SourceError, ToolError
 from gpuwarden.agent.model import Action, Entity, Finding, Status
 from gpuwarden.agent.passive import MetricSample
-from gpuwarden.agent.sources.procs import find_processes
+from gpuwarden.agent.sources.procs import find_processes, still_running
 from gpuwarden.agent.records import dataclass
 
 MODES = ("auto", "required", "off")
@@ -131,8 +134,23 @@ def scope(mode: str, sku: str, check: str, nvswitches: list[str] | None, fabric_
                           "this system's (a VM given GPUs without their NVSwitches)")
 
 
+# What the last looks at a node's Fabric Manager found (by the node's sysfs): the nv-fabricmanager processes seen
+# running; or "active", the unit found active and its process not looked for yet; or "unit", looked for while the unit
+# was active and not found (the unit alone answers then). While a process seen still runs FM is up, and neither
+# systemctl (a process started each look: some 4 ms of CPU, a quarter of an idle daemon's) nor the whole process
+# table (hundreds of /proc entries) is read.
+_seen: "weakref.WeakKeyDictionary[Any, tuple[int, ...] | str]" = weakref.WeakKeyDictionary()
+
+
 def read_fabric_manager(node: Any, timeout_s: float) -> FmReading:
-    """The unit's state, and the host's process table when the unit is not active (all of the I/O)."""
+    """The unit's state, and the host's process table when the unit is not active (all of the I/O). On a node looked
+    at before (the daemon's), an nv-fabricmanager process seen then that still runs answers alone; found active a
+    second time, the unit's process is looked for once, to be that answer from then on."""
+    seen = _seen.get(node.sysfs)
+    if isinstance(seen, tuple):
+        running = still_running(node.sysfs, FM_PROCESS, seen)
+        if running:
+            return FmReading(None, None, running, None)
     unit = unit_error = procs_error = None
     pids: tuple[int, ...] | None = None
     try:
@@ -141,11 +159,18 @@ def read_fabric_manager(node: Any, timeout_s: float) -> FmReading:
         unit = words[-1] if words else f"unknown (exit status {out.returncode})"
     except ToolError as err:  # ToolMissing included: no systemctl here (a container, a non-systemd host)
         unit_error = str(err)
-    if unit != "active":
+    scan = unit != "active" or (seen is not None and seen != "unit")
+    if scan:
         try:
             pids = tuple(p.pid for p in find_processes(node.sysfs, FM_PROCESS))
         except SourceError as err:
             procs_error = str(err)
+    if pids:
+        _seen[node.sysfs] = pids
+    elif unit == "active":  # a one-shot preflight stops at "active": it reads no process table
+        _seen[node.sysfs] = "unit" if scan or seen == "unit" else "active"
+    else:
+        _seen.pop(node.sysfs, None)
     return FmReading(unit, unit_error, pids, procs_error)
 
 

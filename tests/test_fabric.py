@@ -254,6 +254,52 @@ def test_fabric_manager_that_cannot_be_looked_at_is_unknown(scenario_copy):
     assert "unit is inactive" in f.message and "hostPID" in f.message and d.state["fm_inactive_since"] is None
 
 
+def test_a_fabric_manager_seen_running_answers_alone_until_it_stops(scenario_copy):
+    # The GPU Operator's FM, found in the process table at the first look. While that process runs, neither systemctl
+    # nor the table is read again: both are made unreadable here, and FM stays up.
+    root = record_processes(hgx_recent_driver(scenario_copy), [*HOST, (48213, "nv-fabricmanager", FM_ARGV)])
+    record_tool(root, "systemctl-fabricmanager", "inactive\n", 3)
+    d = Driver(root)
+    assert fm_up(d.at(T0)) == [1.0]
+    shutil.rmtree(root / "tools")
+    shutil.rmtree(root / "proc" / "2")
+    for t in (30, 60):
+        j = d.at(T0 + t)
+        assert j.findings == () and fm_up(j) == [1.0]
+    # Its PID now runs another program (the kernel reuses PIDs): no longer FM, and the full look finds neither.
+    record_processes(root, [(48213, "sleep", ["sleep", "60"])])
+    (f,) = d.at(T0 + 90).findings
+    assert (f.code, f.status) == ("fabric-manager-unknown", Status.UNKNOWN) and "not installed" in f.message
+
+
+def test_the_unit_active_twice_its_process_answers_from_then_on(scenario_copy, monkeypatch):
+    from gpuwarden.checks import fabric_manager
+
+    systemd_fm = (48213, "nv-fabricmanager", ["/usr/bin/nv-fabricmanager", "-c", "fabricmanager.cfg"])
+    root = record_processes(hgx_recent_driver(scenario_copy), [*HOST, systemd_fm])
+    record_tool(root, "systemctl-fabricmanager", "active\n", 0)
+    scans = []
+    monkeypatch.setattr(fabric_manager, "find_processes", lambda *a: scans.append(a) or find_processes(*a))
+    assert fm_up(Driver(root).at(T0)) == [1.0] and scans == []  # one look (a preflight): systemctl alone, as ever
+    d = Driver(root)
+    assert fm_up(d.at(T0)) == [1.0] and fm_up(d.at(T0 + 30)) == [1.0] and len(scans) == 1  # the second: its PID
+    shutil.rmtree(root / "tools")  # systemctl no longer answers: the process does
+    assert fm_up(d.at(T0 + 60)) == [1.0] and fm_up(d.at(T0 + 90)) == [1.0] and len(scans) == 1
+    # systemd restarts FM under a new PID: the unit and the table are asked again, and the new PID is kept.
+    shutil.rmtree(root / "proc" / "48213")
+    record_processes(root, [(50117, *systemd_fm[1:])])
+    record_tool(root, "systemctl-fabricmanager", "active\n", 0)
+    assert fm_up(d.at(T0 + 120)) == [1.0] and len(scans) == 2
+    assert fm_up(d.at(T0 + 150)) == [1.0] and len(scans) == 2
+    # A unit whose process the table does not show (comm other than FM's): the unit alone answers, no scan each look.
+    shutil.rmtree(root / "proc" / "50117")
+    assert fm_up(d.at(T0 + 180)) == [1.0] and len(scans) == 3
+    assert fm_up(d.at(T0 + 210)) == [1.0] and fm_up(d.at(T0 + 240)) == [1.0] and len(scans) == 3
+    record_tool(root, "systemctl-fabricmanager", "failed\n", 3)  # and a unit that fails is seen at once
+    (f,) = d.at(T0 + 270).findings
+    assert f.code == "fabric-manager-inactive" and f.evidence["systemctl"] == "failed" and len(scans) == 4
+
+
 def test_the_process_table_alone_answers_without_systemctl(scenario_copy):
     root = record_processes(hgx_recent_driver(scenario_copy), HOST)  # no tools/: systemctl is not installed
     (f,) = Driver(root).at(T0).findings

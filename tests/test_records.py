@@ -171,3 +171,22 @@ def test_forms_it_does_not_take_are_refused() -> None:
 
             def __setattr__(self, name: str, value: Any) -> None:
                 pass
+
+
+def test_the_package_uses_this_decorator() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    offenders = []
+    for path in [*(root / "agent").rglob("*.py"), *(root / "checks").rglob("*.py")]:
+        text = path.read_text()
+        if path.name == "records.py" and path.parent.name == "agent":
+            continue
+        for line in text.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("from dataclasses import") and "dataclass" in stripped.replace(
+                    "make_dataclass", "").split("import", 1)[1].replace(" ", "").split(","):
+                offenders.append(f"{path.relative_to(root)}: {stripped}")
+            if stripped.startswith("@dataclasses.dataclass"):
+                offenders.append(f"{path.relative_to(root)}: {stripped}")
+    assert offenders == []

@@ -37,16 +37,25 @@ def find_processes(sysfs: Sysfs, name: str) -> list[Process]:
         seen = f"PID 2 is {pid2!r}" if pid2 is not None else "no PID 2"
         raise SourceError(f"{table}: not the host's process table ({seen}, not kthreadd): processes in containers are "
                           "not visible; run the agent in the host PID namespace (hostPID: true) without hidepid")
-    out = []
-    for pid in pids:
-        comm = _read(sysfs, f"/proc/{pid}/comm")  # None: exited since the listing
-        if comm is None or comm not in (name, name[:COMM_LEN]):
-            continue
-        cmdline = _read(sysfs, f"/proc/{pid}/cmdline")
-        argv0 = None if cmdline is None else cmdline.split("\0", 1)[0]
-        if argv0 is None or os.path.basename(argv0) == name:  # a zombie's cmdline is empty: not running
-            out.append(Process(pid, comm, argv0))
-    return out
+    return [p for p in (_running(sysfs, pid, name) for pid in pids) if p is not None]
+
+
+def still_running(sysfs: Sysfs, name: str, pids: "tuple[int, ...] | list[int]") -> tuple[int, ...]:
+    """Those of `pids` that still run the executable `name`, as find_processes tells it: a PID the kernel gave to
+    another program since is not one. Two small reads a PID where find_processes reads the whole table: for
+    processes it found before, on the same table."""
+    return tuple(pid for pid in pids if _running(sysfs, pid, name) is not None)
+
+
+def _running(sysfs: Sysfs, pid: int, name: str) -> Process | None:
+    comm = _read(sysfs, f"/proc/{pid}/comm")  # None: exited since the listing
+    if comm is None or comm not in (name, name[:COMM_LEN]):
+        return None
+    cmdline = _read(sysfs, f"/proc/{pid}/cmdline")
+    argv0 = None if cmdline is None else cmdline.split("\0", 1)[0]
+    if argv0 is None or os.path.basename(argv0) == name:  # a zombie's cmdline is empty: not running
+        return Process(pid, comm, argv0)
+    return None
 
 
 def _read(sysfs: Sysfs, path: str) -> str | None:
