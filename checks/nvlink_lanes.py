@@ -36,8 +36,8 @@ of the counter. A first sample only sets the baseline: errors accumulated before
 """
 from __future__ import annotations
 
-import json
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
 from gpuwarden.agent.errors import ConfigError, NotApplicable
 from gpuwarden.agent.model import Action, Entity, Finding, Status
@@ -152,8 +152,19 @@ def rates_per_minute(window: list[list[float]]) -> tuple[dict[str, int], dict[st
     return counts, {c: (60.0 * n / span if span > 0 else 0.0) for c, n in counts.items()}, span
 
 
+def _copy_gpus(gpus: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the state's GPUs deep enough for judge to change: each GPU's and each link's dict, and a link's window
+    list (appended to). What judge only replaces (a link's counters, a window's entries) is shared: a copy through
+    JSON of 144 links with their windows was a fifth of a judgement."""
+    def links(rec: Mapping[str, Any]) -> dict[str, Any]:
+        return {n: {**lrec, "window": list(lrec["window"])} if "window" in lrec else dict(lrec)
+                for n, lrec in rec["links"].items()}
+
+    return {uuid: {**rec, "links": links(rec)} if "links" in rec else dict(rec) for uuid, rec in gpus.items()}
+
+
 def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], now: float) -> Judgement:
-    gpus: dict[str, Any] = json.loads(json.dumps(state.get("gpus", {})))  # a deep copy: judge stays pure
+    gpus = _copy_gpus(state.get("gpus", {}))  # judge stays pure
     findings: list[Finding] = list(smp.problems)
     metrics: list[MetricSample] = []
     for g in smp.gpus:
@@ -180,7 +191,6 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
         per_gpu = _GpuTotals()
         for n in sorted(expected | set(reported)):
             lrec = links.setdefault(str(n), {"active_seen": False})
-            entity = Entity("nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n)
             if n not in reported:
                 lrec["state"] = None
             up = n in reported and int(reported[n]["state"]) == 1
@@ -188,13 +198,17 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
                 lrec["down_since"] = None
             elif lrec.get("down_since") is None:
                 lrec["down_since"] = now
+            # The window's rates, taken once for the metrics and the findings (8 GPUs x 18 links a judgement).
+            rated = rates_per_minute(lrec.get("window", [])) if n in reported and "counters" in lrec else None
             per_gpu.add({"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}, up, n in expected,
-                        lrec if n in reported and "counters" in lrec else None)
+                        lrec if rated is not None else None, rated)
             if n in expected and not up and g.uuid not in smp.fabric_pending:
+                entity = Entity("nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n)
                 findings.append(_down(entity, g, lrec, n in reported, smp.expected_links, now,
                                       rec.get("baseline_active")))
-            elif up and "counters" in lrec:
-                findings.extend(_rate_findings(entity, lrec, cfg))
+            elif up and rated is not None:
+                findings.extend(_rate_findings(partial(Entity, "nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n),
+                                               lrec, rated, cfg))
         metrics.extend(per_gpu.samples({"gpu": str(g.index), "uuid": g.uuid}))
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
 
@@ -211,11 +225,13 @@ class _GpuTotals:
         self.rates = {c: 0.0 for c in COUNTERS}
         self.links: list[MetricSample] = []
 
-    def add(self, labels: Mapping[str, str], up: bool, expected: bool, lrec: Mapping[str, Any] | None) -> None:
+    def add(self, labels: Mapping[str, str], up: bool, expected: bool, lrec: Mapping[str, Any] | None,
+            rated: tuple[dict[str, int], dict[str, float], float] | None = None) -> None:
+        """One link; `lrec` and its window's `rated` (rates_per_minute) where its counters were read."""
         self.active += up
         self.down += expected and not up
         counters = {c: float(lrec["counters"][c]) for c in COUNTERS} if lrec is not None else {}
-        rates = rates_per_minute(lrec.get("window", []))[1] if lrec is not None else {}
+        rates = (rated or rates_per_minute(lrec.get("window", [])))[1] if lrec is not None else {}
         for c in counters:
             self.errors[c] += counters[c]
             self.rates[c] += rates[c]
@@ -268,29 +284,35 @@ def _unread(entity: Entity, g: GpuLinks, unread: Mapping[str, str]) -> Finding:
                    "read succeeds", Action.NONE, {"unread": dict(unread)})
 
 
-def _rate_findings(entity: Entity, lrec: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[Finding]:
-    counts, rates, span = rates_per_minute(lrec.get("window", []))
-    evidence = {"window_s": span, "increase": counts, "per_minute": {c: round(r, 3) for c, r in rates.items()},
-                "counters": dict(lrec["counters"]), "resets": lrec.get("resets", 0)}
-    label = entity.label()
-    out = []
+def _rate_findings(link_entity: Callable[[], Entity], lrec: Mapping[str, Any],
+                   rated: tuple[dict[str, int], dict[str, float], float], cfg: Mapping[str, Any]) -> list[Finding]:
+    """The rate findings of one link that is up, from its window's `rated` (rates_per_minute); its entity and the
+    evidence are made only for a finding (a healthy node's 144 links make none)."""
+    counts, rates, span = rated
+    out: list[Finding] = []
 
     def add(code: str, status: Status, action: Action, msg: str) -> None:
-        out.append(Finding(CHECK_NAME, code, entity, status, f"{label}: {msg}", action, evidence))
+        entity = link_entity()
+        evidence = {"window_s": span, "increase": counts, "per_minute": {c: round(r, 3) for c, r in rates.items()},
+                    "counters": dict(lrec["counters"]), "resets": lrec.get("resets", 0)}
+        out.append(Finding(CHECK_NAME, code, entity, status, f"{entity.label()}: {msg}", action, evidence))
 
     if rates["recovery"] > cfg["recovery_fail_per_minute"]:
         add("nvlink-recovery-errors", Status.FAIL, Action.DRAIN,
             f"{counts['recovery']} link recovery event(s) in {span:.0f}s ({rates['recovery']:.1f}/min): the link "
             "retrains and traffic stalls; drain and reset the GPU, replace it if it repeats")
     crc = max(rates[c] for c in CRC)
-    crc_text = ", ".join(f"{c} +{counts[c]} ({rates[c]:.1f}/min)" for c in CRC)
+
+    def crc_text() -> str:
+        return ", ".join(f"{c} +{counts[c]} ({rates[c]:.1f}/min)" for c in CRC)
+
     if crc > cfg["crc_fail_per_minute"]:
         add("nvlink-crc-errors", Status.FAIL, Action.DRAIN,
-            f"CRC errors at {crc / 60:.0f}/s ({crc_text}), above the {cfg['crc_fail_per_minute'] / 60:g}/s DCGM "
+            f"CRC errors at {crc / 60:.0f}/s ({crc_text()}), above the {cfg['crc_fail_per_minute'] / 60:g}/s DCGM "
             "fails at: the link is marginal")
     elif crc > cfg["crc_warn_per_minute"]:
         add("nvlink-crc-errors", Status.WARN, Action.MONITOR,
-            f"CRC errors in the last {span:.0f}s ({crc_text}): corrected by replays, watch the link")
+            f"CRC errors in the last {span:.0f}s ({crc_text()}): corrected by replays, watch the link")
     if rates["replay"] > cfg["replay_warn_per_minute"]:
         add("nvlink-replay-errors", Status.WARN, Action.MONITOR,
             f"{counts['replay']} replay(s) in {span:.0f}s ({rates['replay']:.1f}/min): retransmissions after "

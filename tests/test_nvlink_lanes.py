@@ -384,3 +384,23 @@ def test_metrics_are_lint_clean(scenario_copy):
     assert all(m.kind == "gauge" and re.fullmatch(r"[a-z_]+", k) for m in j.metrics for k in m.labels)
     text = exposition(j.metrics)
     promtool_lint(text)
+
+
+def test_judge_never_changes_the_state_it_is_given(scenario_copy):
+    # The daemon hands judge the last judgement's state itself (no JSON in between): windows growing and ageing, a
+    # counter reset and a link dropping must all leave that state as it was.
+    import copy
+
+    root = scenario_copy("gb200-nvl72-healthy")
+    node, state = Node.recorded_at(root), {}
+    steps = [(0, {}), (30, {"crc_flit": 5}), (60, {"replay": 9}), (90, {"crc_flit": 1}), (120, {"state": 0}),
+             (400, {})]
+    for t, change in steps:
+        if change:
+            set_link(root, 0, 3, **change)
+        smp = CHECK.sample(node, CFG, state)
+        given = copy.deepcopy(state)
+        j = CHECK.judge(state, smp, CFG, T0 + t)
+        assert state == given
+        state = j.state
+    assert state["gpus"] and any(f.code == "nvlink-down" for f in j.findings)
