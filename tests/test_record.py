@@ -217,8 +217,8 @@ def test_cheap_tools_run_live_are_recorded_and_replay_the_same(scenario_copy, tm
     (live_result,) = run_checks(live, specs, config.defaults(specs))
     assert verdict(out, specs) == [(live_result.check, live_result.status, live_result.error,
                                     [f.to_dict() for f in live_result.findings])]
-    assert read_fabric_manager(Node.recorded_at(out), 1.0) == read_fabric_manager(live, 1.0)
-    assert read_fabric_manager(live, 1.0).unit == "inactive"
+    first = read_fabric_manager(live, 1.0)  # a node's first look (a later one may answer from the process it saw)
+    assert read_fabric_manager(Node.recorded_at(out), 1.0) == first and first.unit == "inactive"
 
 
 def test_missing_tool_is_recorded_as_missing_and_replays_as_missing(scenario_copy, tmp_path, fake_bin):
