@@ -200,15 +200,13 @@ def judge(state: Mapping[str, Any], smp: NvlinkSample, cfg: Mapping[str, Any], n
                 lrec["down_since"] = now
             # The window's rates, taken once for the metrics and the findings (8 GPUs x 18 links a judgement).
             rated = rates_per_minute(lrec.get("window", [])) if n in reported and "counters" in lrec else None
-            per_gpu.add({"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}, up, n in expected,
-                        lrec if rated is not None else None, rated)
+            per_gpu.add({"gpu": str(g.index), "uuid": g.uuid, "link": str(n)}, up, n in expected, lrec, rated)
+            link_entity = partial(Entity, "nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n)  # made if needed
             if n in expected and not up and g.uuid not in smp.fabric_pending:
-                entity = Entity("nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n)
-                findings.append(_down(entity, g, lrec, n in reported, smp.expected_links, now,
+                findings.append(_down(link_entity(), g, lrec, n in reported, smp.expected_links, now,
                                       rec.get("baseline_active")))
             elif up and rated is not None:
-                findings.extend(_rate_findings(partial(Entity, "nvlink", f"{g.uuid}/link{n}", g.index, g.pci, link=n),
-                                               lrec, rated, cfg))
+                findings.extend(_rate_findings(link_entity, lrec, rated, cfg))
         metrics.extend(per_gpu.samples({"gpu": str(g.index), "uuid": g.uuid}))
     return Judgement({"gpus": gpus}, tuple(findings), tuple(metrics))
 
@@ -225,13 +223,13 @@ class _GpuTotals:
         self.rates = {c: 0.0 for c in COUNTERS}
         self.links: list[MetricSample] = []
 
-    def add(self, labels: Mapping[str, str], up: bool, expected: bool, lrec: Mapping[str, Any] | None,
-            rated: tuple[dict[str, int], dict[str, float], float] | None = None) -> None:
-        """One link; `lrec` and its window's `rated` (rates_per_minute) where its counters were read."""
+    def add(self, labels: Mapping[str, str], up: bool, expected: bool, lrec: Mapping[str, Any],
+            rated: tuple[dict[str, int], dict[str, float], float] | None) -> None:
+        """One link; `rated`, its window's rates_per_minute, where its counters were read (None: no counts)."""
         self.active += up
         self.down += expected and not up
-        counters = {c: float(lrec["counters"][c]) for c in COUNTERS} if lrec is not None else {}
-        rates = (rated or rates_per_minute(lrec.get("window", [])))[1] if lrec is not None else {}
+        counters = {c: float(lrec["counters"][c]) for c in COUNTERS} if rated is not None else {}
+        rates = rated[1] if rated is not None else {}
         for c in counters:
             self.errors[c] += counters[c]
             self.rates[c] += rates[c]
