@@ -43,6 +43,8 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("topology", "this node's NVLink domain; publish it; write Slurm topology.conf / topology.yaml from the "
                  "scheduler's view"),
     ("checks", "list the checks and their config keys"),
+    ("jobs", "the jobs using this node's GPUs, their ranks, GPUs and IB ports, and how long a fault takes to end "
+             "them"),
     ("slurm", "run the quick preflight as Slurm's HealthCheckProgram, Prolog or Epilog, and drain or resume this "
               "node in Slurm"),
     ("sweep", "multi-node NCCL collectives over idle nodes; find the bad node or link"),
@@ -123,6 +125,7 @@ def _parser(command: str | None = EVERY, part: str | None = EVERY) -> argparse.A
         "record": lambda: _record_parser(sub), "run": lambda: _run_parser(sub),
         "status": lambda: _status_parser(sub), "breaker": lambda: _breaker_parser(sub),
         "topology": lambda: _topology_parser(sub), "checks": lambda: _checks_parser(sub),
+        "jobs": lambda: _jobs_parser(sub),
         "slurm": lambda: _slurm_parser(sub), "sweep": lambda: _sweep_parser(sub),
         "plan": lambda: _plan_parser(sub, part),
     }
@@ -306,6 +309,12 @@ def _checks_parser(sub: argparse._SubParsersAction) -> None:
                    description="List every check: where it runs (preflight level quick or full, the daemon's poll "
                                "interval, or kmsg for the followed kernel log), what it looks at, and its config "
                                "table [checks.NAME] with each key's default.")
+
+
+def _jobs_parser(sub: argparse._SubParsersAction) -> None:
+    from .jobs import cli as jobs_cli
+
+    jobs_cli.add_parser(sub, _HelpFormatter, _CONFIG_HELP, _log_flags)
 
 
 def _slurm_parser(sub: argparse._SubParsersAction) -> None:
@@ -503,6 +512,12 @@ def cmd_checks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from .jobs.cli import run
+
+    return run(args)
+
+
 def cmd_slurm(args: argparse.Namespace) -> int:
     from .slurm_healthcheck import run
 
@@ -528,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(command, words[1] if command == "plan" and len(words) > 1 else None).parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
                "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology,
-               "slurm": cmd_slurm, "sweep": cmd_sweep, "plan": cmd_plan}
+               "slurm": cmd_slurm, "sweep": cmd_sweep, "plan": cmd_plan, "jobs": cmd_jobs}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

@@ -73,6 +73,15 @@ REMEDIATION_DEFAULTS: dict[str, Any] = {
     "slurm": {},
     "kubernetes": {},
 }
+# [jobs]: what is done to a job whose collectives a fault on this node has doomed (docs/jobs.md, agent/jobs/). Nothing
+# is carried out while [remediation] mode = "dry-run": each action is logged and written to actions.jsonl.
+JOBS_DEFAULTS: dict[str, Any] = {
+    "on_doomed": "notify",  # notify (say why, where the owner sees it) | signal | requeue | cancel
+    "signal": "USR1",  # what `signal` sends to every process of the job (and `requeue` first, see signal_before_s)
+    "signal_before_s": 0.0,  # requeue: signal first and requeue this long after, so the job can checkpoint (0: at once)
+}
+# The signals `[jobs] signal` may name (scancel --signal takes the name without SIG).
+SIGNAL_NAMES: tuple[str, ...] = ("USR1", "USR2", "TERM", "INT", "HUP", "QUIT", "CONT", "ALRM", "KILL")
 TOPOLOGY_DEFAULTS: dict[str, Any] = {
     "domain": "",  # this node's NVLink domain; "" = read it from NVML (GPU fabric clusterUuid.cliqueId)
 }
@@ -108,13 +117,15 @@ SWEEP_DEFAULTS: dict[str, Any] = {
     # "<SKU>/<nodes>" = { latency_p95_us = .., busbw_gbps = .. }: baselines that win over the bundled table
     "baselines": {},
 }
-_SECTIONS = ("agent", "remediation", "topology", "sweep")
+_SECTIONS = ("agent", "remediation", "jobs", "topology", "sweep")
 _FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes"}  # keys checked by their users
 _CHOICES: dict[str, tuple[Any, ...]] = {"agent.log_format": ("auto", "json", "console"),
                                         "agent.log_level": ("debug", "info", "warning", "error"),
                                         "agent.level": ("quick", "full"),
                                         "remediation.mode": ("dry-run", "act"),
                                         "remediation.adapter": ("local", "slurm", "kubernetes"),
+                                        "jobs.on_doomed": ("notify", "signal", "requeue", "cancel"),
+                                        "jobs.signal": SIGNAL_NAMES,
                                         "sweep.launcher": ("auto", "srun", "mpirun"),
                                         "sweep.link_action": ("drain", "monitor")}
 
@@ -153,6 +164,7 @@ class Config:
     # Keys a check reads from another concern's table: {"rdma_loopback": {"ignore_ports": "ib_port"}}.
     shared: dict[str, dict[str, str]] = field(default_factory=dict)
     remediation: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(REMEDIATION_DEFAULTS))
+    jobs: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(JOBS_DEFAULTS))
     topology: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(TOPOLOGY_DEFAULTS))
     sweep: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(SWEEP_DEFAULTS))
 
@@ -161,6 +173,8 @@ class Config:
         if name == "nccl_sweep":  # the node's side of a sweep reads where [sweep] writes, as [remediation] names it
             table = {**table, "results_dir": table.get("results_dir") or self.sweep["results_dir"],
                      "node_name": table.get("node_name") or self.remediation["node_name"]}
+        if name == "jobs":  # the NCCL settings check reads the port history where the daemon keeps its state
+            table = {**table, "state_dir": self.agent["state_dir"]}
         borrowed = self.shared.get(name)
         if not borrowed:
             return table
@@ -292,8 +306,8 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
                 if values or name in cfg.checks:  # an empty table sets nothing, whether its check is loaded or not
                     _merge(cfg, cfg.checks[name], values, f"checks.{name}", origin, choices)
         else:
-            raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], "
-                              "[topology] and [checks.<name>])")
+            raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], [jobs], "
+                              "[topology], [sweep] and [checks.<name>])")
     # The criteria's keys, against their own ranges (and small below large). A [sweep] that sets nothing but empty
     # tables (the packaged config's) leaves the defaults, which hold: the sweep's code is then not loaded.
     if any(v != {} for v in data.get("sweep", {}).values()):

@@ -29,6 +29,9 @@ from .adapters.base import SchedulerAdapter
 from .daemon_devices import DeviceLoop
 from .daemon_events import KMSG_CHECK, EventLoops
 from .daemon_polls import PollLoops, InFlight
+from .config import JOBS_DEFAULTS
+from .jobs.guard import JobGuard
+from .jobs.model import jobs_in
 from .metrics import DaemonCollector, Snapshot
 from . import memory
 from .model import Action, CheckResult, Finding, Status, fold_status
@@ -42,6 +45,7 @@ from .records import dataclass
 
 log = logs.get_logger("gpuwarden.daemon")
 STORE_CHECK = "store"  # the state store, reported like a check on /metrics (never an input of the node state)
+JOBS_CHECK = "jobs"  # the check that knows which job uses what (checks/jobs.py): the doom rules read its state
 Intent = tuple[str, str, dict[str, Any]]  # (idempotency key, action, detail)
 ARENAS = 2  # malloc arenas for the daemon's dozen threads: they allocate little and rarely at the same time
 
@@ -148,6 +152,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                              node=node, domain=self.opt.domain, clock=self.opt.clock, lock=self._lock,
                              judge=self.opt.judge, recovery=self.opt.recovery)
         self._actions_wanted = self.engine.wanted
+        # The job response (agent/jobs/guard.py): the journal's job keys are known, so a restart acts on none twice.
+        # An NVL72 rack is one NVLink domain across its nodes: a job spanning them crosses NVLink off this node too.
+        self._guard = JobGuard(settings.node_name, "NVL72" in str(getattr(node.info, "sku", "")),
+                               (i["key"] for i in store.intents()))
         collector.live(self._live_samples)
         if store.set_aside:
             log.error("state store set aside", detail=store.set_aside)
@@ -282,8 +290,9 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                 self._quiet_records[rec.name] = quiet_now
         for key, value in (meta or {}).items():
             self._set_meta(key, value)
+        doomed, job_intents = self._jobs_doomed(now)
         record, transition = next_state(self._record, self._active(), self._unknown(), now, self.opt.policy,
-                                        retest, self._held)
+                                        retest, self._held, doomed)
         if record.clear_since is not None and self._record.clear_since is None:
             # The faults have cleared: a retest judges the kernel log from here on (agent/retest.py), so what was
             # fixed (a GPU reset after an XID 48) is not held against the node, and what comes back is.
@@ -291,14 +300,20 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         if record != self._record:
             self._node_dirty = True
         self._record = record
+        intents = job_intents
         if transition:
             self._transitions += 1
             self._new_transitions.append(transition)
             intents = self._intents(transition)
-            self._new_intents.extend(intents)
-            self.engine.enqueue(intents)
+            # A doomed job is acted on right after its node is out of service (cordon, drain), before a spare's swap
+            # or the ladder's steps: those may wait on the scheduler, and the job's GPUs idle meanwhile.
+            after = max((i + 1 for i, it in enumerate(intents) if it[1] in ("cordon", "drain")), default=len(intents))
+            intents[after:after] = job_intents
             log.info("node state", frm=transition.frm.value, to=transition.to.value, reason=transition.reason,
                      actions=list(transition.actions))
+        if intents:
+            self._new_intents.extend(intents)
+            self.engine.enqueue(intents)
         if self._dirty or self._meta_dirty or self._node_dirty or self._new_transitions:
             # Only what moved is written: an idle tick that changed nothing costs no disk write.
             self._write_wanted.set()
@@ -307,6 +322,14 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                 and now >= self._next_retest_at):
             self._retesting = True
             self._spawn("retest", self._retest)
+
+    def _jobs_doomed(self, now: float) -> tuple[bool, list[Intent]]:
+        """Whether a fault dooms a job on the node now, and the intents of the jobs it newly dooms (lock held)."""
+        rec = self._records.get(JOBS_CHECK)
+        if rec is None or not rec.state.get("jobs"):
+            return False, []
+        settings = getattr(self.config, "jobs", None) or JOBS_DEFAULTS
+        return self._guard.observe(self._active(), jobs_in(rec.state), settings, self.node.info.boot_id, now)
 
     def _intents(self, t: Transition) -> list[Intent]:
         return transition_intents(t, self._active(), self.opt.domain, self.engine.settings.swap,

@@ -174,6 +174,26 @@ _STATUS = attrgetter("status")
 _WORST_FIRST = tuple(sorted(_STATUS_RANK, key=_STATUS_RANK.__getitem__, reverse=True))
 
 
+def finding_text(finding: Any) -> str:
+    """`check code entity` of a finding as the journal keeps it (Finding.to_dict): `xid 79 GPU3 0000:1b:00.0`,
+    `nvlink_lanes nvlink-down GPU0 link 5`, `ib_port ib-port-down ib_port mlx5_1/1`; "" when it is not one."""
+    if not isinstance(finding, Mapping) or not finding.get("check") or not finding.get("code"):
+        return ""
+    entity = finding.get("entity") if isinstance(finding.get("entity"), Mapping) else {}
+    kind, index = str(entity.get("kind", "")), entity.get("index")
+    if kind in ("gpu", "nvlink") and isinstance(index, int) and not isinstance(index, bool):
+        where = [f"GPU{index}"]
+        if kind == "nvlink" and entity.get("link") is not None:
+            where.append(f"link {entity['link']}")
+        elif entity.get("pci"):
+            where.append(str(entity["pci"]))
+    elif kind and kind != "node":
+        where = [kind, str(entity.get("id", ""))]
+    else:
+        where = []
+    return " ".join(str(p)[:100] for p in (finding["check"], finding["code"], *where) if p)
+
+
 # Exit codes of `preflight` and `analyze` (Slurm's health check and Prolog go through `gpuwarden slurm`).
 EXIT_PASS = 0  # every check passed or only warned
 EXIT_FAULT = 1  # a fault that needs action (any FAIL)

@@ -125,6 +125,7 @@ def _record_into(node: Node, out: Path, cfg: Any, with_tools: bool, budget_s: fl
         problems.append(f"kmsg: {exc}")
     problems += _copy_sys(node.sysfs, Sysfs(out))
     problems += _copy_processes(node.sysfs, Sysfs(out))
+    problems += _copy_jobs(node, out)
     problems += capture_always(node, out, cfg)
     if with_tools:  # after nvml.json: its NVLink counters are the "before" of peer_p2p's copies
         problems += capture_full(node, out, cfg, budget_s)
@@ -189,6 +190,37 @@ def _copy_processes(src: Sysfs, dst: Sysfs) -> list[str]:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
     return problems
+
+
+def _copy_jobs(node: Node, out: Path) -> list[str]:
+    """What `gpuwarden jobs` reads of the GPUs' processes (agent/jobs/discover.py), as that reading taped it: their
+    cgroup and stat, the environment's variables the job response reads (nothing else: an environment holds tokens),
+    the lines of maps that map NCCL or PyTorch, the files that say their versions (a library only as the bytes around
+    its banner, in place), and `scontrol pidinfo`'s answers."""
+    from .jobs import discover
+
+    tape = discover.Tape()
+    try:
+        found = discover.discover(node, [], 0.0, tape)
+    except SourceError as exc:
+        return [f"jobs: {exc}"]
+    dst = Sysfs(out)
+    for path, data in tape.files.items():
+        target = dst.path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    for path, (offset, data) in tape.windows.items():
+        target = dst.path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:  # the bytes in place, the rest a hole: a sparse file of the library's size
+            f.seek(offset)
+            f.write(data)
+    if tape.tools:
+        (out / "tools").mkdir(exist_ok=True)
+    for name, (text, rc) in tape.tools.items():
+        (out / "tools" / f"{name}.out").write_text(text)
+        (out / "tools" / f"{name}.rc").write_text(f"{rc}\n")
+    return [f"jobs: {p}" for p in found.problems]
 
 
 def _copy_file(src: Sysfs, dst: Sysfs, path: str, problems: list[str]) -> None:

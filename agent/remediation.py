@@ -39,13 +39,17 @@ from . import spares as spare_policy
 from .adapters.base import REASON_PREFIX, Busy, Refused, SchedulerAdapter, Service, Transient
 from .breaker import BreakerPolicy
 from .breaker import judge as breaker_judge
+from .jobs import respond as job_response
+from .model import finding_text
 from .passive import MetricSample
 from .records import dataclass
 
 log = logs.get_logger("gpuwarden.remediation")
 
 ACTIONS = ("cordon", "drain", "quarantine", "uncordon", "resume", "retire", "reset_gpu", "reboot", "ticket",
-           "take_spare", "return_to_pool", "publish_domain")
+           "take_spare", "return_to_pool", "publish_domain", "job")
+JOB_ACTION = "job"  # a doomed job: notified, signalled, requeued or cancelled per [jobs] on_doomed (agent/jobs/)
+JOB_ACTION_KINDS = ("notify", "signal", "requeue", "cancel", "dry_run")  # gpuwarden_job_actions_total{action}
 GATED = ("cordon", "drain", "quarantine")  # take capacity out of the fleet: the breaker is asked first
 MODES = ("dry-run", "act")
 RESET_AT_KEY = "breaker_reset_at"  # meta key `gpuwarden breaker reset` writes, the engine reads
@@ -137,6 +141,15 @@ class Engine:
         self._spares = spares if spares is not None else spare_policy
         self._queue: deque[_Item] = deque()
         self._queued: set[str] = set()
+        # Job intents waiting out `[jobs] signal_before_s` between their signal and their requeue: out of the queue, so
+        # the intents behind them go on; back at its head when their time comes. What each has done is kept in the
+        # status meta (`job_progress`), so a restart does not signal again.
+        self._deferred: list[_Item] = []
+        self._job_progress: dict[str, dict[str, Any]] = {}
+        self._out_of_service = False  # this engine took the node out (cordon, drain, quarantine) and has not resumed it
+        self._job_counts: dict[tuple[str, str], int] = {}  # (action, rule) -> job actions since start
+        self._job_latency: dict[str, float] = {}  # action -> seconds from the fault to the last such action
+        self._job_saved: dict[str, float] = {}  # action -> estimated GPU-seconds its actions saved since start
         self._counts = dict.fromkeys(OUTCOME_KINDS, 0)
         self._latch: dict[str, Any] | None = None  # the breaker's refusal while it holds
         self._confirming: str | None = None  # the intent whose drain landed and is not judged again yet
@@ -158,6 +171,9 @@ class Engine:
             self._swap = saved.get("swap") if isinstance(saved.get("swap"), dict) else None
             found = saved.get("spare_quarantined")
             self._spare_quarantined = found if isinstance(found, str) else None
+            progress = saved.get("job_progress")
+            self._job_progress = {k: v for k, v in progress.items() if isinstance(v, dict)} \
+                if isinstance(progress, dict) else {}
         reset = hooks.read_meta(RESET_AT_KEY)
         self._reset_at = float(reset) if isinstance(reset, (int, float)) else None
 
@@ -172,7 +188,7 @@ class Engine:
 
     def pending(self) -> list[tuple[str, str, dict[str, Any]]]:
         with self.lock:
-            return [(i.key, i.action, i.detail) for i in self._queue]
+            return [(i.key, i.action, i.detail) for i in (*self._queue, *self._deferred)]
 
     # -- one turn of the worker ------------------------------------------------------------------------------------
     def step(self) -> float:
@@ -181,8 +197,10 @@ class Engine:
         now = self.clock()
         waits = [self._publish_turn(now)]
         with self.lock:
+            self._undefer(now)
             item = self._queue[0] if self._queue else None
             healthy_after = item is not None and self._healthy_after(item)
+            waits += [d.not_before - now for d in self._deferred]
         if item is None:
             return min(waits)
         if healthy_after:
@@ -196,6 +214,10 @@ class Engine:
             outcome = self._carry_out(item, now)
         except _Latched:
             return min([*waits, self.settings.latch_poll_s])
+        except job_response.Deferred as exc:  # a job signalled first: its requeue waits, the intents behind it go on
+            self._scheduler_ok(now)
+            self._defer(item, exc)
+            return 0.0
         except Busy as exc:  # reached, and asked to come back later: the same backoff, the scheduler is fine
             return min([*waits, self._retry(item, now, f"{exc}", busy=True)])
         except Transient as exc:
@@ -208,6 +230,23 @@ class Engine:
         self._scheduler_ok(now)
         self._finish(item, outcome)
         return 0.0
+
+    def _defer(self, item: _Item, exc: job_response.Deferred) -> None:
+        with self.lock:
+            if self._queue and self._queue[0] is item:
+                self._queue.popleft()
+            item.not_before, item.attempts = exc.until, 0
+            self._deferred.append(item)
+            self._job_progress[item.key] = exc.progress
+        log.info("job signalled; its requeue waits", key=item.key, until=exc.until)
+        self._save_status()
+
+    def _undefer(self, now: float) -> None:
+        """Deferred job intents whose time has come go back to the head of the queue (lock held)."""
+        due = [d for d in self._deferred if d.not_before <= now]
+        for d in reversed(due):
+            self._deferred.remove(d)
+            self._queue.appendleft(d)
 
     def _healthy_after(self, item: _Item) -> bool:
         """Whether `item` acts on a fault and a later transition of the node back to healthy is queued behind it
@@ -260,6 +299,10 @@ class Engine:
                 self._queue.popleft()
             self._queued.discard(item.key)
             self._counts[kind] += 1
+            if item.action == JOB_ACTION:
+                self._count_job(item, kind, outcome)
+        if item.action == JOB_ACTION and self._job_progress.pop(item.key, None) is not None:
+            self._save_status()
         log.info("intent carried out" if self.settings.acting else "would act", action=item.action, key=item.key,
                  outcome=outcome, reason=item.detail.get("reason", ""))
         self.hooks.done(item.key, self.clock(), outcome)
@@ -274,6 +317,8 @@ class Engine:
             return self._recovery_step(action, detail, item.key)
         adapter = self._adapter()
         me = self.settings.node_name
+        if action == JOB_ACTION:
+            return self._job(adapter, item, now)
         if action == "publish_domain":
             domain = str(detail.get("domain") or "")
             view = adapter.node(me)
@@ -299,6 +344,7 @@ class Engine:
             if self._confirming == item.key:  # it landed, and the read that judges it again failed: judged now
                 self._confirm(adapter, now)
             self._confirming = None
+            self._out_of_service = action in ("cordon", "drain", "quarantine", "retire")
             return f"already so at the scheduler ({view.service.value}{', ours' if view.ours else ''}" \
                    f"{', quarantined' if view.quarantined else ''}{', spare' if view.spare else ''})"
         reason = _reason(detail)
@@ -311,6 +357,45 @@ class Engine:
             self._confirm(adapter, now)
         self._confirming = None
         return outcome
+
+    def _job(self, adapter: SchedulerAdapter, item: _Item, now: float) -> str:
+        """A doomed job (agent/jobs/respond.py), only where the node's own quarantine passed the circuit breaker: while
+        the breaker holds, the job waits with the node's intents; a node the scheduler still has in service (its
+        quarantine superseded, never carried out) could take a requeued job straight back, and ends no job."""
+        self._still_latched()
+        if not self._out_of_service:
+            view = adapter.node(self.settings.node_name)
+            self._spare = view.spare
+            if view.service is Service.IN_SERVICE:
+                raise Refused(f"{self.settings.node_name} is in service at the scheduler: a job is ended only where "
+                              "its node was taken out first (a requeued job would land back on it)")
+        return job_response.carry_out(adapter, item.detail, self.settings.node_name, now,
+                                      self._job_progress.get(item.key))
+
+    def _count_job(self, item: _Item, kind: str, outcome: str) -> None:
+        """The job metrics of an ended job intent (lock held): what was done, how long after the fault, and the
+        GPU-seconds it is estimated to have saved ((the job's watchdog timeout - the time to act) x its GPUs)."""
+        d = item.detail
+        if kind == "dry_run":
+            action = "dry_run"
+        elif kind == "done" and outcome.startswith("done: "):
+            verb = outcome[len("done: "):].split(" ", 1)[0].rstrip(":")
+            action = {"notified": "notify", "signalled": "signal", "requeued": "requeue",
+                      "cancelled": "cancel"}.get(verb)
+            if action is None:
+                return
+        else:
+            return
+        rule = str(d.get("rule") or "")
+        self._job_counts[(action, rule)] = self._job_counts.get((action, rule), 0) + 1
+        fault_at = d.get("fault_at")
+        if action == "dry_run" or not isinstance(fault_at, (int, float)):
+            return
+        took = max(0.0, self.clock() - float(fault_at))
+        self._job_latency[action] = took
+        watchdog, gpus = d.get("watchdog_s"), d.get("gpus_total")
+        if action != "notify" and isinstance(watchdog, (int, float)) and isinstance(gpus, (int, float)):
+            self._job_saved[action] = self._job_saved.get(action, 0.0) + max(0.0, float(watchdog) - took) * float(gpus)
 
     def _act(self, adapter: SchedulerAdapter, action: str, detail: Mapping[str, Any], reason: str) -> str:
         me = self.settings.node_name
@@ -330,6 +415,7 @@ class Engine:
         else:
             return f"failed: unknown action {action!r}"
         self._spare = action == "return_to_pool"
+        self._out_of_service = action in ("cordon", "drain", "quarantine", "retire")
         return "done"
 
     def _adapter(self) -> SchedulerAdapter:
@@ -464,6 +550,7 @@ class Engine:
 
     def _back_in_service(self, adapter: SchedulerAdapter) -> str:
         me = self.settings.node_name
+        self._out_of_service = False
         if self.domain and self.settings.swap:
             if self._spares.wants_back_in_pool(list(adapter.nodes()), me, self._spare_policy()):
                 adapter.return_to_pool(me, self.domain)
@@ -528,7 +615,8 @@ class Engine:
                 "domain": self.domain, "breaker": self._latch, "breaker_reset_at": self._reset_at,
                 "swap": self._swap, "spare_quarantined": self._spare_quarantined,
                 "scheduler_error": self._error, "scheduler_error_since": self._error_since,
-                "scheduler_waiting": self._waiting, "scheduler_waiting_since": self._waiting_since}
+                "scheduler_waiting": self._waiting, "scheduler_waiting_since": self._waiting_since,
+                "job_progress": dict(self._job_progress)}
 
     def _save_status(self) -> None:
         status = self.status()
@@ -573,7 +661,25 @@ class Engine:
                              "so at the scheduler, refused, failed, dry_run, superseded by a recovery).",
                              {"outcome": k}, float(v), "counter")
                 for k, v in counts.items()]
+        out += self._job_samples()
         return tuple(out)
+
+    def _job_samples(self) -> list[MetricSample]:
+        with self.lock:
+            counts, latency, saved = dict(self._job_counts), dict(self._job_latency), dict(self._job_saved)
+        out = [MetricSample("gpuwarden_job_actions", "Doomed jobs acted on since start, by what was done (notify, "
+                            "signal, requeue, cancel; dry_run: logged only) and the doom rule (xid, gpu-lost, "
+                            "nvlink-down, nvswitch-fatal, ib-port-down).", {"action": a, "reason": r}, float(n),
+                            "counter") for (a, r), n in sorted(counts.items())]
+        out += [MetricSample("gpuwarden_job_fault_to_action_seconds", "Seconds from the fault's first sign (the kernel "
+                             "line; for a port, the moment its outage passed the job's NCCL IB timeout) to the last "
+                             "job action of this kind.", {"action": a}, round(v, 3))
+                for a, v in sorted(latency.items())]
+        out += [MetricSample("gpuwarden_job_gpu_seconds_saved_estimate", "An estimate, not a measurement: GPU-seconds "
+                             "the job actions saved since start, (the job's watchdog timeout - the time to act) x the "
+                             "job's GPUs, assuming each job would have idled until PyTorch's watchdog fired.",
+                             {"action": a}, round(v, 3), "counter") for a, v in sorted(saved.items())]
+        return out
 
 
 def _present(action: str, view: Any) -> bool:
@@ -598,26 +704,6 @@ def _reason(detail: Mapping[str, Any]) -> str:
     (`gpuwarden: xid 79 GPU3 0000:1b:00.0`), else the transition's own reason (an intent journalled without it)."""
     text = finding_text(detail.get("finding")) or str(detail.get("reason", ""))
     return f"{REASON_PREFIX} {' '.join(text.split())[:200]}".rstrip()
-
-
-def finding_text(finding: Any) -> str:
-    """`check code entity` of a finding as the journal keeps it (Finding.to_dict): `xid 79 GPU3 0000:1b:00.0`,
-    `nvlink_lanes nvlink-down GPU0 link 5`, `ib_port ib-port-down ib_port mlx5_1/1`; "" when it is not one."""
-    if not isinstance(finding, Mapping) or not finding.get("check") or not finding.get("code"):
-        return ""
-    entity = finding.get("entity") if isinstance(finding.get("entity"), Mapping) else {}
-    kind, index = str(entity.get("kind", "")), entity.get("index")
-    if kind in ("gpu", "nvlink") and isinstance(index, int) and not isinstance(index, bool):
-        where = [f"GPU{index}"]
-        if kind == "nvlink" and entity.get("link") is not None:
-            where.append(f"link {entity['link']}")
-        elif entity.get("pci"):
-            where.append(str(entity["pci"]))
-    elif kind and kind != "node":
-        where = [kind, str(entity.get("id", ""))]
-    else:
-        where = []
-    return " ".join(str(p)[:100] for p in (finding["check"], finding["code"], *where) if p)
 
 
 def _step_outcome(outcome: Any) -> str:

@@ -145,8 +145,11 @@ def daemon_forms() -> list[Any]:
 def load_config(specs: list[Any], args: argparse.Namespace) -> Any:
     from gpuwarden import checks
 
-    return config_mod.load(specs, args.config, explicit=args.config is not None, names=checks.NAMES,
-                           forms=checks.forms)
+    cfg = config_mod.load(specs, args.config, explicit=args.config is not None, names=checks.NAMES,
+                          forms=checks.forms)
+    if getattr(args, "state_dir", None):  # what the checks that read the daemon's own history look at (jobs)
+        config_mod.set_flag(cfg, "state_dir", str(args.state_dir), "--state-dir")
+    return cfg
 
 
 def remediation_setup(cfg: Any, node: Any, state_dir: Path) -> tuple[Settings, Any, str | None]:
@@ -331,6 +334,46 @@ def _remediation_text(view: dict[str, Any], now: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _jobs_view(checks: list[Any], intents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The jobs the `jobs` check last saw on the node, and the job actions of the journal: each job with what was
+    done to it (a job the journal acted on that has left the node since is listed too)."""
+    from .jobs.model import jobs_in
+
+    record = next((c for c in checks if c.name == "jobs"), None)
+    seen = {j.job.key: j for j in jobs_in(record.state)} if record is not None else {}
+    acted: dict[str, list[dict[str, Any]]] = {}
+    for i in intents:
+        job = i["detail"].get("job") if isinstance(i["detail"].get("job"), dict) else {}
+        key = f"{job.get('scheduler')}:{job.get('id')}" + (f".{job['run']}" if job.get("run") is not None else "")
+        acted.setdefault(key, []).append({
+            "key": i["key"], "rule": i["detail"].get("rule"), "reason": i["detail"].get("reason"),
+            "policy": i["detail"].get("policy"), "fault_at": i["detail"].get("fault_at"), "created": i["created"],
+            "done": i["done"], "outcome": i["outcome"] if i["done"] is not None else "pending"})
+    out = []
+    for key in [*seen, *(k for k in acted if k not in seen)]:
+        job = seen.get(key)
+        out.append({"job": key, "on_node": job is not None, "gpus": list(job.gpu_indices) if job else [],
+                    "ranks": list(job.ranks) if job else [], "ports": list(job.ports) if job else [],
+                    "effective_ib_timeout_s": job.effective_ib_timeout_s.to_dict()["value"] if job else None,
+                    "watchdog_s": job.watchdog_s.value if job else None, "actions": acted.get(key, [])})
+    return out
+
+
+def _jobs_text(jobs: list[dict[str, Any]], now: float) -> str:
+    from .render import when
+
+    if not jobs:
+        return ""
+    lines = ["\njobs on the node (the jobs check's last look) and what was done to them:"]
+    for j in jobs:
+        where = (f"GPUs {','.join(map(str, j['gpus'])) or '-'}, ranks {','.join(map(str, j['ranks'])) or '-'}, IB "
+                 f"timeout {j['effective_ib_timeout_s']} s" if j["on_node"] else "no longer on the node")
+        lines.append(f"  {j['job']}: {where}")
+        for a in j["actions"]:
+            lines.append(f"    {when(a['created'], now)} doomed by {a['reason']}: {a['policy']} -> {a['outcome']}")
+    return "\n".join(lines) + "\n"
+
+
 def print_status(args: argparse.Namespace) -> int:
     import time
 
@@ -359,6 +402,7 @@ def print_status(args: argparse.Namespace) -> int:
         transitions = read("transitions", lambda: store.transitions(10), [])
         pending = read("intents", lambda: store.intents(pending_only=True), [])
         recent = read("intents", lambda: store.intents(limit=10), [])
+        job_intents = [i for i in read("intents", lambda: store.intents(limit=1000), []) if i["action"] == "job"]
         remediation = read("meta", lambda: store.meta(STATUS_KEY), None)
         reset_at = read("meta", lambda: store.meta(RESET_AT_KEY), None)
         store_notes = [n for n in (read("meta", lambda: store.meta("store_fault"), None),
@@ -366,6 +410,7 @@ def print_status(args: argparse.Namespace) -> int:
     finally:
         store.close()
     now = time.time()
+    jobs = _jobs_view(checks, job_intents)
     if args.json:
         # The epoch numbers stay (a contract); each time also comes as ISO 8601 UTC under the same name + "_utc".
         node = record.to_dict() if record else None
@@ -383,7 +428,7 @@ def print_status(args: argparse.Namespace) -> int:
             "intents": [{**p, "created_utc": iso_utc(p.get("created")), "done_utc": iso_utc(p.get("done"))}
                         for p in recent],
             "remediation": _remediation_view(record, remediation, reset_at, recent),
-            "store": store_notes, "unreadable": problems}, indent=2))
+            "jobs": jobs, "store": store_notes, "unreadable": problems}, indent=2))
         return EXIT_UNDECIDED if problems else EXIT_PASS
     out = sys.stdout
     out.write(f"node state: {record.state.value if record else 'unknown'}"
@@ -398,6 +443,7 @@ def print_status(args: argparse.Namespace) -> int:
         for t in transitions:
             out.write(f"  {when(t.at, now)} {t.frm.value} -> {t.to.value}: {t.reason} {list(t.actions)}\n")
     out.write(_remediation_text(_remediation_view(record, remediation, reset_at, recent), now))
+    out.write(_jobs_text(jobs, now))
     if pending:
         out.write("\npending actions:\n")
         for p in pending:

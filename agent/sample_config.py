@@ -25,6 +25,8 @@ TABLES: dict[str, str] = {
     "remediation.local": "Keyword arguments of the local (embedded) adapter, e.g. timeout_s.",
     "remediation.slurm": 'Keyword arguments of the Slurm adapter, e.g. scontrol = "/usr/bin/scontrol", timeout_s.',
     "remediation.kubernetes": "Keyword arguments of the Kubernetes adapter, e.g. kubeconfig, timeout_s.",
+    "jobs": "What is done to a job whose collectives a fault on this node has doomed (docs/jobs.md); nothing is "
+            'carried out while [remediation] mode = "dry-run".',
     "topology": "This node's NVLink domain (docs/topology.md).",
     "sweep": "gpuwarden sweep: multi-node NCCL collectives over idle nodes, their criteria and where verdicts go "
              "(docs/sweep.md).",
@@ -126,7 +128,7 @@ def render(docs: Path | None = None) -> str:
     for spec in [*all_specs(), *PASSIVE, *KERNEL_CONSUMERS]:
         summaries.setdefault(spec.name, getattr(spec, "summary", ""))
     out = [HEADER.rstrip("\n")]
-    for section in ("agent", "remediation", "topology", "sweep"):
+    for section in ("agent", "remediation", "jobs", "topology", "sweep"):
         out += _table(section, getattr(cfg, section), TABLES[section], comments)
     for name in sorted(cfg.checks):
         borrowed = cfg.shared.get(name, {})

@@ -102,8 +102,8 @@ _ACTION = attrgetter("action")
 
 
 def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[str], now: float,
-               policy: Mapping[str, Any] = DEFAULT_POLICY, retest: bool | None = None, held: bool | None = None
-               ) -> tuple[NodeRecord, Transition | None]:
+               policy: Mapping[str, Any] = DEFAULT_POLICY, retest: bool | None = None, held: bool | None = None,
+               doomed: bool = False) -> tuple[NodeRecord, Transition | None]:
     """The record after this observation, and the transition it caused (None when the state stays).
 
     One observation moves the state as far as the rules allow (to a fixpoint): a RESET_GPU-class fault on a
@@ -111,7 +111,9 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
 
     `findings`: the active findings of every check; `unknown`: the checks that could not look; `retest`: the
     outcome of a retest that finished since the last call (None when none did); `held`: whether a process holds
-    a GPU of the fault (None: not known), which a GPU reset needs to be False."""
+    a GPU of the fault (None: not known), which a GPU reset needs to be False; `doomed`: a fault has doomed a job
+    running on the node (agent/jobs/doom.py): a DRAIN-class fault then quarantines at once, as a RESET_GPU-class
+    one does, so the job can be ended with its node out of service (a requeued job must not land back on it)."""
     findings, unknown = list(findings), sorted(unknown)
     worst = _worst(findings)  # the same at every step of the walk
     # The ladder's first step comes at an observation after the one that quarantined: the drain goes first.
@@ -119,7 +121,7 @@ def next_state(rec: NodeRecord, findings: Iterable[Finding], unknown: Iterable[s
     first: Transition | None = None
     actions: list[str] = []
     for _ in range(len(NodeState)):  # each step moves forward on the ladder: a bounded walk
-        rec, step = _step(rec, worst, unknown, now, policy, retest, held if recover else _NO_LADDER)
+        rec, step = _step(rec, worst, unknown, now, policy, retest, held if recover else _NO_LADDER, doomed)
         if step is None:
             break
         retest = None  # a retest's outcome is used by the step it moves, once
@@ -137,7 +139,8 @@ _NO_LADDER: Any = object()
 
 
 def _step(rec: NodeRecord, worst: tuple[Status, Action, str], unknown: list[str], now: float,
-          policy: Mapping[str, Any], retest: bool | None, held: Any) -> tuple[NodeRecord, Transition | None]:
+          policy: Mapping[str, Any], retest: bool | None, held: Any, doomed: bool = False
+          ) -> tuple[NodeRecord, Transition | None]:
     status, action, why = worst
     fault = status is Status.FAIL and action >= Action.DRAIN
     concern = status in (Status.FAIL, Status.WARN) or bool(unknown)
@@ -164,7 +167,7 @@ def _step(rec: NodeRecord, worst: tuple[Status, Action, str], unknown: list[str]
             return go(NodeState.HEALTHY, "clear")
         return rec, None
     if s is NodeState.CORDONED:
-        if fault and (action >= Action.RESET_GPU or now - rec.since >= policy["quarantine_after_s"]):
+        if fault and (action >= Action.RESET_GPU or doomed or now - rec.since >= policy["quarantine_after_s"]):
             return go(NodeState.QUARANTINED, why, "drain", step="", step_since=None)
         if rec.clear_since is not None and now - rec.clear_since >= policy["cordon_clear_s"]:
             return go(NodeState.HEALTHY, "fault cleared before quarantine", "uncordon")

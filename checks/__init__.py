@@ -31,6 +31,7 @@ CONCERNS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("nvlink_lanes", "quick", ("nvlink_lanes",)),
     ("fabric", "quick", ("fabric",)),
     ("pcie_aer", "quick", ("pcie_aer",)),
+    ("jobs", "quick", ("jobs",)),
     # full: load the GPUs or the network, minutes
     ("burnin", "full", ("burnin",)),
     ("peer_p2p", "full", ("peer_p2p",)),
@@ -50,7 +51,7 @@ _FORM_ATTRS = ("CHECK", "SPEC", "CONSUMER", "KERNEL_CONSUMER", "SXID_CONSUMER") 
 
 # gpuwarden run: polled passive checks, and the consumers of the followed kernel log, as (module, attribute).
 _PASSIVE = (("ib_downtime", "SPEC"), ("clock_events", "SPEC"), ("thermal", "SPEC"), ("nvlink_lanes", "SPEC"),
-            ("pcie_aer", "SPEC"), ("fabric", "SPEC"), ("ecc_watch", "SPEC"), ("nccl_sweep", "SPEC"))
+            ("pcie_aer", "SPEC"), ("fabric", "SPEC"), ("ecc_watch", "SPEC"), ("nccl_sweep", "SPEC"), ("jobs", "SPEC"))
 _KERNEL_CONSUMERS = (("xid", "CONSUMER"), ("pcie_aer", "KERNEL_CONSUMER"), ("nvswitch_sxid", "SXID_CONSUMER"))
 _SUBMODULES = frozenset(m for _, _, modules in CONCERNS for m in modules) | {
     "fabric_manager", "parse_dcgmi_diag", "parse_limits", "parse_nccl_tests", "parse_nvbandwidth",

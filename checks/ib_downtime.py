@@ -95,7 +95,8 @@ def decide(name: str, port: Mapping[str, Any], now: float, cfg: Mapping[str, Any
     window = float(cfg["window_s"])
     down, flaps = window_totals(port, now, window)
     down_for = None if port["down_since"] is None else round(max(0.0, now - port["down_since"]), 3)
-    evidence = {"state": port["state"], "down_for_s": down_for, "down_s_in_window": round(down, 3),
+    evidence = {"state": port["state"], "down_for_s": down_for, "down_since": port["down_since"],
+                "down_s_in_window": round(down, 3),
                 "flaps_in_window": flaps, "window_s": window, "link_downed": port["link_downed"],
                 "link_downed_saturated": port["link_downed"] == COUNTER_MAX, "counter_resets": port["resets"]}
     entity = Entity("ib_port", name, pci=port["pci"])

@@ -32,8 +32,8 @@ def uncommented(text: str) -> str:
 
 def default_leaves() -> dict[str, object]:
     cfg = config.defaults(all_specs())
-    return leaves({"agent": cfg.agent, "remediation": cfg.remediation, "topology": cfg.topology, "sweep": cfg.sweep,
-                   "checks": cfg.checks})
+    return leaves({"agent": cfg.agent, "remediation": cfg.remediation, "jobs": cfg.jobs, "topology": cfg.topology,
+                   "sweep": cfg.sweep, "checks": cfg.checks})
 
 
 def test_every_key_is_commented_out():

@@ -22,7 +22,7 @@ scheduler's view back. The contract:
 from __future__ import annotations
 
 import enum
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..records import dataclass
 
@@ -70,6 +70,20 @@ class NodeView:
     jobs: int | None = None  # work running on the node (None: not known)
 
 
+JOB_STATES = ("running", "pending", "suspended", "ending", "ended", "unknown")
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job as the scheduler sees it, for the job response (agent/jobs/respond.py)."""
+    id: str  # Slurm: the job id; Kubernetes: "namespace/name" of the pod
+    state: str  # one of JOB_STATES: running | pending (requeued, waiting) | suspended | ending | ended | unknown
+    nodes: tuple[str, ...] = ()  # where it runs now (empty: nowhere, or not said)
+    run: int | None = None  # Slurm: its restart count; None where the scheduler has none (a pod is one run)
+    requeueable: bool | None = None  # Slurm: Requeue=1; None: not said
+    mark: str | None = None  # the reason gpuwarden last wrote on it (Slurm AdminComment, the pod's condition)
+
+
 class SchedulerAdapter(Protocol):
     """The calls the remediation engine makes. `node` is the scheduler's name for the node."""
     name: str  # "local", "slurm", "kubernetes"
@@ -110,3 +124,20 @@ class SchedulerAdapter(Protocol):
 
     def return_to_pool(self, node: str, domain: str) -> None:
         """Holds a repaired `node` out of service as a spare of `domain`."""
+
+    # -- jobs (agent/jobs/respond.py): `job` is the agent's JobRef (scheduler, id, run) --------------------------------
+    def job(self, job: Any) -> JobView | None:
+        """The job as the scheduler has it now; None when it does not know it (ended and forgotten)."""
+
+    def mark_job(self, job: Any, reason: str) -> None:
+        """Puts `reason` (REASON_PREFIX first) where the job's owner and the administrator see it."""
+
+    def signal_job(self, job: Any, signal: str) -> None:
+        """Sends `signal` (a name: USR1) to every process of the job, so it can checkpoint and exit."""
+
+    def requeue_job(self, job: Any) -> bool:
+        """Ends the job's run and puts it back in the queue (`Refused` when it cannot be requeued). False: it was
+        pending already (requeued by another node's agent, or by the job itself), nothing done."""
+
+    def cancel_job(self, job: Any) -> None:
+        """Ends the job."""

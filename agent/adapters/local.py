@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from .. import logs
 from ..spares import healthy_spares
 from ..sqlite_files import schema_version, write_transaction
-from .base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
+from .base import JOB_STATES, REASON_PREFIX, SPARE_REASON, JobView, NodeView, Refused, Service, Transient
 
 log = logs.get_logger("gpuwarden.adapter")
 
@@ -72,6 +72,10 @@ _SWEEP_HOLDS = ("CREATE TABLE IF NOT EXISTS sweep_holds (node TEXT PRIMARY KEY, 
 # with the file, tells this database's ids from those of one it replaced.
 _OUTBOX = "CREATE TABLE IF NOT EXISTS actions_outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, log TEXT NOT NULL, " \
           "entry TEXT NOT NULL)"
+# Jobs the agent acted on (agent/jobs/respond.py): what it did to each, so the demo, the simulator and a retried intent
+# see it. A job without a row is one the local scheduler never heard of: taken as running on the node that asks.
+_JOBS = ("CREATE TABLE IF NOT EXISTS jobs (scheduler TEXT NOT NULL, id TEXT NOT NULL, run INTEGER, "
+         "state TEXT NOT NULL, mark TEXT, requeueable INTEGER, PRIMARY KEY (scheduler, id))")
 MAX_PENDING = 10_000  # lines kept for a log that cannot be written; past this the oldest are dropped
 TAIL_BYTES = 1 << 20  # of the log read to find the last line written
 _COLUMNS = "name, hold, reason, reason_since, ours, quarantined, domain, spare, jobs, down"
@@ -269,6 +273,67 @@ class LocalAdapter:
                               (sweep, self._clock())).rowcount > 0
         self._logged("release_sweep", sweep, change)
 
+    # -- jobs (agent/jobs/respond.py) --------------------------------------------------------------------------------
+    def job(self, job: Any) -> JobView | None:
+        scheduler, ident = _name(job.scheduler, "scheduler"), _name(job.id, "job")
+        row = self._read(lambda db: db.execute("SELECT run, state, mark, requeueable FROM jobs WHERE scheduler = ? "
+                                               "AND id = ?", (scheduler, ident)).fetchone())
+        if row is None:
+            return JobView(ident, "running", (), job.run, None, None)
+        run, state, mark, requeueable = row
+        return JobView(ident, state if state in JOB_STATES else "unknown", (), run, None if requeueable is None
+                       else bool(requeueable), mark)
+
+    def mark_job(self, job: Any, reason: str) -> None:
+        self._job_change("mark_job", job, lambda state, run: (state, run), mark=_reason(reason))
+
+    def signal_job(self, job: Any, signal: str) -> None:
+        self._job_change("signal_job", job, lambda state, run: (state, run), signal=_text(signal, "signal", 16))
+
+    def requeue_job(self, job: Any) -> bool:
+        was: list[str] = []
+
+        def requeue(state: str, run: int | None) -> tuple[str, int | None]:
+            was.append(state)
+            if state == "pending":
+                return state, run  # requeued already: a repeat is a no-op
+            return "pending", (run or 0) + 1
+        self._job_change("requeue_job", job, requeue)
+        return was[-1:] != ["pending"]
+
+    def cancel_job(self, job: Any) -> None:
+        self._job_change("cancel_job", job, lambda state, run: ("ended", run))
+
+    def set_job(self, job: Any, state: str, requeueable: bool | None = None) -> None:
+        """The world outside the agent: a job starts (again), ends, is (not) requeueable."""
+        if state not in JOB_STATES:
+            raise Refused(f"job state must be one of {', '.join(JOB_STATES)}, not {state!r}")
+
+        def change(db: sqlite3.Connection) -> bool:
+            db.execute("INSERT INTO jobs (scheduler, id, run, state, requeueable) VALUES (?, ?, ?, ?, ?) "
+                       "ON CONFLICT (scheduler, id) DO UPDATE SET state = excluded.state, "
+                       "requeueable = excluded.requeueable", (job.scheduler, job.id, job.run, state,
+                                                             None if requeueable is None else int(requeueable)))
+            return True
+        self._write(change)
+
+    def _job_change(self, action: str, job: Any, then: Callable[[str, int | None], tuple[str, int | None]],
+                    mark: str | None = None, **detail: Any) -> None:
+        scheduler, ident = _name(job.scheduler, "scheduler"), _name(job.id, "job")
+
+        def change(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT run, state, mark FROM jobs WHERE scheduler = ? AND id = ?",
+                             (scheduler, ident)).fetchone()
+            run, state, old_mark = row if row is not None else (job.run, "running", None)
+            new_state, new_run = then(state, run)
+            new_mark = mark if mark is not None else old_mark
+            db.execute("INSERT OR REPLACE INTO jobs (scheduler, id, run, state, mark, requeueable) VALUES "
+                       "(?, ?, ?, ?, ?, (SELECT requeueable FROM jobs WHERE scheduler = ? AND id = ?))",
+                       (scheduler, ident, new_run, new_state, new_mark, scheduler, ident))
+            return (new_state, new_run, new_mark) != (state, run, old_mark) or action == "signal_job"
+        self._logged(action, self.node_name or "", change, job=f"{scheduler}:{ident}",
+                     **({"mark": mark} if mark is not None else {}), **detail)
+
     # -- the world outside the agent (demo, fleet simulator) ----------------------------------------------------------
     def admin_drain(self, node: str, reason: str) -> None:
         """An administrator drains `node` (never ours: gpuwarden will not resume it)."""
@@ -335,8 +400,8 @@ class LocalAdapter:
 
     def _check_schema(self, db: sqlite3.Connection) -> None:
         # Tables added since schema 1 are made in place (IF NOT EXISTS); the instance id is made once, with them.
-        since = (_SWEEP_HOLDS, _OUTBOX, ("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)",
-                                          (os.urandom(8).hex(),)))
+        instance = ("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)", (os.urandom(8).hex(),))
+        since = (_SWEEP_HOLDS, _OUTBOX, _JOBS, instance)
         try:
             found = schema_version(db, _SCHEMA, "gpuwarden_local_scheduler", {"nodes"}, str(SCHEMA_VERSION), since)
         except sqlite3.Error as exc:

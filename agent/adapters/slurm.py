@@ -29,7 +29,7 @@ import time
 from typing import Any, Sequence
 
 from .. import logs
-from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
+from .base import REASON_PREFIX, SPARE_REASON, Busy, JobView, NodeView, Refused, Service, Transient
 from ..records import dataclass
 
 log = logs.get_logger("gpuwarden.adapter.slurm")
@@ -59,7 +59,8 @@ _TRANSIENT = ("unable to contact slurm controller", "connection refused", "conne
               "unspecified error")
 # ... and those that mean slurmctld answered no.
 _REFUSED = ("invalid", "permission denied", "access denied", "duplicate reservation name", "overlaps",
-            "not found", "busy", "not subset", "does not exist", "unknown", "not allowed", "requested nodes")
+            "not found", "busy", "not subset", "does not exist", "unknown", "not allowed", "requested nodes",
+            "presently disabled")
 _CLAIM_TAKEN = ("duplicate reservation name", "overlaps", "busy")
 
 
@@ -272,6 +273,94 @@ def parse_sinfo_json(text: str) -> list[_Node]:
     return list(nodes.values())
 
 
+# squeue's job states (squeue(1) "JOB STATE CODES") as the job response reads them.
+_JOB_STATES = {"RUNNING": "running", "CONFIGURING": "running", "RESIZING": "running", "PENDING": "pending",
+               "REQUEUED": "pending", "REQUEUE_HOLD": "pending", "REQUEUE_FED": "pending", "RESV_DEL_HOLD": "pending",
+               "SUSPENDED": "suspended", "STOPPED": "suspended", "COMPLETING": "ending", "SIGNALING": "ending",
+               "STAGE_OUT": "ending", "COMPLETED": "ended", "CANCELLED": "ended", "FAILED": "ended",
+               "TIMEOUT": "ended", "NODE_FAIL": "ended", "PREEMPTED": "ended", "BOOT_FAIL": "ended",
+               "DEADLINE": "ended", "OUT_OF_MEMORY": "ended", "REVOKED": "ended", "SPECIAL_EXIT": "ended"}
+MAX_HOSTS = 100_000  # a node list that expands to more is not one
+
+
+def expand_hostlist(text: str) -> tuple[str, ...]:
+    """Slurm's compact node list ("n[1-3,7],gpu-a[01-02]") as names, in order; () for what is not one."""
+    out: list[str] = []
+    for part in _split_outside_brackets(text.strip()[:65536]):
+        head, sep, rest = part.partition("[")
+        if not sep:
+            if valid_name(part, MAX_NAME):
+                out.append(part)
+            continue
+        body, close, tail = rest.partition("]")
+        if not close:
+            return ()
+        for item in body.split(","):
+            lo, dash, hi = item.partition("-")
+            if not (lo.isdigit() and (not dash or hi.isdigit())):
+                return ()
+            width, start, end = len(lo), int(lo), int(hi) if dash else int(lo)
+            if end < start or end - start > MAX_HOSTS or len(out) + end - start > MAX_HOSTS:
+                return ()
+            out.extend(f"{head}{n:0{width}d}{tail}" for n in range(start, end + 1))
+    return tuple(out)
+
+
+def _split_outside_brackets(text: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for c in text:
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        depth += c == "["
+        depth -= c == "]"
+        cur.append(c)
+    parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def parse_squeue_job(text: str, job_id: str) -> JobView | None:
+    """The job `job_id` of `squeue --json --jobs=ID` (22.05: plain values; 23.x: state lists and {"number"} values);
+    None when squeue lists no such job."""
+    if len(text) > MAX_OUTPUT:
+        raise Transient(f"squeue --json: more than {MAX_OUTPUT >> 20} MiB; not read")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise Transient(f"squeue --json: not JSON ({str(exc)[:100]})") from None
+    jobs = doc.get("jobs") if isinstance(doc, dict) else None
+    if not isinstance(jobs, list):
+        raise Transient("squeue --json: no job list")
+    for entry in jobs[:10_000]:
+        jid = slurm_number(entry.get("job_id")) if isinstance(entry, dict) else None
+        if jid is None or str(int(jid)) != job_id:
+            continue
+        raw = entry.get("job_state")
+        states = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)] if isinstance(raw, list) \
+            else []
+        state = next((_JOB_STATES[x.upper()] for x in states if x.upper() in _JOB_STATES), "unknown")
+        requeue = entry.get("requeue")
+        return JobView(job_id, state, expand_hostlist(_text(entry.get("nodes"), 65536)),
+                       _count(entry.get("restart_cnt")), requeue if isinstance(requeue, bool) else None,
+                       _text(entry.get("admin_comment"), 4096) or None)
+    return None
+
+
+def _count(value: Any) -> int | None:
+    """A count of squeue --json (0 included, which slurm_number leaves out): plain or {"set", "number"}."""
+    if isinstance(value, dict):
+        value = value.get("number") if value.get("set", True) and not value.get("infinite") else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31 else None
+
+
+def _check_job(job: Any) -> str:
+    ident = str(getattr(job, "id", ""))
+    if getattr(job, "scheduler", "") != "slurm" or not ident.isdigit() or len(ident) > 12:
+        raise Refused(f"{ident!r}: not a Slurm job id")
+    return ident
+
+
 def _classify(what: str, message: str) -> Exception:
     low = message.lower()
     if any(m in low for m in _TRANSIENT):
@@ -287,11 +376,12 @@ class SlurmAdapter:
     name = "slurm"
 
     def __init__(self, *, timeout_s: float = 10.0, scontrol: str = "scontrol", sinfo: str = "sinfo",
-                 squeue: str = "squeue", slurm_conf: str | None = None, claim_ttl_s: float | None = None):
+                 squeue: str = "squeue", scancel: str = "scancel", slurm_conf: str | None = None,
+                 claim_ttl_s: float | None = None):
         if not (math.isfinite(timeout_s) and 0 < timeout_s <= 3600):
             raise ValueError(f"timeout_s: {timeout_s!r} is not in (0, 3600]")
         self.timeout_s = float(timeout_s)
-        self.tools = {"scontrol": scontrol, "sinfo": sinfo, "squeue": squeue}
+        self.tools = {"scontrol": scontrol, "sinfo": sinfo, "squeue": squeue, "scancel": scancel}
         self.env = dict(os.environ)
         if slurm_conf:
             self.env["SLURM_CONF"] = str(slurm_conf)
@@ -422,6 +512,54 @@ class SlurmAdapter:
                 if taken is not None:
                     return taken
         return None
+
+    # -- jobs (agent/jobs/respond.py) ------------------------------------------------------------------------------
+    def job(self, job: Any) -> JobView | None:
+        ident = _check_job(job)
+        try:
+            out = self._run("squeue", ["--json", f"--jobs={ident}"])
+        except Refused as exc:
+            if "invalid job id" in str(exc).lower():
+                return None  # ended and purged (MinJobAge): not known any more
+            raise
+        return parse_squeue_job(out, ident)
+
+    def mark_job(self, job: Any, reason: str) -> None:
+        # AdminComment, not Comment: the job's owner reads it (`scontrol show job`, `sacct -o AdminComment`) and
+        # cannot change it, and the user's own Comment (often a tracking id) is left alone.
+        text = _clean(reason)[:4 * MAX_REASON]
+        self._scontrol("mark job", ["update", f"JobId={_check_job(job)}", f"AdminComment={text}"])
+        log.info("job marked", job=job.id, reason=text)
+
+    def signal_job(self, job: Any, signal: str) -> None:
+        ident = _check_job(job)
+        name = str(signal).upper().removeprefix("SIG")
+        if not (name.isalnum() and len(name) <= 8):
+            raise Refused(f"{signal!r}: not a signal name")
+        # --full: every process of the job, the batch script's shell included (without it only the steps').
+        self._run("scancel", [f"--signal={name}", "--full", ident], "signal job")
+        log.info("job signalled", job=ident, signal=name)
+
+    def requeue_job(self, job: Any) -> bool:
+        ident = _check_job(job)
+        try:
+            self._scontrol("requeue job", ["requeue", ident])
+        except (Refused, Transient) as exc:
+            if "is pending execution" not in str(exc).lower():
+                raise
+            log.info("job pending already (requeued by another)", job=ident)
+            return False  # "Job is pending execution": another agent (or the job itself) requeued it first
+        log.info("job requeued", job=ident)
+        return True
+
+    def cancel_job(self, job: Any) -> None:
+        ident = _check_job(job)
+        try:
+            self._run("scancel", [ident], "cancel job")
+        except (Refused, Transient) as exc:
+            if "already completing or completed" not in str(exc).lower():
+                raise
+        log.info("job cancelled", job=ident)
 
     # -- the parts ---------------------------------------------------------------------------------------------
     def _take(self, n: _Node, for_node: str) -> str | None:

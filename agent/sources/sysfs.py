@@ -58,9 +58,10 @@ class Sysfs:
         except OSError as exc:
             raise SourceError(f"{p}: cannot read: {exc.strerror or exc}") from None
 
-    def read_bytes(self, kernel_path: str) -> bytes:
-        """The file's bytes as they are (a cmdline's NULs kept); OSError as open() raises it, SourceError if refused."""
-        return confine.read_bytes(self._str(kernel_path), self._inside, dirs=self._dirs)
+    def read_bytes(self, kernel_path: str, limit: int | None = None) -> bytes:
+        """The file's bytes as they are (a cmdline's NULs kept); with `limit`, at most limit + 1 of them (more than
+        `limit` says the file is larger). OSError as open() raises it, SourceError if refused."""
+        return confine.read_bytes(self._str(kernel_path), self._inside, limit, dirs=self._dirs)
 
     def open_fd(self, kernel_path: str) -> int:
         """A descriptor kept open for re-reading with os.pread(fd, n, 0): sysfs regenerates an attribute on every
