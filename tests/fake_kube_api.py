@@ -7,13 +7,22 @@ adapter's real client code runs against real request and response shapes:
   does. Strategic merge knows the merge keys of the fields the adapter touches (node `status.conditions` and
   `status.addresses` by `type`, `metadata.ownerReferences` by `uid`); `spec.taints` has no merge key in the Node
   schema, so a patch replaces the whole list there too. Status writes keep the spec, spec writes keep the status.
-- core/v1 pods: LIST across namespaces with `fieldSelector=spec.nodeName=NAME`, LIST in a namespace, GET.
+- core/v1 pods: LIST across namespaces with `fieldSelector=spec.nodeName=NAME`, LIST in a namespace, GET; PATCH of
+  the `status` subresource (strategic merge, conditions by `type`; JSON merge patch; JSON patch), where a
+  `metadata.uid` other than the pod's is refused as immutable (422) and a `metadata.resourceVersion` is a
+  precondition (409); DELETE, graceful as the pod strategy makes it: the grace period is the request's
+  (`gracePeriodSeconds` in a DeleteOptions body, else in the query), else the pod's
+  `spec.terminationGracePeriodSeconds`; 0, an unscheduled pod or a finished one goes at once, any other pod gets
+  `metadata.deletionTimestamp` (now + grace) and `deletionGracePeriodSeconds` and goes when
+  `finish_terminations()` runs (its kubelet finished it); a repeat may only shorten the grace period; DeleteOptions
+  `preconditions` (uid, resourceVersion) are checked (409). Pod UIDs are UUIDs, new for every pod made.
 - pods/eviction (policy/v1 Eviction): 201 and the pod goes (or starts terminating, see `linger_evictions`); 429
   when a PodDisruptionBudget over the pod has no disruption left; 500 when more than one budget selects it; 404 for
   an unknown pod. Budgets carry a label selector and `minAvailable` or `maxUnavailable` (integer or percentage);
   their status (`expectedPods`, `currentHealthy`, `desiredHealthy`, `disruptionsAllowed`) is computed as the
   disruption controller does, with `expectedPods` the replica count the budget was given (the controller's scale).
-- events: POST core/v1 `events` and events.k8s.io/v1 `events`.
+- events: POST core/v1 `events` and events.k8s.io/v1 `events`; an Event about a namespaced object (a Pod) must be in
+  that object's namespace, one about a cluster-scoped object (a Node) in "default" (422 otherwise).
 - 401 without the bearer token, 403 for a (verb, resource) pair made forbidden, 404 for unknown objects, 415 for an
   unknown patch type, 422 for invalid labels, taints or conditions.
 - an optional `authorizer`: called with each request's RBAC attributes (`request_attributes`: verb, API group,
@@ -27,7 +36,8 @@ writer that read first), `gate_writes(n)` holds node writes until `n` of them ha
 one object), `stop()` then `start(port)` is a restart on the same address with the same objects (connections
 open before the stop are closed, not served).
 
-Not modelled: watch, server-side apply, admission, field managers, graceful deletion timers, namespaces as objects.
+Not modelled: watch, server-side apply, admission, field managers, finalizers, graceful deletion timers (a
+terminating pod stays until `finish_terminations`), namespaces as objects, field selectors other than spec.nodeName.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ import json
 import math
 import threading
 import time
+import uuid
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,7 +57,7 @@ TOKEN = "fake-token"
 MAX_BODY = 1 << 20
 HANG_LIMIT_S = 300.0  # a held request is let go after this, whatever the test does
 
-STRATEGIC_MERGE_KEYS = {  # path (dotted, lists as the field name) -> merge key, for the fields a node write touches
+STRATEGIC_MERGE_KEYS = {  # path (dotted, lists as the field name) -> merge key, for the fields node/pod writes touch
     "status.conditions": "type",
     "status.addresses": "type",
     "metadata.ownerReferences": "uid",
@@ -247,6 +258,19 @@ def validate_node(node: dict) -> None:
         types.add(c["type"])
 
 
+def validate_pod(pod: dict) -> None:
+    """A pod's status conditions as the API server validates them: a type (a qualified name for types outside the
+    kubelet's), a status True/False/Unknown, each type once."""
+    types = set()
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if not isinstance(c, dict) or not _is_qualified_name(c.get("type")) \
+                or c.get("status") not in CONDITION_STATUSES:
+            raise ApiStatus(422, f"status.conditions: Invalid value: {c!r}")
+        if c["type"] in types:
+            raise ApiStatus(422, f"status.conditions: Duplicate value: {c['type']}")
+        types.add(c["type"])
+
+
 # -- label selectors ---------------------------------------------------------------------------------------------
 def selector_matches(selector: str, labels: dict[str, str]) -> bool:
     """Equality-based selectors: `k=v`, `k==v`, `k!=v`, `k`, `!k`, joined by commas."""
@@ -436,11 +460,16 @@ class FakeKubeApi:
             return copy.deepcopy(node)
 
     def add_pod(self, namespace: str, name: str, node: str, labels: dict | None = None, owner: str | None = None,
-                mirror: bool = False, phase: str = "Running") -> dict:
-        """A pod bound to `node`; `owner` is its controller's kind (ReplicaSet, DaemonSet, ...)."""
+                mirror: bool = False, phase: str = "Running", gpus: int = 0, grace_s: int = 30) -> dict:
+        """A pod bound to `node` (none for ""); `owner` is its controller's kind (ReplicaSet, DaemonSet, ...); `gpus`
+        the nvidia.com/gpu its container asks for; `grace_s` its terminationGracePeriodSeconds (the API server's
+        default is 30)."""
         with self.lock:
-            meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": f"uid-pod-{namespace}-{name}",
-                                    "resourceVersion": self._next_rv(), "creationTimestamp": now_rfc3339(),
+            rv = self._next_rv()
+            meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                                    "uid": str(uuid.uuid5(uuid.NAMESPACE_URL, f"fake-kube-api/pods/{namespace}/{name}/"
+                                                                              f"{rv}")),
+                                    "resourceVersion": rv, "creationTimestamp": now_rfc3339(),
                                     "labels": dict(labels or {})}
             if owner:
                 meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner, "name": f"{name}-owner",
@@ -448,8 +477,13 @@ class FakeKubeApi:
                                             "blockOwnerDeletion": True}]
             if mirror:
                 meta["annotations"] = {"kubernetes.io/config.mirror": "0123456789abcdef"}
-            pod = {"kind": "Pod", "apiVersion": "v1", "metadata": meta,
-                   "spec": {"nodeName": node, "containers": [{"name": "main", "image": "registry.invalid/job:1"}]},
+            main: dict[str, Any] = {"name": "main", "image": "registry.invalid/job:1"}
+            if gpus:
+                main["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"nvidia.com/gpu": str(gpus)}}
+            spec: dict[str, Any] = {"containers": [main], "terminationGracePeriodSeconds": grace_s}
+            if node:
+                spec["nodeName"] = node
+            pod = {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": spec,
                    "status": {"phase": phase, "conditions": [
                        {"type": "Ready", "status": "True" if phase == "Running" else "False"}]}}
             self.pods[(namespace, name)] = pod
@@ -481,6 +515,11 @@ class FakeKubeApi:
     def pods_on(self, node: str) -> list[str]:
         with self.lock:
             return sorted(f"{ns}/{n}" for (ns, n), p in self.pods.items() if p["spec"].get("nodeName") == node)
+
+    def pod_obj(self, namespace: str, name: str) -> dict | None:
+        with self.lock:
+            pod = self.pods.get((namespace, name))
+            return copy.deepcopy(pod) if pod is not None else None
 
     def finish_terminations(self) -> None:
         """Pods that were terminating are gone (their kubelet finished them)."""
@@ -567,8 +606,12 @@ class FakeKubeApi:
                             raise ApiStatus(404, f'pods "{rest[3]}" not found',
                                             details={"name": rest[3], "kind": "pods"})
                         return 200, copy.deepcopy(self.pods[(ns, rest[3])])
+                if kind == "pods" and len(rest) == 4 and method == "DELETE":
+                    return self._delete_pod(ns, rest[3], query, ctype, body)
                 if kind == "pods" and len(rest) == 5 and rest[4] == "eviction" and method == "POST":
                     return self._evict(ns, rest[3], body)
+                if kind == "pods" and len(rest) == 5 and rest[4] == "status" and method == "PATCH":
+                    return self._patch_pod_status(ns, rest[3], ctype, body)
                 if kind == "events" and len(rest) == 3 and method == "POST":
                     return self._event(ns, body, "v1")
         if p[:3] == ["apis", "events.k8s.io", "v1"] and len(p) == 6 and p[3] == "namespaces" and p[5] == "events" \
@@ -665,17 +708,8 @@ class FakeKubeApi:
                 new = copy.deepcopy(doc)
                 if not new["metadata"].get("resourceVersion"):
                     raise ApiStatus(422, "metadata.resourceVersion: must be specified for an update")
-            elif ctype == "application/strategic-merge-patch+json":
-                new = strategic_merge_patch(current, doc)
-            elif ctype == "application/merge-patch+json":
-                new = merge_patch(current, doc)
-            elif ctype == "application/json-patch+json":
-                new = json_patch(current, doc)
             else:
-                raise ApiStatus(415, f"the body of the request was in an unknown format - accepted media types "
-                                     f"include: application/json-patch+json, application/merge-patch+json, "
-                                     f"application/apply-patch+yaml, application/strategic-merge-patch+json "
-                                     f"(got {ctype!r})")
+                new = self._patched(current, ctype, doc)
             if not isinstance(new, dict):
                 raise ApiStatus(422, "the patched node is not an object")
             meta = new.setdefault("metadata", {})
@@ -701,6 +735,99 @@ class FakeKubeApi:
             meta["resourceVersion"] = self._next_rv()
             self.nodes[name] = new
             return 200, copy.deepcopy(new)
+
+    @staticmethod
+    def _patched(current: dict, ctype: str, doc: Any) -> Any:
+        if ctype == "application/strategic-merge-patch+json":
+            return strategic_merge_patch(current, doc)
+        if ctype == "application/merge-patch+json":
+            return merge_patch(current, doc)
+        if ctype == "application/json-patch+json":
+            return json_patch(current, doc)
+        raise ApiStatus(415, f"the body of the request was in an unknown format - accepted media types include: "
+                             f"application/json-patch+json, application/merge-patch+json, "
+                             f"application/apply-patch+yaml, application/strategic-merge-patch+json (got {ctype!r})")
+
+    def _patch_pod_status(self, ns: str, name: str, ctype: str, body: bytes) -> tuple[int, dict]:
+        self._check_rbac("patch", "pods/status")
+        doc = self._json(body)
+        with self.lock:
+            current = self.pods.get((ns, name))
+            if current is None:
+                raise ApiStatus(404, f'pods "{name}" not found', details={"name": name, "kind": "pods"})
+            new = self._patched(current, ctype, doc)
+            if not isinstance(new, dict):
+                raise ApiStatus(422, "the patched pod is not an object")
+            meta = new.setdefault("metadata", {})
+            if meta.get("name", name) != name:
+                raise ApiStatus(400, "the name of the object does not match the name on the URL")
+            if meta.get("uid", current["metadata"]["uid"]) != current["metadata"]["uid"]:
+                # ValidateObjectMetaUpdate: a patch that names another UID is the kubelet's precondition idiom
+                raise ApiStatus(422, f'Pod "{name}" is invalid: metadata.uid: Invalid value: "{meta["uid"]}": field '
+                                     'is immutable')
+            want_rv = meta.get("resourceVersion")
+            if want_rv and want_rv != current["metadata"]["resourceVersion"]:
+                raise ApiStatus(409, f'Operation cannot be fulfilled on pods "{name}": the object has been modified; '
+                                     'please apply your changes to the latest version and try again',
+                                details={"name": name, "kind": "pods"})
+            # the status endpoint changes only the status (podStatusStrategy keeps the spec, the deletion and the
+            # owners as they were)
+            new["spec"] = copy.deepcopy(current.get("spec", {}))
+            new["metadata"] = copy.deepcopy(current["metadata"])
+            new["kind"], new["apiVersion"] = "Pod", "v1"
+            validate_pod(new)
+            if new == current:
+                return 200, copy.deepcopy(current)
+            new["metadata"]["resourceVersion"] = self._next_rv()
+            self.pods[(ns, name)] = new
+            return 200, copy.deepcopy(new)
+
+    def _delete_pod(self, ns: str, name: str, query: dict, ctype: str, body: bytes) -> tuple[int, dict]:
+        """DELETE of a pod, graceful as kube-apiserver's pod strategy (CheckGracefulDelete) and rest.BeforeDelete
+        make it."""
+        self._check_rbac("delete", "pods")
+        options = self._json(body) if body else {}
+        if not isinstance(options, dict):
+            raise ApiStatus(400, "DeleteOptions is an object")
+        if not body and "gracePeriodSeconds" in query:  # options come from the body, else from the query
+            options["gracePeriodSeconds"] = query["gracePeriodSeconds"]
+        grace = options.get("gracePeriodSeconds")
+        if grace is not None:
+            try:
+                grace = int(grace)
+            except (TypeError, ValueError) as e:
+                raise ApiStatus(400, f"gracePeriodSeconds: not an integer ({grace!r})") from e
+        with self.lock:
+            pod = self.pods.get((ns, name))
+            if pod is None:
+                raise ApiStatus(404, f'pods "{name}" not found', details={"name": name, "kind": "pods"})
+            meta = pod["metadata"]
+            pre = options.get("preconditions") or {}
+            for key in ("uid", "resourceVersion"):
+                if pre.get(key) and pre[key] != meta[key]:
+                    raise ApiStatus(409, f"Precondition failed: {key} in precondition: {pre[key]}, {key} in object "
+                                         f"meta: {meta[key]}", details={"name": name, "kind": "pods"})
+            if meta.get("deletionTimestamp"):
+                # terminating already: a request may only shorten the grace period
+                if grace is None or grace >= meta.get("deletionGracePeriodSeconds", 0):
+                    return 200, copy.deepcopy(pod)
+            else:
+                if grace is None:
+                    grace = int(pod["spec"].get("terminationGracePeriodSeconds", 30))
+                if not pod["spec"].get("nodeName") or pod["status"].get("phase") in ("Succeeded", "Failed"):
+                    grace = 0  # nothing runs it, or nothing runs in it any more
+                if grace < 0:
+                    grace = 1
+            if grace == 0:
+                del self.pods[(ns, name)]
+            else:
+                at = datetime.now(timezone.utc).timestamp() + grace
+                meta["deletionTimestamp"] = datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                meta["deletionGracePeriodSeconds"] = grace
+                meta["resourceVersion"] = self._next_rv()
+            for budget in self.pdbs.values():
+                self._pdb_status(budget)
+            return 200, copy.deepcopy(pod)
 
     def _evict(self, ns: str, name: str, body: bytes) -> tuple[int, dict]:
         self._check_rbac("create", "pods/eviction")
@@ -746,10 +873,14 @@ class FakeKubeApi:
         regarding = doc.get("involvedObject" if api == "v1" else "regarding") or {}
         if not regarding.get("kind") or not regarding.get("name"):
             raise ApiStatus(422, "involvedObject: Required value: kind and name")
-        # for a cluster-scoped object (a node) the event lives in "default", or the server refuses it
+        # for a cluster-scoped object (a node) the event lives in "default", for a namespaced one (a pod) in its
+        # namespace, or the server refuses it (legacyValidateEvent)
         if not regarding.get("namespace") and ns not in ("", "default"):
             raise ApiStatus(422, f"involvedObject.namespace: Invalid value: \"\": does not match event.namespace "
                                  f"{ns!r}")
+        if regarding.get("namespace") and regarding["namespace"] != ns:
+            raise ApiStatus(422, f"involvedObject.namespace: Invalid value: {regarding['namespace']!r}: does not "
+                                 f"match event.namespace {ns!r}")
         if not doc.get("reason") or (api == "v1" and not doc.get("source", {}).get("component")
                                      and not doc.get("reportingComponent")):
             raise ApiStatus(422, "reason and source.component (or reportingComponent) are required")

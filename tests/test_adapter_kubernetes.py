@@ -585,7 +585,9 @@ def rbac_of(request: dict) -> tuple[str, str]:
 def test_shipped_rbac_grants_what_the_adapter_asks_for(api, make):
     import yaml
 
-    # the ClusterRole and the Role for Events of packaging/kubernetes/ (tests/test_k8s_manifests.py checks scopes)
+    from gpuwarden.agent.jobs.model import JobRef
+
+    # the roles of packaging/kubernetes/ (tests/test_k8s_manifests.py checks scopes)
     docs = yaml.safe_load_all((ROOT / "packaging" / "kubernetes" / "10-rbac.yaml").read_text())
     granted = {(verb, res) for d in docs if d["kind"] in ("ClusterRole", "Role") for rule in d["rules"]
                for res in rule["resources"] for verb in rule["verbs"]}
@@ -597,6 +599,11 @@ def test_shipped_rbac_grants_what_the_adapter_asks_for(api, make):
     adapter.nodes()
     adapter.node("gpu-1")
     adapter.publish_domain("gpu-1", DOMAIN)
+    doomed = JobRef("kubernetes", api.add_pod("team-a", "gang-0", "gpu-1", owner="Job", gpus=4)["metadata"]["uid"])
+    adapter.job(doomed)
+    adapter.mark_job(doomed, REASON)  # agent/jobs/respond.py: the reason, then the pod deleted
+    adapter.requeue_job(doomed)
+    api.finish_terminations()
     adapter.quarantine("gpu-1", REASON)
     adapter.take_spare(DOMAIN, "gpu-1")
     adapter.spares(DOMAIN)

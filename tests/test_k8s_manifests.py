@@ -108,8 +108,8 @@ def test_every_manifest_is_a_current_kind_with_known_fields(manifests):
         assert cls is not None, f"{path}: {api} has no kind {kind} in the API's current schema"
         # lightkube's models drop any field the schema does not have: a round trip shows a misspelt or misplaced one
         assert pruned(cls.from_dict(doc).to_dict()) == pruned(doc), f"{path}: {kind} has fields the API does not"
-    assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ConfigMap",
-            "DaemonSet", "Service", "ServiceMonitor", "PodMonitor"} <= kinds
+    assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Service",
+            "ServiceMonitor", "PodMonitor"} <= kinds
 
 
 def test_namespaced_objects_live_in_the_agents_namespace(manifests):
@@ -186,17 +186,22 @@ def adapter_table(manifests) -> dict:
 
 
 OPERATIONS = ("publish_domain", "return_to_pool", "spares", "nodes", "node", "cordon", "drain", "quarantine",
-              "take_spare", "resume")
+              "take_spare", "resume", "job", "mark_job", "signal_job", "requeue_job", "cancel_job")
 
 
 def run_every_operation(api: FakeKubeApi, tmp_path: Path, table: dict) -> dict[str, list[dict]]:
     """Every SchedulerAdapter operation through the real adapter, as the engine calls them for one node that goes
-    bad (its domain published, a spare put in the pool and taken in its place, cordon, drain, quarantine, resume);
-    one write meets a conflict and is read again. Returns the taints each node carried along the way."""
+    bad (its domain published, a spare put in the pool and taken in its place, cordon, the doomed jobs' pods marked
+    and ended, drain, quarantine, resume); one write meets a conflict and is read again. Returns the taints each node
+    carried along the way."""
+    from gpuwarden.agent.jobs.model import JobRef
+
     for name in ("gpu-a", "gpu-s1", "gpu-s2"):
         api.add_node(name, labels={"nvidia.com/gpu.clique": DOMAIN})
     api.add_pod("jobs", "train-0", "gpu-a", labels={"app": "train"}, owner="ReplicaSet")
     api.add_pod("gpuwarden", "gpuwarden-x1", "gpu-a", owner="DaemonSet")
+    doomed = [JobRef("kubernetes", api.add_pod("jobs", f"gang-{i}", "gpu-a", owner="Job", gpus=4)["metadata"]["uid"],
+                     None, "cgroup") for i in range(3)]
     kwargs = {**table, "kubeconfig": str(api.write_kubeconfig(tmp_path / "kubeconfig")), "host": "gpu-a",
               "quarantine_effect": "NoExecute"}  # the stronger effect: the one the tolerations must cover
     adapter = build_adapter("kubernetes", kwargs, tmp_path)
@@ -216,9 +221,17 @@ def run_every_operation(api: FakeKubeApi, tmp_path: Path, table: dict) -> dict[s
         taints()
         assert adapter.spares(DOMAIN) == ["gpu-s1", "gpu-s2"]
         assert {v.name for v in adapter.nodes()} == {"gpu-a", "gpu-s1", "gpu-s2"}
-        assert adapter.node("gpu-a").jobs == 1
+        assert adapter.node("gpu-a").jobs == 4  # the job and the three doomed gang pods, not the DaemonSet's
         api.interfere("gpu-a", lambda n: n["metadata"]["labels"].update({"other-writer": "x"}))
         adapter.cordon("gpu-a", reason)
+        assert adapter.job(doomed[0]).state == "running"
+        for ref in doomed:
+            adapter.mark_job(ref, reason)
+        adapter.signal_job(doomed[0], "USR1")
+        adapter.requeue_job(doomed[1])
+        adapter.cancel_job(doomed[2])
+        api.finish_terminations()  # the kubelet ended the two deleted with their grace period
+        assert all(adapter.job(ref) is None for ref in doomed)
         adapter.drain("gpu-a", reason)
         adapter.quarantine("gpu-a", reason)
         taints()
@@ -273,10 +286,12 @@ def test_the_rbac_grants_exactly_what_the_adapter_uses(adapter_run, manifests):
     assert not unused, f"RBAC grants what the adapter never uses: {sorted(unused, key=str)}"
     cluster = {(g, r, v) for scope, g, r, v in granted(grants) if scope is None}
     assert cluster == {("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "patch"),
-                       ("", "nodes/status", "patch"), ("", "pods", "list"), ("", "pods/eviction", "create")}
-    # Events only in the namespace the adapter writes them to, by a Role there
-    namespaced = {(scope, g, r, v) for scope, g, r, v in granted(grants) if scope is not None}
-    assert namespaced == {(adapter_table(manifests)["event_namespace"], "", "events", "create")}
+                       ("", "nodes/status", "patch"), ("", "pods", "list"), ("", "pods", "delete"),
+                       ("", "pods/status", "patch"), ("", "pods/eviction", "create"), ("", "events", "create")}
+    # Events cluster-wide: a node's go to event_namespace, a pod's must be in the pod's namespace, which can be any
+    assert {(u[0], u[2]) for u in used if u[2] == "events"} == {(adapter_table(manifests)["event_namespace"], "events"),
+                                                                ("jobs", "events")}
+    assert not {g for g in granted(grants) if g[0] is not None}
     assert {(u[2], u[3]) for u in used} == {(r, v) for _, _, r, v in granted(grants)}
 
 

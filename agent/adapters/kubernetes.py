@@ -1,8 +1,8 @@
 """The Kubernetes adapter: carries the remediation engine's decisions to the API server and reads the fleet's marks
 back from it.
 
-What the agent writes on a Node, and only there (everything it owns carries the `gpuwarden.io/` prefix, or is the
-`GpuwardenHealthy` condition):
+What the agent writes on a Node (everything it owns carries the `gpuwarden.io/` prefix, or is the `GpuwardenHealthy`
+condition):
 - cordon: `spec.unschedulable: true` plus the taint `gpuwarden.io/unhealthy` (NoSchedule; NoExecute for a
   quarantine when configured) whose value says how far the node went: cordoned < draining < drained < quarantined.
   When the agent is the one that turned `spec.unschedulable` on, it says so in the annotation
@@ -18,6 +18,17 @@ What the agent writes on a Node, and only there (everything it owns carries the 
   merge patch that carries the resourceVersion it read, so of two agents racing for one spare the API server lets
   one through and answers the other 409 Conflict; the loser reads again and tries the next spare.
 
+What it does to a doomed job's pod (agent/jobs/respond.py; the job's id is the pod's UID, read from its cgroup):
+- the reason: the pod condition `GpuwardenJobDoomed` (status True, message = the reason) through `pods/status`, and a
+  Warning Event on the pod, in the pod's namespace;
+- Kubernetes has no API that signals a container; what ends a pod is a DELETE (an Eviction is a DELETE that
+  PodDisruptionBudgets may refuse). `signal` and `requeue` delete the pod with its own grace period (the kubelet
+  sends SIGTERM, the job checkpoints within terminationGracePeriodSeconds, then SIGKILL; its controller makes a new
+  pod, on another node since this one is cordoned), `cancel` deletes it with gracePeriodSeconds=0. The signal's name
+  is not used. A DELETE and not an Eviction: a gang-scheduled job's PodDisruptionBudget often has minAvailable =
+  every worker, so an eviction would be refused for as long as the job runs, every GPU of it idle until PyTorch's
+  watchdog fires. A pod already gone is success.
+
 Every write to a Node carries the resourceVersion it was computed from (a 409 is read again and retried a bounded
 number of times), every call runs under one deadline (`timeout_s`) shared by all its requests, and each answer is
 read up to a size bound. Errors: no connection, a timeout, 409 past the retries, 429 and 5xx are `Transient`;
@@ -29,6 +40,7 @@ runs without it wherever another adapter is chosen.
 from __future__ import annotations
 
 import functools
+import re
 import socket
 import threading
 import time
@@ -38,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .. import logs
 from ..topology import CLIQUE_LABEL, DOMAIN_LABEL, kubernetes_labels  # one set of labels with `gpuwarden topology`
-from .base import REASON_PREFIX, SPARE_REASON, Busy, NodeView, Refused, Service, Transient
+from .base import REASON_PREFIX, SPARE_REASON, Busy, JobView, NodeView, Refused, Service, Transient
 
 log = logs.get_logger("gpuwarden.adapter.kubernetes")
 
@@ -56,6 +68,11 @@ CONDITION_REASON = {"cordoned": "Cordoned", "draining": "Draining", "drained": "
 MAX_RESPONSE_BYTES = 64 << 20  # one answer (a page of a list is at most LIST_PAGE objects)
 LIST_PAGE = 500
 MAX_MESSAGE = 1024  # a condition's or event's message
+JOB_CONDITION = "GpuwardenJobDoomed"  # the pod condition (and the Event reason) that carries a doomed job's reason
+# A pod's phase as the job response reads it; a pod with a deletionTimestamp that has not finished is "ending".
+POD_STATES = {"Running": "running", "Pending": "pending", "Succeeded": "ended", "Failed": "ended",
+              "Unknown": "unknown"}
+_POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # as the API server makes them
 EXTRA_HINT = "pip install 'gpuwarden[kubernetes]'"
 
 
@@ -198,6 +215,27 @@ def view(node: dict, jobs: int | None = None) -> NodeView:
                     domain=domain_of(node), spare=spare, jobs=jobs)
 
 
+def job_view(pod: dict) -> JobView:
+    """One pod as the job response sees it (agent/jobs/respond.py): its state, its node, and the reason gpuwarden
+    last wrote on it (the message of our condition)."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    state = POD_STATES.get(status.get("phase"), "unknown")
+    if meta.get("deletionTimestamp") and state != "ended":
+        state = "ending"  # deleted or evicted: the kubelet is stopping it within its grace period
+    node = spec.get("nodeName")
+    cond = _condition(pod, JOB_CONDITION) or {}
+    mark = cond.get("message") if cond.get("status") == "True" and isinstance(cond.get("message"), str) else None
+    return JobView(id=f"{meta.get('namespace', '')}/{meta.get('name', '')}", state=state,
+                   nodes=(node,) if _is_dns_subdomain(node) else (), run=None, requeueable=None, mark=mark)
+
+
+def _pod_uid(job: Any) -> str:
+    uid = getattr(job, "id", None)
+    if getattr(job, "scheduler", None) != "kubernetes" or not isinstance(uid, str) or not _POD_UID.fullmatch(uid):
+        raise Refused(f"{getattr(job, 'scheduler', None)!r} job {str(uid)[:80]!r}: not a Kubernetes pod UID")
+    return uid
+
+
 def _with_taint(taints: list[dict], key: str, value: str | None, effect: str | None) -> list[dict]:
     """`taints` with the one of `key` replaced (value None: removed); others kept as they are."""
     out = [t for t in taints if t.get("key") != key]
@@ -240,7 +278,7 @@ class KubernetesAdapter:
 
     def __init__(self, *, timeout_s: float = 10.0, kubeconfig: str | None = None, context: str | None = None,
                  quarantine_effect: str = "NoSchedule", conflict_retries: int = 5,
-                 event_namespace: str = EVENT_NAMESPACE, host: str | None = None):
+                 event_namespace: str = EVENT_NAMESPACE, host: str | None = None, node_name: str | None = None):
         if not 0 < timeout_s <= 3600:
             raise ValueError(f"timeout_s must be in (0, 3600] seconds, got {timeout_s!r}")
         if quarantine_effect not in ("NoSchedule", "NoExecute"):
@@ -250,8 +288,12 @@ class KubernetesAdapter:
         self.timeout_s = float(timeout_s)
         self.quarantine_effect = quarantine_effect
         self.conflict_retries = conflict_retries
+        if node_name is not None and not _is_dns_subdomain(node_name):
+            raise ValueError(f"node_name must be a Kubernetes node name (an RFC 1123 subdomain), got {node_name!r}")
         self.event_namespace = event_namespace
         self.host = host or socket.gethostname()
+        # The node this agent speaks for: where a job's pod is looked for (see _job_pod). None: the whole cluster.
+        self.node_name = node_name
         self._kubeconfig, self._context = kubeconfig, context
         self._httpx, self._lk, self._client_adapter, self._core, self._patch_type = _lightkube()
         self._local = threading.local()
@@ -289,13 +331,17 @@ class KubernetesAdapter:
             if outer is None:
                 self._local.deadline = None
 
-    def _req(self, what: str, verb: str, *args: Any, **kwargs: Any) -> Any:
-        """One client call (`verb`: get, list, patch, create): transport trouble is Transient, an HTTP refusal an
-        _HttpError for the caller to judge. A list is read whole here, page by page."""
+    def _req(self, what: str, verb: str, *args: Any, keep: Callable[[Any], bool] | None = None,
+             **kwargs: Any) -> Any:
+        """One client call (`verb`: get, list, patch, create, delete): transport trouble is Transient, an HTTP refusal
+        an _HttpError for the caller to judge. A list is read whole here, page by page; with `keep`, only the items it
+        keeps are held (a search through many pages holds one page at a time). A delete answers None."""
         httpx = self._httpx
         try:
             out = getattr(self._api(), verb)(*args, **kwargs)
-            return [item.to_dict() for item in out] if verb == "list" else out.to_dict()
+            if verb == "list":
+                return [item.to_dict() for item in out if keep is None or keep(item)]
+            return None if out is None else out.to_dict()
         except self._lk.ApiError as e:
             raise _HttpError(e.response.status_code, (e.status.message or e.status.reason or "")[:300]) from e
         except httpx.HTTPStatusError as e:
@@ -366,22 +412,33 @@ class KubernetesAdapter:
                 node = self._get(name)
         raise Transient(f"node {name}'s status kept changing under our writes; retry later")
 
-    def _event(self, node: dict, reason: str, message: str, warning: bool = True) -> None:
-        """An Event on the node. Best effort: the change it reports is made already, so a failure is logged."""
-        meta = node.get("metadata") or {}
+    def _event(self, obj: dict, reason: str, message: str, warning: bool = True, kind: str = "Node") -> None:
+        """An Event on the node (or pod). Best effort: the change it reports is made already, so a failure is
+        logged."""
+        meta = obj.get("metadata") or {}
         name, now = meta.get("name", ""), _rfc3339(time.time())
+        involved = {"apiVersion": "v1", "kind": kind, "name": name, "uid": meta.get("uid")}
+        # A namespaced object's Events must live in its namespace (the API server refuses any other); a Node's go
+        # to event_namespace, as the kubelet's do.
+        namespace = meta.get("namespace") if kind != "Node" else None
+        if namespace:
+            involved["namespace"] = namespace
+        where = namespace or self.event_namespace
         event = {
-            "metadata": {"name": f"{name[:230]}.{time.time_ns():x}", "namespace": self.event_namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": name, "uid": meta.get("uid")},
+            "metadata": {"name": f"{name[:230]}.{time.time_ns():x}", "namespace": where},
+            "involvedObject": involved,
             "reason": reason, "message": message[:MAX_MESSAGE], "type": "Warning" if warning else "Normal",
             "source": {"component": COMPONENT, "host": self.host}, "reportingComponent": COMPONENT,
             "reportingInstance": self.host, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         try:
-            self._req(f"event on {name}", "create", self._core.Event.from_dict(event),
-                      namespace=self.event_namespace)
+            self._req(f"event on {kind.lower()} {name}", "create", self._core.Event.from_dict(event), namespace=where)
         except (_HttpError, Transient) as e:
-            log.warning("could not record an event on the node", node=name, reason=reason, error=str(e))
+            if namespace:
+                log.warning("could not record an event on the pod", pod=f"{namespace}/{name}", reason=reason,
+                            error=str(e))
+            else:
+                log.warning("could not record an event on the node", node=name, reason=reason, error=str(e))
 
     # -- marks -------------------------------------------------------------------------------------------------
     def _mark(self, name: str, level: str, reason: str, effect: str = "NoSchedule") -> dict:
@@ -631,6 +688,112 @@ class KubernetesAdapter:
         wrote = self._set_condition(node, obj, "True", "Spare", SPARE_REASON)
         if changed or wrote:
             self._event(obj, "GpuwardenSpare", f"{SPARE_REASON} of domain {domain}", warning=False)
+
+    # -- jobs (agent/jobs/respond.py): a job is a pod, known by its UID -----------------------------------------------
+    def _job_pod(self, job: Any) -> dict | None:
+        """The pod whose UID is the job's id, as the API server has it now; None when there is none (it went).
+
+        The API server offers no field selector on metadata.uid for pods (only metadata.name, metadata.namespace,
+        spec.nodeName, status.phase and a few more), and a UID names no namespace, so the pod is found by listing.
+        With node_name, only this node's pods: a pod never moves (spec.nodeName is fixed once it is bound), so a UID
+        that is not among them is gone, and the list stays the size of one node's pods. Without it, every pod of the
+        cluster is read page by page, holding only the match: right on any cluster, slow on a large one."""
+        uid = _pod_uid(job)
+        fields = {"spec.nodeName": self.node_name} if self.node_name else None
+        found = self._req(f"find pod {uid}", "list", self._core.Pod, namespace="*", fields=fields,
+                          chunk_size=LIST_PAGE, keep=lambda p: p.metadata is not None and p.metadata.uid == uid)
+        if not found:
+            return None
+        meta = found[0].get("metadata") or {}
+        if not (_is_dns_subdomain(meta.get("namespace")) and _is_dns_subdomain(meta.get("name"))):
+            raise Refused(f"pod {uid}: the API server listed it with a name that is not valid "
+                          f"({meta.get('namespace')!r}/{meta.get('name')!r})")
+        return found[0]
+
+    @_bounded
+    def job(self, job: Any) -> JobView | None:
+        pod = self._job_pod(job)
+        return None if pod is None else job_view(pod)
+
+    @_bounded
+    def mark_job(self, job: Any, reason: str) -> None:
+        """The condition GpuwardenJobDoomed on the pod (status True, message = the reason) and a Warning Event: where
+        `kubectl describe pod` shows them to the job's owner, and where a Job's podFailurePolicy can match it. Written
+        as the controllers that set DisruptionTarget or a readiness gate's condition write theirs: through pods/status
+        as a strategic merge patch, conditions merging by type, so the kubelet's stay as they are (and the kubelet
+        keeps the conditions it does not own)."""
+        if not isinstance(reason, str) or not reason.startswith(REASON_PREFIX):
+            raise Refused(f"a reason the agent writes starts with {REASON_PREFIX!r}, got {reason!r}")
+        pod = self._job_pod(job)
+        if pod is None:
+            return  # gone: nothing left to carry the reason, nor to end
+        message = reason[:MAX_MESSAGE]
+        old = _condition(pod, JOB_CONDITION)
+        if old and (old.get("status"), old.get("reason"), old.get("message")) == ("True", JOB_CONDITION, message):
+            return
+        meta = pod["metadata"]
+        now = _rfc3339(time.time())
+        moved = old is None or old.get("status") != "True" or not old.get("lastTransitionTime")
+        cond = {"type": JOB_CONDITION, "status": "True", "reason": JOB_CONDITION, "message": message,
+                "lastTransitionTime": now if moved else _stamp(old.get("lastTransitionTime"))}
+        # The UID in the patch is a precondition (the kubelet's own status patches carry it the same way): a pod
+        # of the same name made since (a StatefulSet's, a JobSet's) is refused, never marked in place of ours.
+        patch = {"metadata": {"uid": meta["uid"]}, "status": {"conditions": [cond]}}
+        key = f"{meta['namespace']}/{meta['name']}"
+        try:
+            self._req(f"mark pod {key}", "patch", self._core.Pod.Status, meta["name"], patch,
+                      namespace=meta["namespace"], patch_type=self._patch_type.STRATEGIC)
+        except _HttpError as e:
+            if e.code == 404 or (e.code == 422 and self._job_pod(job) is None):
+                return  # gone meanwhile (or replaced by a pod of the same name): nothing of ours left to mark
+            raise
+        self._event(pod, JOB_CONDITION, message, kind="Pod")
+        log.info("pod marked", pod=key, uid=meta["uid"], reason=message)
+
+    # Kubernetes has no API that sends a signal to a container: what ends a pod is a DELETE (an Eviction is a DELETE
+    # that PodDisruptionBudgets may refuse), after which the kubelet sends its containers SIGTERM, then SIGKILL once
+    # the grace period is over. So signal and requeue are one delete with the pod's own terminationGracePeriodSeconds
+    # (time to checkpoint), the pod's controller (Job, JobSet, PyTorchJob, StatefulSet) making a new pod, on another
+    # node since this one is cordoned; cancel is a delete with gracePeriodSeconds=0. A DELETE, not an Eviction: a
+    # gang-scheduled job's budget often has minAvailable = every worker, so its eviction would be refused (429) for
+    # as long as the job runs, and the doomed pod would hold every GPU of the job idle until the watchdog fires.
+    @_bounded
+    def signal_job(self, job: Any, signal: str) -> None:
+        """Deletes the pod with its own grace period. `signal` is not used: the kubelet sends each container its stop
+        signal (SIGTERM unless the image sets another STOPSIGNAL), and no API sends another."""
+        self._end_pod(job, grace_s=None, what="signal")
+
+    @_bounded
+    def requeue_job(self, job: Any) -> None:
+        """Deletes the pod with its own grace period; its controller makes the new one."""
+        self._end_pod(job, grace_s=None, what="requeue")
+
+    @_bounded
+    def cancel_job(self, job: Any) -> None:
+        """Deletes the pod at once (gracePeriodSeconds=0)."""
+        self._end_pod(job, grace_s=0, what="cancel")
+
+    def _end_pod(self, job: Any, grace_s: int | None, what: str) -> None:
+        pod = self._job_pod(job)
+        if pod is None:
+            return  # gone already
+        meta = pod["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        if meta.get("deletionTimestamp") and grace_s is None:
+            return  # deleted already, terminating within its grace period: a repeat changes nothing
+        # lightkube's delete sends no DeleteOptions body, so no UID precondition rides with it: the name is the
+        # one the pod had when found by its UID just now. A pod of the same name (a StatefulSet's) can take its
+        # place only once ours is gone from the API server, and a terminating pod is still listed, so ours would
+        # have to finish terminating and be replaced in the moment between this read and the delete.
+        try:
+            self._req(f"delete pod {key}", "delete", self._core.Pod, meta["name"], namespace=meta["namespace"],
+                      grace_period=grace_s)
+        except _HttpError as e:
+            if e.code == 404:
+                return  # gone meanwhile
+            raise
+        log.info("pod deleted", pod=key, uid=meta["uid"], action=what,
+                 grace_s="the pod's own" if grace_s is None else grace_s)
 
     def close(self) -> None:
         with self._client_lock:
