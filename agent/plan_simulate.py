@@ -1,7 +1,9 @@
 """`gpuwarden plan simulate`: what a placement policy (spares per rack, slice size) gives a fleet over simulated
 days, with gpuwarden's own state machine, remediation engine, circuit breaker and spare swap deciding every
 failure (agent/sim_fleet.py). Reports usable node-hours, slice interruptions, the time slices waited for a rack,
-spares consumed and breaker trips per policy, as a table, JSON, and a plot of usable capacity over time.
+spares consumed and breaker trips per policy, and the GPU-hours the slices' training jobs lost when a doomed job
+waits for its NCCL watchdog against when gpuwarden ends it at once, as a table, JSON, and a plot of usable capacity
+over time.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ MAX_BURSTS = 64
 # it would expect (10,000 nodes for a year at 490 days a node: about 7,500).
 MAX_EXPECTED_FAILURES = 20_000
 JSON_VERSION = 1
+RESPONSES = {"fast-abort": True, "watchdog": False}  # --job-response: the timeline simulated (SimConfig.job_response)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +52,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", action="append", default=[], metavar="RACK:NODES@HOURS",
                    help="NODES nodes of rack RACK (from 0) fail at once HOURS into the run, a rack-level event "
                         "(repeatable)")
+    p.add_argument("--gpus-per-node", default="4", metavar="G",
+                   help="GPUs per node; each slice runs one job on all its nodes' GPUs (default 4: a GB200 NVL72 "
+                        "compute tray)")
+    p.add_argument("--checkpoint-minutes", default="60", metavar="M",
+                   help="a job checkpoints this often from the moment it works; a failure loses the work since "
+                        "(default 60)")
+    p.add_argument("--watchdog-minutes", default="10", metavar="M",
+                   help="a doomed job left alone ends when PyTorch's NCCL watchdog fires, this long after the fault "
+                        "(default 10: the process group's default timeout)")
+    p.add_argument("--abort-seconds", default="2", metavar="S",
+                   help="gpuwarden ends a doomed job this long after its requeue is carried out (the fault's "
+                        "detection and the scheduler's calls; default 2)")
+    p.add_argument("--job-response", default="fast-abort", metavar="fast-abort|watchdog",
+                   help="the timeline simulated: gpuwarden ends doomed jobs, or every one waits for its watchdog; "
+                        "the job rows charge each interruption both ways either way (default fast-abort)")
     p.add_argument("--seed", default="1", metavar="N", help="random seed: the same seed, the same report (default 1)")
     p.add_argument("--plot", type=Path, metavar="OUT.png",
                    help="draw usable capacity over time, one line per policy (needs the `plot` extra)")
@@ -133,8 +151,20 @@ def parse(args: argparse.Namespace) -> tuple[SimConfig, list[Policy]]:
         repair_sigma=parse_float(args.repair_sigma, "--repair-sigma", 0.0, 3.0),
         restart_min=parse_float(args.restart_minutes, "--restart-minutes", 0.0, 1440.0),
         breaker_reset_h=parse_float(args.breaker_reset_hours, "--breaker-reset-hours", 0.0, 8760.0),
-        bursts=bursts, seed=parse_int(args.seed, "--seed", 0, 2**63 - 1))
+        bursts=bursts, seed=parse_int(args.seed, "--seed", 0, 2**63 - 1),
+        gpus_per_node=parse_int(args.gpus_per_node, "--gpus-per-node", 1, 64),
+        checkpoint_min=parse_float(args.checkpoint_minutes, "--checkpoint-minutes", 0.0, 10080.0, lo_open=True),
+        watchdog_min=parse_float(args.watchdog_minutes, "--watchdog-minutes", 0.0, 1440.0),
+        abort_s=parse_float(args.abort_seconds, "--abort-seconds", 0.0, 3600.0),
+        job_response=parse_response(args.job_response))
     return config, policies
+
+
+def parse_response(text: Any) -> bool:
+    s = str(text).strip()
+    if s not in RESPONSES:
+        raise ConfigError(f"--job-response {shown(text)}: expected one of {', '.join(RESPONSES)}")
+    return RESPONSES[s]
 
 
 # -- output ---------------------------------------------------------------------------------------------------
@@ -144,6 +174,9 @@ def to_json(config: SimConfig, reports: Sequence[Report]) -> dict[str, Any]:
                        "mtbi_days": config.mtbi_days, "repair_median_h": config.repair_median_h,
                        "repair_sigma": config.repair_sigma, "restart_min": config.restart_min,
                        "breaker_reset_h": config.breaker_reset_h, "seed": config.seed,
+                       "gpus_per_node": config.gpus_per_node, "checkpoint_min": config.checkpoint_min,
+                       "watchdog_min": config.watchdog_min, "abort_s": config.abort_s,
+                       "job_response": "fast-abort" if config.job_response else "watchdog",
                        "bursts": [{"rack": b.rack, "nodes": b.nodes, "at_h": b.at_h} for b in config.bursts]},
             "policies": [r.to_dict() for r in reports]}
 
@@ -166,6 +199,13 @@ ROWS = (
     ("idle node-hours", lambda r: f"{r.node_hours['idle']:,.0f}"),
     ("spare node-hours", lambda r: f"{r.node_hours['spare']:,.0f}"),
     ("out-of-service node-hours", lambda r: f"{r.node_hours['out']:,.0f}"),
+    ("job GPUs (one job per slice)", lambda r: f"{r.jobs.job_gpus:,}"),
+    ("jobs doomed by a failure", lambda r: f"{r.jobs.interrupted:,}"),
+    ("  ended by gpuwarden / by watchdog", lambda r: f"{r.jobs.ended_by_gpuwarden:,} / {r.jobs.ended_by_watchdog:,}"),
+    ("GPU-hours lost: job waits for watchdog", lambda r: f"{r.jobs.gpu_hours_lost_watchdog:,.1f}"),
+    ("GPU-hours lost: gpuwarden ends it", lambda r: f"{r.jobs.gpu_hours_lost_fast_abort:,.1f}"),
+    ("  in both: work since its checkpoint", lambda r: f"{r.jobs.checkpoint_gpu_hours:,.1f}"),
+    ("GPU-hours saved by ending it", lambda r: f"{r.jobs.gpu_hours_saved:,.1f}"),
 )
 
 
@@ -176,10 +216,15 @@ def render(config: SimConfig, reports: Sequence[Report]) -> str:
             f"{c.repair_sigma:g}), seed {c.seed}")
     if c.bursts:
         head += "; bursts: " + ", ".join(f"rack {b.rack} {b.nodes} nodes at {b.at_h:g} h" for b in c.bursts)
+    jobs = (f"jobs: one per slice, {c.gpus_per_node} GPUs per node, a checkpoint every {c.checkpoint_min:g} min; "
+            f"NCCL watchdog {c.watchdog_min:g} min, gpuwarden ends a doomed job in {c.abort_s:g} s")
+    timeline = "simulated: " + ("gpuwarden ends each doomed job" if c.job_response else
+                                "each doomed job waits for its watchdog") + "; the job rows charge each one both ways"
     names = [r.policy for r in reports]
     width = max(len(label) for label, _ in ROWS)
     cols = [max(len(n), 12) for n in names]
-    lines = [head, "", f"{'':<{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols, strict=True))]
+    lines = [head, jobs, timeline, "",
+             f"{'':<{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols, strict=True))]
     for label, cell in ROWS:
         lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(r):>{w}}" for r, w in zip(reports, cols, strict=True)))
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """A seeded discrete-event simulation of a rack-scale fleet under gpuwarden's remediation: how many node-hours do
 slices get to work, how often is a running slice interrupted, how long do slices wait for a rack, how many
-spares are consumed and how often the circuit breaker trips, for one placement policy (spares per rack, slice
-size) over simulated days.
+spares are consumed, how often the circuit breaker trips, and the GPU-hours the slices' training jobs lose to
+failures when a doomed job waits for its NCCL watchdog and when gpuwarden ends it at once, for one placement policy
+(spares per rack, slice size) over simulated days.
 
 What is the real code, driven on a simulated clock (the LocalAdapter's `clock=`, the engine's `clock=`):
 - the node state machine: `agent/state.py` `next_state` and `wants_retest` decide every transition of a node
@@ -13,6 +14,9 @@ What is the real code, driven on a simulated clock (the LocalAdapter's `clock=`,
   it first fails: it carries the intents out, asks the circuit breaker (`agent/breaker.py`) before taking a node
   out of service, plans and takes spares (`agent/spares.py` `plan_swap`, `wants_back_in_pool`), and latches
   when the breaker refuses;
+- the job response: the engine's "job" intent (policy requeue), carried out by `agent/jobs/respond.py`
+  `carry_out` against the local scheduler's jobs table: the job is read, reconciled, marked and requeued, once per
+  run however many of its nodes ask;
 - the scheduler: the local adapter (`agent/adapters/local.py`), its SQLite file in a temporary folder (in
   memory-backed /dev/shm where there is one). Every write goes to it. The fleet view (`nodes()`) is served from
   a copy of its rows, refreshed from the database after every write that touches a node (`mirror_matches()`
@@ -34,11 +38,38 @@ What is modelled (the world outside the agent):
   first placed); a queued slice is placed on the rack with the fewest healthy free in-service nodes that still
   has S (best fit), and works after `restart_min` minutes (reloading its checkpoint). The scheduler places only
   on nodes whose hardware works (a job placed on a dead node fails at once: modelled as never placed). A
-  slice's nodes run one job each at the scheduler (`set_jobs`).
+  slice's nodes run one job each at the scheduler (`set_jobs`);
+- the jobs: each slice runs one distributed training job on all its nodes (`gpus_per_node` GPUs each), so a job is
+  as large as the policy's slice: the slice is the unit the scheduler places, and a job smaller than a slice would
+  outlive its slice's interruption, a larger one would need its slices placed together across racks (neither is
+  modelled). The job checkpoints every `checkpoint_min` minutes from the moment it works. A failure that hits it
+  while it works dooms its collectives: every rank blocks in the same collective, and the job holds all its GPUs
+  (its slice cannot be placed again) until it ends. It loses the work since its last checkpoint ((failure time -
+  the time it started working) mod the interval) and the time until it ends, each times its GPUs. A failure that
+  hits a slice with no job working (restarting) ends that start-up at once and costs no job time.
+
+How a doomed job ends (`job_response`):
+- gpuwarden ends it (the default): each failed node of the job has its engine given the job intent, after its
+  transition's own intents (the engine ends a job only where it took the node out first). The job ends `abort_s`
+  after the requeue lands on the simulated clock: the fault's detection and the scheduler's calls, which take no
+  simulated time here. The requeue lands at the failure, unless the breaker holds the node's intents (it waits
+  with them) or it is refused; the job's watchdog still ends it `watchdog_min` after the failure if that comes
+  first;
+- `job_response=False`: no job intent; every doomed job ends when its watchdog fires.
+A job that ends is requeued at the scheduler (its next run: by gpuwarden, or by the scheduler itself when the job's
+processes exit), and its slice queued to be placed again.
+
+Both responses in one run: the failures do not depend on the workload (each node's own stream), so a run charges
+each interruption both ways: the work since the checkpoint (the same), and the idle until the job ends: the
+watchdog timeout, against how long gpuwarden took in the run (`job_response=False`: `abort_s`, as if nothing
+held it). Charging the watchdog leaves out what a restart later by the timeout would shift afterwards: the phase of
+the job's checkpoints at its next failure, a failure that meets the job already hung. Those change the checkpoint
+loss by chance, not on average; a run with `job_response=False`, where each slice waits for its watchdog, checks
+the charge (tests/test_plan_simulate.py).
 
 Randomness: every node's failures and repairs come from its own stream, seeded by (seed, node index), so two
-policies simulated with the same seed see the same failures at the same times (a like-for-like comparison),
-and the same seed gives the same report.
+policies (or responses to a doomed job) simulated with the same seed see the same failures at the same times (a
+like-for-like comparison), and the same seed gives the same report.
 """
 from __future__ import annotations
 
@@ -60,6 +91,7 @@ from . import logs
 from .adapters.base import NodeView, Service
 from .adapters.local import LocalAdapter, read_views
 from .daemon import transition_intents
+from .jobs.model import JobRef
 from .model import Action, Entity, Finding, Status
 from .remediation import RESET_AT_KEY, Engine, Hooks, Settings
 from .state import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
@@ -67,7 +99,7 @@ from .records import dataclass
 
 HOUR = 3600.0
 DAY = 86400.0
-CATEGORIES = ("working", "restarting", "idle", "spare", "out")  # where each node-hour went
+CATEGORIES = ("working", "restarting", "hung", "idle", "spare", "out")  # where each node-hour went
 
 
 @dataclass(frozen=True)
@@ -103,6 +135,60 @@ class SimConfig:
     bursts: tuple[Burst, ...] = ()
     seed: int = 1
     sample_h: float = 1.0  # the capacity series: one point per this many hours
+    gpus_per_node: int = 4  # a GB200 NVL72 compute tray
+    # Young's optimum interval sqrt(2 x checkpoint stall x job MTBI) for a job on 16 nodes (MTBI 490 / 16 days) is an
+    # hour for a stall of 2.4 s, longer for any costlier checkpoint: hourly is, if anything, frequent.
+    checkpoint_min: float = 60.0
+    watchdog_min: float = 10.0  # PyTorch's NCCL process-group timeout, its default since 2.2
+    abort_s: float = 2.0  # the fault seen (one 1 s poll of the detecting check) and the scheduler's calls (1 s)
+    job_response: bool = True  # gpuwarden ends a doomed job; False: it waits for its watchdog
+
+
+@dataclass
+class JobLosses:
+    """GPU-hours the jobs lost to failures, under each response to a doomed job: the work since its last checkpoint
+    (the same under both) and its GPUs idle until it ended."""
+    response: str  # the run's own timeline: "fast-abort" (gpuwarden ends doomed jobs) or "watchdog"
+    job_nodes: int
+    gpus_per_node: int
+    checkpoint_min: float
+    watchdog_min: float
+    abort_s: float
+    interrupted: int = 0  # working jobs a failure doomed
+    checkpoint_gpu_hours: float = 0.0
+    idle_gpu_hours_watchdog: float = 0.0
+    idle_gpu_hours_fast_abort: float = 0.0
+    ended_by_gpuwarden: int = 0  # doomed jobs gpuwarden's requeue ended
+    ended_by_watchdog: int = 0  # doomed jobs whose watchdog fired first (the breaker held the requeue, a refusal)
+
+    @property
+    def job_gpus(self) -> int:
+        return self.job_nodes * self.gpus_per_node
+
+    @property
+    def gpu_hours_lost_watchdog(self) -> float:
+        return self.checkpoint_gpu_hours + self.idle_gpu_hours_watchdog
+
+    @property
+    def gpu_hours_lost_fast_abort(self) -> float:
+        return self.checkpoint_gpu_hours + self.idle_gpu_hours_fast_abort
+
+    @property
+    def gpu_hours_saved(self) -> float:
+        return self.gpu_hours_lost_watchdog - self.gpu_hours_lost_fast_abort
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_hours_lost_watchdog": round(self.gpu_hours_lost_watchdog, 3),
+                "gpu_hours_lost_fast_abort": round(self.gpu_hours_lost_fast_abort, 3),
+                "gpu_hours_saved": round(self.gpu_hours_saved, 3), "interrupted": self.interrupted,
+                "checkpoint_gpu_hours": round(self.checkpoint_gpu_hours, 3),
+                "idle_gpu_hours_watchdog": round(self.idle_gpu_hours_watchdog, 3),
+                "idle_gpu_hours_fast_abort": round(self.idle_gpu_hours_fast_abort, 3),
+                "ended_by_gpuwarden": self.ended_by_gpuwarden, "ended_by_watchdog": self.ended_by_watchdog,
+                "response": self.response,
+                "settings": {"job_nodes": self.job_nodes, "gpus_per_node": self.gpus_per_node,
+                             "job_gpus": self.job_gpus, "checkpoint_min": self.checkpoint_min,
+                             "watchdog_min": self.watchdog_min, "abort_s": self.abort_s}}
 
 
 @dataclass
@@ -127,6 +213,7 @@ class Report:
     slice_must_move: int  # a quarantined node's rack had no spare left
     breaker_trips: int  # engines the breaker latched
     retired: int
+    jobs: JobLosses
     series: list[tuple[float, int]] = field(default_factory=list)  # (hours, nodes working)
 
     @property
@@ -142,7 +229,7 @@ class Report:
                 "wait_slice_hours": round(self.wait_slice_hours, 3), "max_wait_h": round(self.max_wait_h, 3),
                 "spares_consumed": self.spares_consumed, "spares_for_spares": self.spares_for_spares,
                 "slice_must_move": self.slice_must_move,
-                "breaker_trips": self.breaker_trips, "retired": self.retired,
+                "breaker_trips": self.breaker_trips, "retired": self.retired, "jobs": self.jobs.to_dict(),
                 "series": [[round(t, 3), n] for t, n in self.series]}
 
 
@@ -152,6 +239,10 @@ class _Slice:
     nodes: list[int] = field(default_factory=list)
     queued_since: float | None = 0.0  # None while placed
     working_from: float = 0.0
+    run: int = 0  # its job's run at the scheduler (the restart count a requeue raises)
+    doomed_at: float | None = None  # a failure doomed its job, which holds the slice until it ends
+    abort_at: float | None = None  # when gpuwarden's requeue ends the doomed job
+    requeued: bool = False  # this run was requeued by gpuwarden
 
 
 @contextlib.contextmanager
@@ -230,6 +321,25 @@ class _Scheduler:
     def set_jobs(self, node: str, jobs: int | None) -> None:
         self._write("set_jobs", node, jobs)
 
+    # A job's calls name no node row: nothing to read back.
+    def job(self, job: Any) -> Any:
+        return self.real.job(job)
+
+    def mark_job(self, job: Any, reason: str) -> None:
+        self.real.mark_job(job, reason)
+
+    def signal_job(self, job: Any, signal: str) -> None:
+        self.real.signal_job(job, signal)
+
+    def requeue_job(self, job: Any) -> None:
+        self.real.requeue_job(job)
+
+    def cancel_job(self, job: Any) -> None:
+        self.real.cancel_job(job)
+
+    def set_job(self, job: Any, state: str, requeueable: bool | None = None) -> None:
+        self.real.set_job(job, state, requeueable)
+
     def take_spare(self, domain: str, for_node: str) -> str | None:
         spare = self.real.take_spare(domain, for_node)
         self.reread(for_node, *([spare] if spare else []))
@@ -296,6 +406,11 @@ class Fleet:
         self.wait_s = self.max_wait_s = 0.0
         self.spares_consumed = self.spares_for_spares = self.must_move = self.trips = 0
         self._failed_as_spare: set[int] = set()
+        self.watchdog_s = c.watchdog_min * 60.0
+        self.jobs = JobLosses("fast-abort" if c.job_response else "watchdog", policy.slice, c.gpus_per_node,
+                              c.checkpoint_min, c.watchdog_min, c.abort_s)
+        self._job_gpu_s = {"checkpoint": 0.0, "watchdog": 0.0, "fast_abort": 0.0}  # summed in GPU-seconds
+        self._job_intents: dict[str, tuple[int, int]] = {}  # a job intent's key -> (slice, run) it dooms
         self.series: list[tuple[float, int]] = []
         self._next_sample = 0.0
         self._dir = workdir or scratch_dir()
@@ -404,10 +519,11 @@ class Fleet:
                                              if c.repair_sigma > 0 else 1.0)
         self._push(self.now + repair, "repair", i)
         j = self.slice_of[i]
-        if j >= 0:
-            self._interrupt(j)
+        hung = j >= 0 and self._doom(j)
         self._refresh(i)
         self._observe(i)
+        if hung and self.config.job_response:
+            self._job_intent(i, j)
 
     def _on_burst(self, k: int) -> None:
         b = self.config.bursts[k]
@@ -424,6 +540,18 @@ class Fleet:
         t = self.now + self._rng(i).expovariate(1.0 / (self.config.mtbi_days * DAY))
         if t < self.horizon:
             self._push(t, "fail", i)
+
+    def _on_watchdog(self, j: int) -> None:
+        sl = self.slices[j]
+        if sl.doomed_at is not None and sl.doomed_at + self.watchdog_s == self.now:
+            self.jobs.ended_by_watchdog += 1
+            self._end_job(j)
+
+    def _on_aborted(self, j: int) -> None:
+        sl = self.slices[j]
+        if sl.doomed_at is not None and sl.abort_at == self.now:
+            self.jobs.ended_by_gpuwarden += 1
+            self._end_job(j)
 
     def _on_observe(self, i: int) -> None:
         if self._pending_observe.get(i) == self.now:
@@ -519,12 +647,39 @@ class Fleet:
         self.intents.append((name, key, outcome, at))
         if key.endswith(":take_spare") and "must move" in outcome:
             self.must_move += 1
+        job = self._job_intents.pop(key, None)
+        if job is not None and outcome.startswith("done: requeued"):
+            j, run = job
+            sl = self.slices[j]
+            if sl.run == run and sl.doomed_at is not None and sl.abort_at is None:
+                sl.requeued = True
+                sl.abort_at = at + self.config.abort_s
+                self._push(sl.abort_at, "aborted", j)
+
+    def _job_intent(self, i: int, j: int) -> None:
+        """The intent the daemon queues for a job its node's fault doomed (agent/jobs/doom.py's key), after the
+        transition's own intents: the engine ends a job only where it took the node out first."""
+        sl, name = self.slices[j], self.names[i]
+        ref = self._job_ref(j)
+        incident = f"node-failure:{name}:{self.now:.6f}"
+        key = f"job:{ref.key}:{incident}"
+        detail = {"at": self.now, "job": ref.to_dict(), "incident": incident, "rule": "node-failure",
+                  "reason": f"node_failure node-failure {name} (simulated)",
+                  "finding": self.findings(i)[0].to_dict(), "fault_at": self.now, "policy": "requeue",
+                  "signal": "USR1", "signal_before_s": 0.0, "node": name, "gpus_total": self._job_gpus(sl),
+                  "watchdog_s": self.watchdog_s}
+        self._job_intents[key] = (j, sl.run)
+        self._engine(i).enqueue([(key, "job", detail)])
+        self._drive(i)
 
     # -- the workload ----------------------------------------------------------------------------------------------
     def _category(self, i: int) -> str:
         j = self.slice_of[i]
         if j >= 0:
-            return "working" if self.slices[j].working_from <= self.now else "restarting"
+            sl = self.slices[j]
+            if sl.doomed_at is not None:
+                return "hung" if self.hw_ok[i] else "out"
+            return "working" if sl.working_from <= self.now else "restarting"
         view = self.scheduler.views.get(self.names[i])
         if view is None or not self.hw_ok[i]:
             return "out"
@@ -548,9 +703,50 @@ class Fleet:
         else:
             self.free[rack].discard(i)
 
-    def _interrupt(self, j: int) -> None:
+    def _job_ref(self, j: int) -> JobRef:
+        # Slurm's kind of job: a requeue starts its next run (the restart count), which the local scheduler keeps.
+        return JobRef("slurm", str(j + 1), self.slices[j].run, "simulated")
+
+    def _job_gpus(self, sl: _Slice) -> int:
+        return len(sl.nodes) * self.config.gpus_per_node
+
+    def _doom(self, j: int) -> bool:
+        """A node of slice `j` failed: its working job is doomed and holds the slice until it ends (True while it
+        does); a job still restarting ends at once, at no job time."""
         sl = self.slices[j]
+        if sl.doomed_at is not None:
+            return True  # already hung: this failure costs it nothing more
         self.interruptions += 1
+        if sl.working_from > self.now:
+            self._end_job(j)
+            return False
+        gpus = self._job_gpus(sl)
+        self.jobs.interrupted += 1
+        self._job_gpu_s["checkpoint"] += ((self.now - sl.working_from) % (self.config.checkpoint_min * 60.0)) * gpus
+        self._job_gpu_s["watchdog"] += self.watchdog_s * gpus
+        if not self.config.job_response:
+            self._job_gpu_s["fast_abort"] += min(self.config.abort_s, self.watchdog_s) * gpus
+        sl.doomed_at = self.now
+        self._push(self.now + self.watchdog_s, "watchdog", j)
+        for i in sl.nodes:
+            self._refresh(i)
+        return True
+
+    def _end_job(self, j: int) -> None:
+        sl = self.slices[j]
+        if sl.doomed_at is not None and self.config.job_response:
+            self._job_gpu_s["fast_abort"] += (self.now - sl.doomed_at) * self._job_gpus(sl)
+        if not sl.requeued:
+            # The job's processes exited (its watchdog, or its start-up failed) and the scheduler requeued it: the
+            # local scheduler's requeue is what starts a job's next run, whoever asks.
+            self.scheduler.requeue_job(self._job_ref(j))
+        sl.run += 1
+        sl.doomed_at = sl.abort_at = None
+        sl.requeued = False
+        self._release(j)
+
+    def _release(self, j: int) -> None:
+        sl = self.slices[j]
         nodes, sl.nodes = sl.nodes, []
         sl.queued_since = self.now
         for i in nodes:
@@ -576,6 +772,7 @@ class Fleet:
             sl.queued_since = None
             sl.working_from = self.now + (self.config.restart_min * 60.0 if restart else 0.0)
             sl.nodes = sorted(self.free[rack])[:size]
+            self.scheduler.set_job(self._job_ref(j), "running", requeueable=True)
             for i in sl.nodes:
                 self.slice_of[i] = j
                 self.scheduler.set_jobs(self.names[i], 1)
@@ -596,12 +793,22 @@ class Fleet:
         longest = max([self.max_wait_s] + [self.now - s.queued_since for s in self.slices
                                            if s.queued_since is not None])
         retired = sum(1 for r in self.records.values() if r.state is NodeState.RETIRED)
+        gpu_s = dict(self._job_gpu_s)
+        if c.job_response:
+            # A job still hung at the end is charged in full, as the watchdog column charges it.
+            for sl in self.slices:
+                if sl.doomed_at is not None:
+                    end = min(sl.abort_at if sl.abort_at is not None else math.inf, sl.doomed_at + self.watchdog_s)
+                    gpu_s["fast_abort"] += (end - sl.doomed_at) * self._job_gpus(sl)
+        jobs = self.jobs
+        jobs.checkpoint_gpu_hours, jobs.idle_gpu_hours_watchdog, jobs.idle_gpu_hours_fast_abort = (
+            gpu_s["checkpoint"] / HOUR, gpu_s["watchdog"] / HOUR, gpu_s["fast_abort"] / HOUR)
         return Report(self.policy.name, self.n, c.racks, c.days, c.seed, len(self.slices),
                       {k: v / HOUR for k, v in self.hours.items()}, self.n * self.horizon / HOUR,
                       self.hours["working"] / HOUR, self.failures, self.repairs, self.interruptions, self.waits,
                       (self.wait_s + waited_now) / HOUR, longest / HOUR, self.spares_consumed,
                       self.spares_for_spares, self.must_move,
-                      self.trips, retired, self.series)
+                      self.trips, retired, jobs, self.series)
 
 
 def simulate(config: SimConfig, policy: Policy, workdir: Path | None = None) -> Report:

@@ -10,6 +10,7 @@ import pytest
 from gpuwarden.agent import plan_simulate
 from gpuwarden.agent.adapters.base import Service
 from gpuwarden.agent.errors import ConfigError
+from gpuwarden.agent.jobs.model import JobRef
 from gpuwarden.agent.sim_fleet import HOUR, Burst, Fleet, Policy, SimConfig, simulate
 from gpuwarden.agent.state import NodeState
 
@@ -28,8 +29,8 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_the_same_seed_gives_the_same_report():
     a = simulate(BUSY, Policy(2, 16)).to_dict()
     b = simulate(BUSY, Policy(2, 16)).to_dict()
-    assert a["failures"] > 5
-    assert a == b
+    assert a["failures"] > 5 and a["jobs"]["interrupted"] > 5
+    assert a == b  # the job figures with the rest
 
 
 def test_another_seed_gives_another_report():
@@ -74,9 +75,12 @@ def test_a_failed_node_goes_through_the_state_machine_and_back(tmp_path):
     assert mine[0].at == 5 * HOUR
     assert mine[1].at == 5 * HOUR + 60  # the ladder's first step waits step_after_s after the quarantine
     assert mine[2].at > 15 * HOUR  # after the repair (10 h) and the retest
-    done = [(k.rsplit(":", 1)[1], outcome) for n, k, outcome, _ in fleet.intents if n == name]
-    assert [a for a, _ in done] == ["cordon", "drain", "take_spare", "ticket", "resume"]
+    done = [("job" if k.startswith("job:") else k.rsplit(":", 1)[1], outcome)
+            for n, k, outcome, _ in fleet.intents if n == name]
+    # The slice's doomed job is ended after the node is out: the engine ends a job only where it took the node out.
+    assert [a for a, _ in done] == ["cordon", "drain", "take_spare", "job", "ticket", "resume"]
     assert dict(done)["ticket"] == "done: simulated ticket"
+    assert dict(done)["job"] == "done: requeued Slurm job 2"
     assert report.failures == report.repairs == 1
     assert report.interruptions == 1 and report.waits == 0
     assert fleet.scheduler.mirror_matches()
@@ -163,6 +167,11 @@ def test_run_prints_a_table(capsys):
     text = capsys.readouterr().out
     assert "spares=2,slice=16" in text and "spares=0,slice=18" in text
     assert "slice interruptions" in text and "breaker trips" in text
+    rows = {line[:40].strip(): line[40:].split() for line in text.splitlines()}
+    # One failure at 1 h into a 64-GPU (and a 72-GPU) job that checkpoints hourly: nothing since its checkpoint.
+    assert rows["GPU-hours lost: job waits for watchdog"] == ["10.7", "12.0"]
+    assert rows["GPU-hours lost: gpuwarden ends it"] == ["0.0", "0.0"]
+    assert rows["GPU-hours saved by ending it"] == ["10.6", "12.0"]
 
 
 @pytest.mark.parametrize("argv", [
@@ -177,6 +186,11 @@ def test_run_prints_a_table(capsys):
     ("--policy", "spares=nan,slice=16"),
     ("--burst", "0:1"), ("--burst", "128:1@1"), ("--burst", "0:19@1"), ("--burst", "0:1@inf"),
     ("--burst", "0:1@-1"), ("--burst", "0:1@99999"),
+    ("--gpus-per-node", "0"), ("--gpus-per-node", "65"), ("--gpus-per-node", "4.5"), ("--gpus-per-node", "nan"),
+    ("--checkpoint-minutes", "0"), ("--checkpoint-minutes", "-30"), ("--checkpoint-minutes", "inf"),
+    ("--checkpoint-minutes", "99999"), ("--watchdog-minutes", "-1"), ("--watchdog-minutes", "nan"),
+    ("--watchdog-minutes", "1441"), ("--abort-seconds", "-0.5"), ("--abort-seconds", "1e9"),
+    ("--abort-seconds", "inf"), ("--job-response", "never"), ("--job-response", "x" * 10_000),
 ])
 def test_hostile_flags_are_config_errors(argv):
     with pytest.raises(ConfigError) as err:
@@ -227,3 +241,132 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"`plot` extra"):
         plan_simulate.plot([report], tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+# -- the jobs on the slices: GPU-hours lost waiting for the watchdog against gpuwarden ending the job -----------------
+def _lost(report):
+    return report.jobs.gpu_hours_lost_watchdog, report.jobs.gpu_hours_lost_fast_abort
+
+
+def test_json_carries_both_job_figures_and_the_settings(capsys):
+    args = _args("--racks", "4", "--days", "30", "--mtbi-days", "60", "--seed", "7", "--gpus-per-node", "8",
+                 "--checkpoint-minutes", "30", "--watchdog-minutes", "20", "--abort-seconds", "3", "--json")
+    assert plan_simulate.run(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["version"] == plan_simulate.JSON_VERSION
+    assert doc["config"] | {"gpus_per_node": 8, "checkpoint_min": 30.0, "watchdog_min": 20.0, "abort_s": 3.0,
+                            "job_response": "fast-abort"} == doc["config"]
+    for p, gpus in zip(doc["policies"], (128, 144), strict=True):
+        jobs = p["jobs"]
+        assert jobs["settings"] == {"job_nodes": gpus // 8, "gpus_per_node": 8, "job_gpus": gpus,
+                                    "checkpoint_min": 30.0, "watchdog_min": 20.0, "abort_s": 3.0}
+        assert jobs["interrupted"] > 5 and jobs["response"] == "fast-abort"
+        assert 0 < jobs["gpu_hours_lost_fast_abort"] < jobs["gpu_hours_lost_watchdog"]
+        assert jobs["gpu_hours_saved"] == pytest.approx(jobs["gpu_hours_lost_watchdog"]
+                                                        - jobs["gpu_hours_lost_fast_abort"], abs=0.002)
+        # Nothing held a requeue here: each job idled 3 s, not 20 min.
+        assert jobs["ended_by_gpuwarden"] == jobs["interrupted"] and jobs["ended_by_watchdog"] == 0
+        assert jobs["idle_gpu_hours_watchdog"] == pytest.approx(jobs["interrupted"] * gpus * 20 / 60, abs=0.002)
+        assert jobs["idle_gpu_hours_fast_abort"] == pytest.approx(jobs["interrupted"] * gpus * 3 / 3600, abs=0.002)
+
+
+@pytest.mark.parametrize("policy", [Policy(2, 16), Policy(0, 18), Policy(1, 8)])
+def test_gpuwarden_ending_a_doomed_job_loses_less_than_waiting_for_its_watchdog(policy):
+    r = simulate(BUSY, policy)
+    watchdog, fast = _lost(r)
+    assert r.jobs.interrupted > 5
+    assert fast < watchdog
+    # The same work since the checkpoint on both sides, at most one interval per doomed job.
+    assert 0 < r.jobs.checkpoint_gpu_hours <= r.jobs.interrupted * r.jobs.job_gpus * BUSY.checkpoint_min / 60
+    assert watchdog - r.jobs.checkpoint_gpu_hours == pytest.approx(r.jobs.idle_gpu_hours_watchdog)
+    assert fast - r.jobs.checkpoint_gpu_hours == pytest.approx(r.jobs.idle_gpu_hours_fast_abort)
+
+
+def test_no_failures_lose_no_job_time():
+    r = simulate(SimConfig(racks=3, nodes_per_rack=18, **QUIET), Policy(2, 16))
+    assert r.failures == 0 and r.jobs.interrupted == 0
+    assert _lost(r) == (0.0, 0.0) and r.jobs.gpu_hours_saved == 0.0
+    assert r.node_hours["hung"] == 0.0
+
+
+def test_a_watchdog_of_zero_minutes_makes_the_idle_parts_equal():
+    r = simulate(SimConfig(**{**BUSY.__dict__, "watchdog_min": 0.0}), Policy(2, 16))
+    assert r.jobs.interrupted > 5
+    assert r.jobs.idle_gpu_hours_watchdog == r.jobs.idle_gpu_hours_fast_abort == 0.0
+    watchdog, fast = _lost(r)
+    assert watchdog == fast == r.jobs.checkpoint_gpu_hours > 0 and r.jobs.gpu_hours_saved == 0.0
+
+
+def test_the_same_seed_gives_the_same_job_figures_and_another_seed_others():
+    a = simulate(BUSY, Policy(0, 18)).jobs.to_dict()
+    assert a == simulate(BUSY, Policy(0, 18)).jobs.to_dict()
+    assert a != simulate(SimConfig(**{**BUSY.__dict__, "seed": 8}), Policy(0, 18)).jobs.to_dict()
+
+
+def test_a_doomed_job_loses_the_work_since_its_checkpoint_and_a_restarting_one_nothing(tmp_path):
+    # Node 0 of rack 1's 16-node slice (64 GPUs, working since 0) fails 5.5 h in: half an hour since its checkpoint.
+    # The job ends 2 s later and is placed again with the spare; node 1 fails while it restarts: no job time.
+    config = SimConfig(racks=2, nodes_per_rack=18, bursts=(Burst(1, 1, 5.5), Burst(1, 1, 5.6, first=1)), **QUIET)
+    fleet = Fleet(config, Policy(2, 16), workdir=tmp_path)
+    r = fleet.run()
+    assert r.interruptions == 2 and r.jobs.interrupted == 1
+    assert r.jobs.checkpoint_gpu_hours == pytest.approx(64 * 0.5)
+    assert r.jobs.idle_gpu_hours_watchdog == pytest.approx(64 * 10 / 60)
+    assert r.jobs.idle_gpu_hours_fast_abort == pytest.approx(64 * 2 / 3600)
+    assert r.node_hours["hung"] == pytest.approx(15 * 2 / 3600)  # the 15 healthy nodes, 2 s; the failed one is out
+    # The slice's job at the scheduler: requeued by gpuwarden, then by the scheduler when its start-up failed.
+    view = fleet.scheduler.job(JobRef("slurm", "2"))
+    assert (view.state, view.run) == ("running", 2)
+
+
+def test_one_fault_on_several_nodes_of_a_job_ends_it_once(tmp_path):
+    # Six nodes of one 16-node slice fail at once: each one's engine is given the job; the first requeues it, the
+    # others find it requeued at the scheduler (the breaker held two of them, whose turn came after its reset).
+    config = SimConfig(racks=10, nodes_per_rack=18, bursts=(Burst(3, 6, 5.0),), **QUIET)
+    fleet = Fleet(config, Policy(2, 16), workdir=tmp_path)
+    r = fleet.run()
+    jobs = [(n, o) for n, k, o, _ in fleet.intents if k.startswith("job:slurm:4.0:")]
+    assert [n for n, _ in jobs] == [fleet.names[3 * 18 + k] for k in range(6)]
+    assert jobs[0][1] == "done: requeued Slurm job 4"
+    assert all(o == "already so at the scheduler (Slurm job 4 is pending (requeued since))" for _, o in jobs[1:])
+    assert r.jobs.interrupted == r.jobs.ended_by_gpuwarden == 1
+    view = fleet.scheduler.job(JobRef("slurm", "4"))
+    assert view.run == 1 and view.mark.startswith("gpuwarden: requeued on r0003n000: ")
+    requeues = [a for a in fleet.scheduler.real.actions() if a["action"] == "requeue_job"]
+    assert [a["job"] for a in requeues] == ["slurm:4"]
+
+
+def test_a_job_whose_failed_nodes_the_breaker_holds_waits_for_its_watchdog():
+    # 4-node slices: the burst's first four nodes are one job, ended by gpuwarden; its fifth and sixth the next job,
+    # whose nodes' intents (the job's with them) the breaker holds until its reset 2 h later: that job waits for its
+    # watchdog.
+    config = SimConfig(racks=10, nodes_per_rack=18, bursts=(Burst(3, 6, 5.0),), **QUIET)
+    r = simulate(config, Policy(2, 4))
+    assert r.breaker_trips == 2
+    assert r.jobs.interrupted == 2 and r.jobs.ended_by_gpuwarden == 1 and r.jobs.ended_by_watchdog == 1
+    assert r.jobs.idle_gpu_hours_fast_abort == pytest.approx(16 * (2 / 3600 + 10 / 60))
+    assert r.jobs.idle_gpu_hours_watchdog == pytest.approx(2 * 16 * 10 / 60)
+
+
+def test_waiting_for_the_watchdog_holds_the_slice_and_costs_what_the_fast_run_charges():
+    fast = simulate(BUSY, Policy(2, 16))
+    slow = simulate(SimConfig(**{**BUSY.__dict__, "job_response": False}), Policy(2, 16))
+    assert slow.failures == fast.failures and slow.jobs.response == "watchdog"
+    assert slow.jobs.ended_by_gpuwarden == 0 and slow.jobs.interrupted == fast.jobs.interrupted
+    # Each doomed job's 15 healthy nodes hung for the watchdog, not for 2 s; the fleet worked that much less.
+    assert slow.node_hours["hung"] == pytest.approx(slow.jobs.interrupted * 15 * 10 / 60, rel=0.05)
+    lost = slow.usable_node_hours - fast.usable_node_hours
+    assert lost == pytest.approx(-slow.jobs.interrupted * 16 * 10 / 60, rel=0.15)
+    # What the fast run charges the watchdog for is what waiting for it cost (the checkpoint part moves by chance).
+    assert slow.jobs.gpu_hours_lost_watchdog == pytest.approx(fast.jobs.gpu_hours_lost_watchdog, rel=0.05)
+    assert slow.jobs.idle_gpu_hours_watchdog == fast.jobs.idle_gpu_hours_watchdog
+
+
+@pytest.mark.parametrize("argv", [("--watchdog-minutes", "-1"), ("--checkpoint-minutes", "0"),
+                                  ("--gpus-per-node", "0"), ("--abort-seconds", "nan"), ("--job-response", "wait")])
+def test_bad_job_flags_exit_2_naming_the_flag(argv, capsys):
+    from gpuwarden.agent import cli
+
+    assert cli.main(["plan", "simulate", "--racks", "1", "--days", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {argv[0]} " in err
