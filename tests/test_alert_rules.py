@@ -2,28 +2,118 @@
 alert has a unit test that fires it and one where it stays quiet; the rules and the unit tests' input series ask
 only for metric names, labels and label values the agent really exports on recorded nodes; each alert names the
 node (and the GPU, port or check) and says what to do; the scrape example is valid and names the instance after
-the node. Also the series added for them (node_info, node_spare, loops_stalled, start_time, build_info)."""
+the node. Also the series added for them (node_info, node_spare, loops_stalled, start_time, build_info).
+
+The job metrics (gpuwarden_job_*) exist only once the agent has acted on a doomed job, which the recorded nodes never
+give it: their names, labels and label values come from the real remediation engine carrying job intents out through
+the local scheduler, rendered by the daemon's own collector (`after_job_actions()`)."""
 from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 import time
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import ROOT
-from exported_series import TARGET_LABELS, exported, labels_of, references, values_of
+from exported_series import PROMETHEUS_OWN, TARGET_LABELS, exported, references
 from exported_series import exposition as node_exposition
 
 PROM = ROOT / "packaging" / "prometheus"
 RULES = PROM / "gpuwarden-rules.yml"
 UNIT_TESTS = sorted((PROM / "tests").glob("*.yml"))
 # Labels whose values are a closed set the agent enumerates (a typo in a matcher would match nothing, silently).
-ENUM_LABELS = {"state", "status", "step", "outcome", "check", "entity_kind", "action"}
+# reason: a clock event's NVML reason, a job action's doom rule (agent/jobs/doom_rules.toml).
+ENUM_LABELS = {"state", "status", "step", "outcome", "check", "entity_kind", "action", "reason"}
 SEVERITIES = {"critical", "warning", "info"}
 SERIES = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}$")
+
+
+_after_jobs: dict[str, list[frozenset]] = {}
+_after_jobs_texts: list[str] = []
+
+
+def after_job_actions() -> dict[str, list[frozenset]]:
+    """The series that appear only once the agent has acted on a doomed job, as `exported()` gives series: the real
+    engine (agent/remediation.py) quarantines a node and carries out one job intent per [jobs] on_doomed policy
+    and doom rule through the local scheduler, then one more engine does the same in dry-run; the daemon's
+    collector renders what they export. Kept: the series it did not export before the job intents."""
+    if not _after_jobs:
+        from prometheus_client import generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from gpuwarden.agent.adapters.local import LocalAdapter
+        from gpuwarden.agent.jobs import doom, respond
+        from gpuwarden.agent.jobs.model import JobRef
+        from gpuwarden.agent.metrics import DaemonCollector, registry_for
+        from gpuwarden.agent.remediation import Engine, Hooks, Settings
+
+        node = "gb200-rack07-tray11"
+        with tempfile.TemporaryDirectory(prefix="gpuwarden-jobs-") as tmp:
+            for mode in ("act", "dry-run"):
+                log = Path(tmp) / mode / "actions.jsonl"
+                log.parent.mkdir()
+                adapter = LocalAdapter(log, node_name=node)
+                for i in range(8):  # the rest of its domain, in service: the breaker lets the quarantine through
+                    adapter.node(f"gb200-rack07-tray{i:02d}")
+                meta: dict = {}
+                engine = Engine(adapter, Settings(mode=mode, node_name=node, actions_path=log),
+                                Hooks(done=lambda key, at, outcome: None, set_meta=meta.__setitem__,
+                                      read_meta=meta.get))
+                now = time.time()
+                intents = [(f"{now:.6f}:healthy->quarantined:drain", "drain",
+                            {"at": now, "to": "quarantined", "reason": "xid 79 GPU2 0018:01:00.0"})]
+                for p, policy in enumerate(respond.POLICIES):
+                    for r, rule in enumerate(doom.rules()):
+                        ref = JobRef("slurm", str(4000 + 10 * p + r), 0, "environ")
+                        intents.append((f"job:{ref.key}:{rule.name}:{now:.6f}", "job", {
+                            "at": now, "job": ref.to_dict(), "policy": policy, "rule": rule.name,
+                            "reason": f"{rule.name} on GPU2", "fault_at": now - 1.0, "watchdog_s": 600.0,
+                            "gpus_total": 16}))
+                collector = DaemonCollector()
+                collector.live(engine.samples)
+                before = {s.name for f in text_string_to_metric_families(generate_latest(registry_for(collector))
+                                                                         .decode()) for s in f.samples}
+                engine.enqueue(intents)
+                for _ in range(len(intents) + 5):
+                    engine.step()
+                assert not engine.pending(), engine.pending()
+                text = generate_latest(registry_for(collector)).decode()
+                for family in text_string_to_metric_families(text):
+                    for s in family.samples:
+                        if s.name in before:
+                            continue
+                        labels = frozenset((k, v) for k, v in s.labels.items() if v != "")
+                        if labels not in _after_jobs.setdefault(s.name, []):
+                            _after_jobs[s.name].append(labels)
+                _after_jobs_texts.append(text)
+        assert _after_jobs, "no job action exported a series"
+    return _after_jobs
+
+
+def known() -> dict[str, list[frozenset]]:
+    """Every series the agent exports: on the recorded nodes, and those that need a job action first."""
+    out = {name: list(sets) for name, sets in exported().items()}
+    for name, sets in after_job_actions().items():
+        out.setdefault(name, []).extend(s for s in sets if s not in out[name])
+    return out
+
+
+def labels_of(metric: str, recorded: dict[str, set[str]] | None = None) -> set[str]:
+    """Every label a metric's series carry in Prometheus: the agent's own plus the target's."""
+    if recorded and metric in recorded:
+        return set(recorded[metric])
+    sets = known().get(metric) or PROMETHEUS_OWN.get(metric)
+    assert sets is not None, f"{metric} is not exported by the agent"
+    return {k for s in sets for k, _ in s} | TARGET_LABELS
+
+
+def values_of(metric: str, label: str) -> set[str]:
+    return {v for s in known().get(metric, []) for k, v in s if k == label}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -92,7 +182,7 @@ def test_the_rules_read_only_what_the_agent_exports():
         assert refs.metrics, r
         available: set[str] = set(TARGET_LABELS)
         for m in refs.metrics:
-            assert m in own or m in exported() or m == "up", f"{r.get('alert') or r.get('record')}: {m} is not exported"
+            assert m in own or m in known() or m == "up", f"{r.get('alert') or r.get('record')}: {m} is not exported"
             available |= labels_of(m, own)
         for metric, label, op, value in refs.matchers:
             assert label in labels_of(metric, own), f"{metric} has no label {label}"
@@ -116,10 +206,10 @@ def test_the_unit_tests_feed_the_series_the_agent_exports():
             if name == "up":
                 assert set(labels) == {"instance", "job"}
                 continue
-            assert name in exported(), f"{name} is not exported by the agent"
+            assert name in known(), f"{name} is not exported by the agent"
             own = set(labels) - TARGET_LABELS
-            assert own in [{k for k, _ in real} for real in exported()[name]], \
-                f"{s['series']}: the agent exports {name} with {exported()[name][:3]}"
+            assert own in [{k for k, _ in real} for real in known()[name]], \
+                f"{s['series']}: the agent exports {name} with {known()[name][:3]}"
             assert labels["job"] == "gpuwarden"
             if name == "gpuwarden_finding":  # a finding the recorded nodes really raise, label for label
                 assert frozenset((k, v) for k, v in labels.items() if k not in TARGET_LABELS) in exported()[name], s
@@ -172,6 +262,25 @@ def test_the_scrape_example_is_valid_and_names_the_instance_after_the_node():
 
 
 # -- the series the rules and the dashboard need ----------------------------------------------------------------------
+def test_the_job_metrics_appear_after_job_actions_with_every_action_and_doom_rule():
+    from gpuwarden.agent.jobs import doom
+    from gpuwarden.agent.remediation import JOB_ACTION_KINDS
+
+    series = after_job_actions()
+    assert set(series) == {"gpuwarden_job_actions_total", "gpuwarden_job_fault_to_action_seconds",
+                           "gpuwarden_job_gpu_seconds_saved_estimate_total"}
+    assert values_of("gpuwarden_job_actions_total", "action") == set(JOB_ACTION_KINDS)
+    assert values_of("gpuwarden_job_actions_total", "reason") == {r.name for r in doom.rules()}
+    # The time to act is measured, and GPU-seconds saved estimated, only for what reached the scheduler; notify
+    # ends no job and saves nothing.
+    assert values_of("gpuwarden_job_fault_to_action_seconds", "action") == {"notify", "signal", "requeue", "cancel"}
+    assert values_of("gpuwarden_job_gpu_seconds_saved_estimate_total", "action") == {"signal", "requeue", "cancel"}
+    for text in _after_jobs_texts:
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                              timeout=30)
+        assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
+
+
 def test_node_info_names_the_node_and_its_nvlink_domain():
     healthy = node_exposition("gb200-nvl72-healthy")
     assert ('gpuwarden_node_info{domain="62c4efc6-d460-488d-b7d7-69de49edd641.32766",node="gb200-rack07-tray03"} '
