@@ -305,9 +305,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             self._transitions += 1
             self._new_transitions.append(transition)
             intents = self._intents(transition)
-            # A doomed job is acted on right after its node is out of service (cordon, drain), before a spare's swap
-            # or the ladder's steps: those may wait on the scheduler, and the job's GPUs idle meanwhile.
-            after = max((i + 1 for i, it in enumerate(intents) if it[1] in ("cordon", "drain")), default=len(intents))
+            # A doomed job is acted on right after its node stops taking work (the cordon, which the circuit breaker
+            # gates), before the drain, a spare's swap or the ladder's steps: a drain may wait on the scheduler (a
+            # PodDisruptionBudget holds a Kubernetes eviction), and the job's GPUs idle meanwhile.
+            after = next((i + 1 for i, it in enumerate(intents) if it[1] == "cordon"), 0)
             intents[after:after] = job_intents
             log.info("node state", frm=transition.frm.value, to=transition.to.value, reason=transition.reason,
                      actions=list(transition.actions))

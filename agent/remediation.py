@@ -237,6 +237,8 @@ class Engine:
                 self._queue.popleft()
             item.not_before, item.attempts = exc.until, 0
             self._deferred.append(item)
+            if item.key not in self._job_progress:  # its first action, the signal: what the time to act measures
+                self._count_job(item, "done", "done: signalled", latency=True)
             self._job_progress[item.key] = exc.progress
         log.info("job signalled; its requeue waits", key=item.key, until=exc.until)
         self._save_status()
@@ -372,9 +374,11 @@ class Engine:
         return job_response.carry_out(adapter, item.detail, self.settings.node_name, now,
                                       self._job_progress.get(item.key))
 
-    def _count_job(self, item: _Item, kind: str, outcome: str) -> None:
-        """The job metrics of an ended job intent (lock held): what was done, how long after the fault, and the
-        GPU-seconds it is estimated to have saved ((the job's watchdog timeout - the time to act) x its GPUs)."""
+    def _count_job(self, item: _Item, kind: str, outcome: str, latency: bool | None = None) -> None:
+        """The job metrics of a job intent that ended, or signalled its job first (lock held): what was done, how long
+        after the fault (of the first action: a requeue that waited out signal_before_s after its signal took its time
+        at the signal), and the GPU-seconds it is estimated to have saved ((the job's watchdog timeout - the time to
+        the end of the job) x its GPUs)."""
         d = item.detail
         if kind == "dry_run":
             action = "dry_run"
@@ -392,7 +396,10 @@ class Engine:
         if action == "dry_run" or not isinstance(fault_at, (int, float)):
             return
         took = max(0.0, self.clock() - float(fault_at))
-        self._job_latency[action] = took
+        if latency if latency is not None else item.key not in self._job_progress:
+            self._job_latency[action] = took
+        if latency:
+            return  # the job goes on until its requeue: what it saved is counted then
         watchdog, gpus = d.get("watchdog_s"), d.get("gpus_total")
         if action != "notify" and isinstance(watchdog, (int, float)) and isinstance(gpus, (int, float)):
             self._job_saved[action] = self._job_saved.get(action, 0.0) + max(0.0, float(watchdog) - took) * float(gpus)

@@ -159,7 +159,10 @@ def remediation_setup(cfg: Any, node: Any, state_dir: Path) -> tuple[Settings, A
 
     table = cfg.remediation
     settings = Settings.from_table(table, node.hostname, state_dir / "actions.jsonl")
-    adapter = build_adapter(settings.adapter, table.get(settings.adapter, {}), state_dir)
+    own = dict(table.get(settings.adapter, {}))
+    if settings.adapter == "kubernetes":  # a job's pod is looked for among this node's pods only
+        own.setdefault("node_name", settings.node_name)
+    adapter = build_adapter(settings.adapter, own, state_dir)
     return settings, adapter, node_domain(node, cfg)
 
 

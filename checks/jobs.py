@@ -18,8 +18,9 @@ from gpuwarden.agent.check import CheckSpec
 from gpuwarden.agent.errors import NotApplicable, SourceError
 from gpuwarden.agent.jobs import discover, outages, settings
 from gpuwarden.agent.jobs.model import GpuUse, JobOnNode, jobs_in
-from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.model import Finding
 from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.per_gpu import device_error_finding
 from gpuwarden.agent.records import dataclass
 from gpuwarden.checks.ib_port import read_ports
 
@@ -38,12 +39,16 @@ class JobsSample:
     alive: frozenset[int]  # of the pids the state holds on GPUs that cannot be read now, those that still run
 
 
-def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> JobsSample:
+def _ports(node: Any) -> list[tuple[str, bool]]:
     try:
         ports, _unreadable = read_ports(node.sysfs, detail=False)
     except SourceError:
-        ports = []
-    found = discover.discover(node, [(p.port, p.state == "ACTIVE") for p in ports], 0.0)
+        return []
+    return [(p.port, p.state == "ACTIVE") for p in ports]
+
+
+def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> JobsSample:
+    found = discover.discover(node, lambda: _ports(node), 0.0)
     if not found.jobs and not found.unreadable and not node.gpus():
         raise NotApplicable("NVML reports no GPU on this node")
     held = {pid for job in state.get("jobs", {}).values() for pid in job.get("pids", ())}
@@ -72,13 +77,11 @@ def judge(state: Mapping[str, Any], s: JobsSample, cfg: Mapping[str, Any], now: 
         if old.seen_at is not None and now - old.seen_at > KEEP_UNREADABLE_S:
             continue
         jobs[key] = old  # its GPUs cannot be read and its processes live: still this job's
-    findings: list[Finding] = []
-    for index, why in sorted(s.found.unreadable.items()):
-        if "GPU_IS_LOST" in why:
-            continue  # the lost GPU is the other checks' fault; its jobs stay known from the last look
-        findings.append(Finding(CHECK_NAME, "jobs-unreadable", Entity("gpu", f"index-{index}", index), Status.UNKNOWN,
-                                f"GPU {index}: NVML could not list its processes ({why}): which job uses it is not "
-                                "known, and a fault on it ends no job", Action.NONE, {"error": why}))
+    # A GPU whose processes NVML cannot list is judged as every NVML check judges one (agent/per_gpu.py): lost is
+    # FAIL gpu-lost (its jobs stay known from the last look), any other error UNKNOWN; NOT_SUPPORTED (a board that
+    # lists no processes) is no finding, and `gpuwarden jobs` says the GPU was not looked at.
+    findings = [device_error_finding(CHECK_NAME, gpu.entity, err) for gpu, err in s.found.errors
+                if not err.not_supported]
     history = settings.outages(s.ib_state, now) if s.ib_state else {}
     findings += settings.decide(list(jobs.values()), history)
     metrics = [MetricSample("gpuwarden_jobs_on_node", "Jobs whose processes hold a GPU of this node.", {},
@@ -123,4 +126,8 @@ SPEC = PassiveSpec(
     interval_s=INTERVAL_S,
     defaults=DEFAULTS,
     timeout_s=20.0,
+    # No job on the node: the same look again (no process on any GPU) would judge the same. An idle node's poll is
+    # then NVML's process lists alone, with no judgement or commit (a job appearing is a different sample).
+    quiet=lambda state: not state.get("jobs") and not state.get("unreadable"),
+    quiet_rejudge_s=60.0,
 )

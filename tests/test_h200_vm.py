@@ -31,6 +31,7 @@ QUICK = {
     "nvlink_lanes": "skipped",  # NVLink is not exposed to this system
     "fabric": "skipped",  # no NVSwitch here: Fabric Manager is not this system's
     "pcie_aer": "skipped",  # the VM's root port gives no AER statistics
+    "jobs": "ok",  # no process on its GPU: no job to list
 }
 
 

@@ -16,7 +16,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import NvmlError, SourceError, ToolError, ToolMissing
 from ..records import dataclass
@@ -75,11 +75,13 @@ class ProcessInfo:
 
 @dataclass(frozen=True)
 class Discovery:
-    """What one look found: the jobs on the node, and the GPUs whose processes could not be read (index -> why)."""
+    """What one look found: the jobs on the node, and the GPUs whose processes could not be read (index -> why, and
+    each GPU with its NVML error, for the findings)."""
 
     jobs: tuple[JobOnNode, ...]
     unreadable: Mapping[int, str]
     problems: tuple[str, ...] = ()
+    errors: tuple[tuple[Any, NvmlError], ...] = ()  # (the GPU, what NVML said)
 
 
 class Tape:
@@ -98,12 +100,15 @@ _banners: dict[tuple[str, str, tuple[int, ...]], tuple[str | None, int | None]] 
 _lock = threading.Lock()
 
 
-def discover(node: Any, ports: Sequence[tuple[str, bool]], now: float, tape: Tape | None = None) -> Discovery:
-    """The jobs using this node's GPUs now. `ports`: (name "mlx5_0/1", up) of the node's IB ports. Raises
-    SourceError (NvmlError) when NVML cannot list the GPUs at all."""
+def discover(node: Any, ports: Sequence[tuple[str, bool]] | Callable[[], Sequence[tuple[str, bool]]], now: float,
+             tape: Tape | None = None) -> Discovery:
+    """The jobs using this node's GPUs now. `ports`: (name "mlx5_0/1", up) of the node's IB ports, or what reads them
+    (read only where a GPU has a process: an idle node's look is NVML's process lists alone). Raises SourceError
+    (NvmlError) when NVML cannot list the GPUs at all."""
     gpus = node.gpus()
     procs: dict[int, list[Any]] = {}  # pid -> the GPUs it holds
     unreadable: dict[int, str] = {}
+    errors: list[tuple[Any, NvmlError]] = []
     for gpu in gpus:
         try:
             if gpu.error is not None:
@@ -111,17 +116,20 @@ def discover(node: Any, ports: Sequence[tuple[str, bool]], now: float, tape: Tap
             listed = node.nvml.processes(gpu)
         except NvmlError as exc:
             unreadable[gpu.index] = str(exc)
+            errors.append((gpu, exc))
             continue
         for p in listed:
             if p["type"] == "compute":
                 procs.setdefault(int(p["pid"]), []).append(gpu)
     infos = [read_process(node, pid, tape) for pid in sorted(procs)]
+    if callable(ports):
+        ports = ports() if infos else ()
     jobs: dict[str, list[ProcessInfo]] = {}
     for info in infos:
         jobs.setdefault(info.job.key, []).append(info)
     out = [_job(members, procs, ports, now) for members in jobs.values()]
     problems = tuple(p for info in infos for p in info.problems)
-    return Discovery(tuple(out), unreadable, problems)
+    return Discovery(tuple(out), unreadable, problems, tuple(errors))
 
 
 def _job(members: list[ProcessInfo], procs: Mapping[int, list[Any]], ports: Sequence[tuple[str, bool]],

@@ -104,13 +104,12 @@ def _hit(rule: Rule, f: Finding, job: JobOnNode, domain_spans_nodes: bool) -> st
     """What of the job the finding hits ("its GPU 2", "its port mlx5_0/1"), or None."""
     e = f.entity
     if rule.hits == "gpu":
-        if e.kind == "gpu" and job.uses_gpu(e.id if e.id != e.pci else None, e.pci, e.index):
-            return f"its GPU {e.index if e.index is not None else e.pci}"
-        return None
+        g = job.gpu(e.id if e.id != e.pci else None, e.pci, e.index) if e.kind == "gpu" else None
+        return f"its GPU {g.index}" if g is not None else None
     if rule.hits == "nvlink":
-        if e.kind == "nvlink" and job.uses_gpu(None, e.pci, e.index) and _reaches_peer_over_nvlink(
-                job, domain_spans_nodes):
-            return f"its GPU {e.index}'s NVLink {e.link}"
+        g = job.gpu(None, e.pci, e.index) if e.kind == "nvlink" else None
+        if g is not None and _reaches_peer_over_nvlink(job, domain_spans_nodes):
+            return f"its GPU {g.index}'s NVLink {e.link}"
         return None
     if rule.hits == "domain":
         if e.kind == "nvswitch" and _reaches_peer_over_nvlink(job, domain_spans_nodes):

@@ -111,12 +111,13 @@ class JobOnNode:
     def gpu_indices(self) -> tuple[int, ...]:
         return tuple(g.index for g in self.gpus)
 
-    def uses_gpu(self, uuid: str | None, pci: str | None, index: int | None) -> bool:
+    def gpu(self, uuid: str | None, pci: str | None, index: int | None) -> GpuUse | None:
+        """The job's GPU that a finding's entity names (by UUID, else PCI address, else NVML index), or None."""
         for g in self.gpus:
             if (uuid and g.uuid == uuid) or (pci and g.pci == pci) or (
                     uuid is None and pci is None and index is not None and g.index == index):
-                return True
-        return False
+                return g
+        return None
 
     @property
     def multi_node(self) -> bool | None:
