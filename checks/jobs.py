@@ -26,8 +26,8 @@ from gpuwarden.checks.ib_port import read_ports
 
 CHECK_NAME = "jobs"
 INTERVAL_S = 10.0
-# A job last seen on a GPU that can no longer be read is kept while its processes live, at most this long: its
-# processes may hang in the driver for ever.
+# A job last listed on a GPU that can no longer be read is kept while its processes live, at most this long after NVML
+# last listed it: its processes may hang in the driver for ever.
 KEEP_UNREADABLE_S = 3600.0
 
 
@@ -62,8 +62,11 @@ def sample(node: Any, cfg: Mapping[str, Any], state: Mapping[str, Any]) -> JobsS
 
 def judge(state: Mapping[str, Any], s: JobsSample, cfg: Mapping[str, Any], now: float) -> Judgement:
     before = {j.job.key: j for j in jobs_in(state)}
+    listed_before = state.get("listed_at") if isinstance(state.get("listed_at"), dict) else {}
+    listed: dict[str, float] = {}  # job -> when NVML last listed a process of it
     jobs: dict[str, JobOnNode] = {}
     for job in s.found.jobs:
+        listed[job.job.key] = now
         old = before.get(job.job.key)
         # A GPU that cannot be read now lists no processes: the job keeps the GPUs it was seen on there.
         kept = tuple(g for g in (old.gpus if old else ()) if g.index in s.found.unreadable
@@ -74,9 +77,13 @@ def judge(state: Mapping[str, Any], s: JobsSample, cfg: Mapping[str, Any], now: 
         on_unreadable = [g for g in old.gpus if g.index in s.found.unreadable]
         if key in jobs or not on_unreadable or not set(old.pids) & s.alive:
             continue
-        if old.seen_at is not None and now - old.seen_at > KEEP_UNREADABLE_S:
+        # Last listed before a restart that lost the time (kept in memory only): from now on.
+        at = listed_before.get(key)
+        at = float(at) if isinstance(at, (int, float)) else now
+        if now - at > KEEP_UNREADABLE_S:
             continue
         jobs[key] = old  # its GPUs cannot be read and its processes live: still this job's
+        listed[key] = at
     # A GPU whose processes NVML cannot list is judged as every NVML check judges one (agent/per_gpu.py): lost is
     # FAIL gpu-lost (its jobs stay known from the last look), any other error UNKNOWN; NOT_SUPPORTED (a board that
     # lists no processes) is no finding, and `gpuwarden jobs` says the GPU was not looked at.
@@ -96,8 +103,14 @@ def judge(state: Mapping[str, Any], s: JobsSample, cfg: Mapping[str, Any], now: 
                                         "silent InfiniBand rail before it fails (4.096 us x 2^NCCL_IB_TIMEOUT x "
                                         "NCCL_IB_RETRY_CNT, by its NCCL version).", labels, round(float(timeout), 3)))
     new_state = {"jobs": {key: job.to_dict() for key, job in sorted(jobs.items())},
-                 "unreadable": {str(k): v for k, v in s.found.unreadable.items()}}
+                 "unreadable": {str(k): v for k, v in s.found.unreadable.items()}, "listed_at": listed}
     return Judgement(new_state, tuple(findings), tuple(metrics))
+
+
+def durable(state: Mapping[str, Any]) -> dict[str, Any]:
+    """All of the state but when each job was last listed: that moves at every poll while a job runs, and losing it to
+    a kill -9 only makes a job on an unreadable GPU stand an hour from the restart."""
+    return {k: v for k, v in state.items() if k != "listed_at"}
 
 
 def _with(job: JobOnNode, kept: tuple[GpuUse, ...], seen: float) -> JobOnNode:
@@ -126,6 +139,7 @@ SPEC = PassiveSpec(
     interval_s=INTERVAL_S,
     defaults=DEFAULTS,
     timeout_s=20.0,
+    durable=durable,
     # No job on the node: the same look again (no process on any GPU) would judge the same. An idle node's poll is
     # then NVML's process lists alone, with no judgement or commit (a job appearing is a different sample).
     quiet=lambda state: not state.get("jobs") and not state.get("unreadable"),

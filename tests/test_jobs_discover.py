@@ -211,3 +211,40 @@ def test_a_pid_the_kernel_gave_to_another_process_is_read_again(scenario_copy):
     fields[21] = str(int(fields[21]) + 1000)  # another start time: another process with the same pid
     stat.write_text(" ".join(fields))
     assert discover.read_process(node, 12596).job.id == "5150"
+
+
+# -- the jobs check keeps a job on a GPU that can no longer be read ---------------------------------------------------
+def _judged(root: Path, state: dict, now: float):
+    from gpuwarden.checks import jobs as check
+
+    cfg = {"state_dir": ""}
+    return check.judge(state, check.sample(Node.recorded_at(root), cfg, state), cfg, now)
+
+
+def _lose(root: Path, *gpus: int) -> None:
+    data = json.loads((root / "nvml.json").read_text())
+    for g in gpus:
+        data["gpus"][g]["errors"] = {"*": "GPU_IS_LOST"}
+    (root / "nvml.json").write_text(json.dumps(data))
+
+
+def test_a_gpu_that_fell_off_the_bus_keeps_its_job(scenario_copy):
+    root = scenario_copy("gb200-nvl72-job")
+    first = _judged(root, {}, 1000.0)
+    _lose(root, 2)  # a lost GPU lists no processes
+    after = _judged(root, first.state, 1010.0)
+    (job,) = after.state["jobs"].values()
+    assert [g["index"] for g in job["gpus"]] == [0, 1, 2, 3] and job["seen_at"] == 1000.0
+    assert [(f.code, f.entity.index) for f in after.findings] == [("gpu-lost", 2)]
+
+
+def test_a_job_whose_every_gpu_is_lost_stays_while_its_processes_live(scenario_copy):
+    root = scenario_copy("gb200-nvl72-job")
+    first = _judged(root, {}, 1000.0)
+    _lose(root, 0, 1, 2, 3)
+    later = _judged(root, first.state, 1000.0 + 3000.0)  # within the hour since it was last listed
+    assert list(later.state["jobs"]) == ["slurm:4242.0"] and later.state["listed_at"] == {"slurm:4242.0": 1000.0}
+    assert _judged(root, later.state, 1000.0 + 3700.0).state["jobs"] == {}  # an hour past: its processes may hang
+    for pid in PIDS:
+        (root / "proc" / str(pid) / "stat").unlink()  # the processes are gone
+    assert _judged(root, first.state, 1010.0).state["jobs"] == {}
