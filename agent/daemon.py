@@ -154,6 +154,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._actions_wanted = self.engine.wanted
         # The job response (agent/jobs/guard.py): the journal's job keys are known, so a restart acts on none twice.
         # An NVL72 rack is one NVLink domain across its nodes: a job spanning them crosses NVLink off this node too.
+        self._jobs_read: tuple[Any, list[Any]] = (None, [])  # the jobs check's state, and its jobs as read from it
         self._guard = JobGuard(settings.node_name, "NVL72" in str(getattr(node.info, "sku", "")),
                                (i["key"] for i in store.intents()))
         collector.live(self._live_samples)
@@ -329,8 +330,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         rec = self._records.get(JOBS_CHECK)
         if rec is None or not rec.state.get("jobs"):
             return False, []
+        if self._jobs_read[0] is not rec.state:  # read again only when the jobs check judged anew (every 10 s)
+            self._jobs_read = (rec.state, jobs_in(rec.state))
         settings = getattr(self.config, "jobs", None) or JOBS_DEFAULTS
-        return self._guard.observe(self._active(), jobs_in(rec.state), settings, self.node.info.boot_id, now)
+        return self._guard.observe(self._active(), self._jobs_read[1], settings, self.node.info.boot_id, now)
 
     def _intents(self, t: Transition) -> list[Intent]:
         return transition_intents(t, self._active(), self.opt.domain, self.engine.settings.swap,
