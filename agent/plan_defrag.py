@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .adapters.base import Refused, Service, Transient
-from .adapters.slurm import MAX_NAME, SlurmAdapter, slurm_number, valid_name, parse_sinfo_json
+from .adapters.slurm import (MAX_HOSTS, SlurmAdapter, expand_hostlist, job_state_words, parse_sinfo_json,
+                             slurm_flag, slurm_number, valid_name)
 from .errors import ConfigError
 from .flag_values import parse_float, parse_int
 from .records import dataclass
@@ -33,8 +34,6 @@ EXIT_CODES = (("0", "a plan: the rack, the nodes it frees, the jobs to move"),
 
 MAX_FILE = 64 << 20  # squeue --json of a full queue on a large cluster stays well under this
 MAX_JOBS = 500_000
-MAX_HOSTS = 100_000  # names one hostlist may stand for (a job on more nodes than this is not one)
-MAX_HOSTLIST = 1 << 20  # characters of one hostlist
 MAX_SLICE = 10_000
 # Node checks per rack by the exact search of shared nodes (about a second; whole-node racks take a knapsack of
 # jobs x k x S steps under the same bound); past it a greedy plan, marked not exact.
@@ -52,91 +51,6 @@ _ENDED = frozenset({"PENDING", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "N
 _MOVABLE_STATES = frozenset({"RUNNING", "SUSPENDED"})
 # PreemptMode words that take a job off its nodes (SUSPEND keeps it in the node's memory; GANG time-slices it).
 _FREEING_MODES = frozenset({"REQUEUE", "CANCEL"})
-
-
-# -- hostlists --------------------------------------------------------------------------------------------------------
-def _split_top(text: str) -> list[str]:
-    """`text` split at the commas outside brackets."""
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(text):
-        if c == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError(f"nested '[' at {i}")
-        elif c == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"']' without '[' at {i}")
-        elif c == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError("'[' not closed")
-    parts.append(text[start:])
-    return parts
-
-
-def _ranges(body: str, limit: int) -> tuple[list[tuple[int, int, int]], int]:
-    """The ranges of one bracket (`1-3,5,07-09`): (low, high, width) each, and how many numbers they hold."""
-    out, count = [], 0
-    for item in body.split(","):
-        lo, dash, hi = item.partition("-")
-        hi = hi if dash else lo
-        if not (lo.isascii() and lo.isdigit() and hi.isascii() and hi.isdigit()) or len(lo) > 9 or len(hi) > 9:
-            raise ValueError(f"bad range {item!r}")
-        a, b = int(lo), int(hi)
-        if b < a:
-            raise ValueError(f"range {item!r} runs backwards")
-        count += b - a + 1
-        if count > limit:
-            raise ValueError(f"stands for more than {limit} names")
-        out.append((a, b, len(lo) if len(lo) > 1 and lo[0] == "0" else 0))
-    return out, count
-
-
-def expand_hostlist(text: str, limit: int = MAX_HOSTS) -> list[str]:
-    """The node names of a Slurm hostlist as `scontrol show hostnames` gives them: `n[1-3,5]`, `a,b`, `n[01-03]`,
-    `r[1-2]n[1-2]` (each bracket a factor, left to right). The count is known before any name is made, so a short
-    hostile list (`n[0-999999999]`) is refused, not expanded; the work is linear in the text and the names. Raises
-    ValueError naming what is wrong."""
-    if not isinstance(text, str):
-        raise ValueError("not a string")
-    if len(text) > MAX_HOSTLIST:
-        raise ValueError(f"longer than {MAX_HOSTLIST} characters")
-    text = text.strip()
-    if not text:
-        return []
-    names: list[str] = []
-    for entry in _split_top(text):
-        if not entry:
-            raise ValueError("empty name between commas")
-        # prefix [r] literal [r] ... ; Slurm refuses text after the last bracket, so does this
-        pieces: list[Any] = []
-        rest, total = entry, 1
-        while "[" in rest:
-            head, _, tail = rest.partition("[")
-            body, close, rest = tail.partition("]")
-            if not close:
-                raise ValueError(f"{entry!r}: '[' not closed")
-            ranges, count = _ranges(body, limit)
-            total *= count
-            if total + len(names) > limit:
-                raise ValueError(f"stands for more than {limit} names")
-            pieces += [head, ranges]
-        if rest and pieces:
-            raise ValueError(f"{entry!r}: text after the last ']'")
-        pieces.append(rest)
-        expanded = [""]
-        for piece in pieces:
-            if isinstance(piece, str):
-                expanded = [e + piece for e in expanded]
-            else:
-                expanded = [e + str(n).zfill(w) for e in expanded for a, b, w in piece for n in range(a, b + 1)]
-        for name in expanded:
-            if not valid_name(name, MAX_NAME):
-                raise ValueError(f"{name[:80]!r}: not a node name")
-        names += expanded
-    return names
 
 
 # -- the fleet --------------------------------------------------------------------------------------------------------
@@ -433,20 +347,6 @@ def plan(nodes: Sequence[Node], jobs: Sequence[Job], size: int, policy: Policy,
 
 
 # -- reading Slurm's output -------------------------------------------------------------------------------------------
-def _words(value: Any) -> list[str]:
-    """A job state: "RUNNING" (22.05) or ["RUNNING", ...] (newer)."""
-    items = [value] if isinstance(value, str) else value[:16] if isinstance(value, list) else []
-    return [w for i in items if isinstance(i, str) for w in i[:64].upper().split()]
-
-
-def _flag(value: Any, default: bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("number"), (int, bool)):  # {"set":..,"number":..} shapes
-        return bool(value["number"])
-    return default
-
-
 def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
     """The jobs of `squeue --json` (Slurm 22.05's shape; newer shapes where they differ only in how a number or a
     state is written). Raises ConfigError naming `source` on anything that is not that."""
@@ -480,7 +380,7 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
         jid_s = str(int(jid))
         if jid_s in jobs:
             raise ConfigError(f"{where}: job {jid_s} listed twice")
-        states = _words(entry.get("job_state"))
+        states = job_state_words(entry.get("job_state"))
         if not states:
             raise ConfigError(f"{where}: job {jid_s} has no job_state")
         nodes_text = entry.get("nodes")
@@ -507,8 +407,8 @@ def parse_squeue_json(text: str, source: str, now: float) -> list[Job]:
             if "SUSPENDED" in states and suspended is not None and suspended >= start:
                 elapsed = max(0.0, suspended - start)  # its work stopped growing when it was suspended
         state = "COMPLETING" if "COMPLETING" in states else states[0]
-        jobs[jid_s] = Job(jid_s, partition, nodes, state, _flag(entry.get("batch_flag"), False),
-                          _flag(entry.get("requeue"), False), qos[:256] if isinstance(qos, str) else "", elapsed)
+        jobs[jid_s] = Job(jid_s, partition, nodes, state, slurm_flag(entry.get("batch_flag"), False),
+                          slurm_flag(entry.get("requeue"), False), qos[:256] if isinstance(qos, str) else "", elapsed)
     return list(jobs.values())
 
 

@@ -409,3 +409,23 @@ def test_bad_timeout_is_refused_at_construction(tmp_path: Path):
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             SlurmAdapter(timeout_s=bad)
+
+
+# -- a job, as squeue --json gives it (the job response) --------------------------------------------------------------
+def test_squeue_json_gives_the_jobs_state_nodes_run_and_requeue_flag():
+    from gpuwarden.agent.adapters.slurm import parse_squeue_job
+
+    text = (ROOT / "fixtures" / "slurm" / "squeue-22.05-defrag.json").read_text()
+    view = parse_squeue_job(text, "7")  # running across both racks: n[2,4]
+    assert (view.id, view.state, view.nodes, view.run, view.requeueable) == ("7", "running", ("n2", "n4"), 0, True)
+    assert parse_squeue_job(text, "10").state == "pending" and parse_squeue_job(text, "10").nodes == ()
+    assert parse_squeue_job(text, "99999") is None  # slurmctld answered: no such job (any more)
+
+
+def test_squeue_json_that_could_not_ask_slurmctld_is_transient_never_a_job_gone():
+    from gpuwarden.agent.adapters.slurm import parse_squeue_job
+
+    # 22.05 exits 0 with an empty job list and an "errors" entry: read as "no such job", the intent would end undone.
+    text = (ROOT / "fixtures" / "slurm" / "squeue-22.05-slurmctld-down.json").read_text()
+    with pytest.raises(Transient, match="squeue --json: slurmctld not reached"):
+        parse_squeue_job(text, "5")

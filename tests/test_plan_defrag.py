@@ -15,6 +15,7 @@ from slurm_cluster import SlurmCluster, poll
 
 from gpuwarden.agent import plan_defrag as pd
 from gpuwarden.agent.adapters.base import Service
+from gpuwarden.agent.adapters import slurm
 from gpuwarden.agent.adapters.slurm import SlurmAdapter
 from gpuwarden.agent.errors import ConfigError
 
@@ -67,7 +68,7 @@ def job(jid: int, *nodes: str, partition: str = "batch", hours: float = 1.0, bat
     ("n5", ["n5"]),
 ])
 def test_plan_defrag_hostlist_forms(text, names):
-    assert pd.expand_hostlist(text) == names
+    assert slurm.expand_hostlist(text) == names
 
 
 @pytest.mark.parametrize("text, says", [
@@ -85,18 +86,18 @@ def test_plan_defrag_hostlist_forms(text, names):
     ("a,,b", "empty name"),
     ("n1 m", "not a node name"),
     ("n[0000000001-0000000002]", "bad range"),  # more than nine digits
-    ("x" * (pd.MAX_HOSTLIST + 1), "longer than"),
+    ("x" * (slurm.MAX_HOSTLIST + 1), "longer than"),
 ])
 def test_plan_defrag_hostlist_hostile(text, says):
     with pytest.raises(ValueError) as exc:
-        pd.expand_hostlist(text)
+        slurm.expand_hostlist(text)
     assert says in str(exc.value)
 
 
 def test_plan_defrag_hostlist_limit_counts_every_entry():
     with pytest.raises(ValueError, match="more than 5"):
-        pd.expand_hostlist("a[1-3],b[1-3]", limit=5)
-    assert len(pd.expand_hostlist("n[1-100000]")) == pd.MAX_HOSTS
+        slurm.expand_hostlist("a[1-3],b[1-3]", limit=5)
+    assert len(slurm.expand_hostlist("n[1-100000]")) == slurm.MAX_HOSTS
 
 
 # -- the plan on hand-built fleets -----------------------------------------------------------------------------------
@@ -493,13 +494,13 @@ def test_plan_defrag_slurm_hostlists_match_scontrol(defrag_slurm):
     for text in ("n[1-3,5]", "a,b", "n[01-03]", "rack[1-2]n[1-2]", "n[8-11],m[098-100]"):
         shown = subprocess.run(["scontrol", "show", "hostnames", text], env=cluster.env, capture_output=True,
                                text=True, timeout=30, check=True).stdout.split()
-        assert pd.expand_hostlist(text) == shown
+        assert slurm.expand_hostlist(text) == shown
     for text in ("n[3-1]", "n[1-3]x"):
         shown = subprocess.run(["scontrol", "show", "hostnames", text], env=cluster.env, capture_output=True,
                                text=True, timeout=30)
         assert "Invalid hostlist" in shown.stdout + shown.stderr
         with pytest.raises(ValueError):
-            pd.expand_hostlist(text)
+            slurm.expand_hostlist(text)
 
 
 def test_plan_defrag_slurm_unreachable_is_an_input_error(tmp_path):

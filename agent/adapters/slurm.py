@@ -225,22 +225,29 @@ def _record_of(comment: str) -> tuple[str | None, str]:
     return (name if valid_name(name, MAX_NAME) else None), rest.strip() if sep else ""
 
 
-def parse_sinfo_json(text: str) -> list[_Node]:
-    """Every node of `sinfo --json`. Raises Transient when sinfo says it could not ask slurmctld (22.05 prints an
-    empty node list with an "errors" entry and exits 0), Refused on a document that is not sinfo's."""
+def _json_document(text: str, tool: str) -> dict:
+    """The document of `<tool> --json`, bounded in size. Transient for what is not one, and for the "errors" entry
+    22.05's sinfo and squeue print (exit status 0, an empty list) when they could not ask slurmctld."""
     if len(text) > MAX_OUTPUT:
-        raise Transient(f"sinfo --json: more than {MAX_OUTPUT >> 20} MiB; not read")
+        raise Transient(f"{tool} --json: more than {MAX_OUTPUT >> 20} MiB; not read")
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise Transient(f"sinfo --json: not JSON ({str(exc)[:100]})") from None
+        raise Transient(f"{tool} --json: not JSON ({str(exc)[:100]})") from None
     if not isinstance(doc, dict):
-        raise Transient("sinfo --json: not a JSON object")
+        raise Transient(f"{tool} --json: not a JSON object")
     errors = doc.get("errors")
     if isinstance(errors, list) and errors:
         first = errors[0] if isinstance(errors[0], dict) else {}
         what = _text(first.get("error") or first.get("description"), 200) or "error"
-        raise Transient(f"sinfo --json: slurmctld not reached ({what}, {len(errors)} error(s))")
+        raise Transient(f"{tool} --json: slurmctld not reached ({what}, {len(errors)} error(s))")
+    return doc
+
+
+def parse_sinfo_json(text: str) -> list[_Node]:
+    """Every node of `sinfo --json`. Raises Transient when sinfo says it could not ask slurmctld (22.05 prints an
+    empty node list with an "errors" entry and exits 0), Refused on a document that is not sinfo's."""
+    doc = _json_document(text, "sinfo")
     entries = doc.get("nodes")
     if not isinstance(entries, list) or len(entries) > MAX_NODES:
         raise Transient("sinfo --json: no node list")
@@ -273,6 +280,110 @@ def parse_sinfo_json(text: str) -> list[_Node]:
     return list(nodes.values())
 
 
+MAX_HOSTS = 100_000  # names one hostlist may stand for (a job on more nodes than this is not one)
+MAX_HOSTLIST = 1 << 20  # characters of one hostlist
+
+
+# -- hostlists (squeue's node lists) -----------------------------------------------------------------------------------
+def _split_top(text: str) -> list[str]:
+    """`text` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        if c == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"nested '[' at {i}")
+        elif c == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"']' without '[' at {i}")
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("'[' not closed")
+    parts.append(text[start:])
+    return parts
+
+
+def _ranges(body: str, limit: int) -> tuple[list[tuple[int, int, int]], int]:
+    """The ranges of one bracket (`1-3,5,07-09`): (low, high, width) each, and how many numbers they hold."""
+    out, count = [], 0
+    for item in body.split(","):
+        lo, dash, hi = item.partition("-")
+        hi = hi if dash else lo
+        if not (lo.isascii() and lo.isdigit() and hi.isascii() and hi.isdigit()) or len(lo) > 9 or len(hi) > 9:
+            raise ValueError(f"bad range {item!r}")
+        a, b = int(lo), int(hi)
+        if b < a:
+            raise ValueError(f"range {item!r} runs backwards")
+        count += b - a + 1
+        if count > limit:
+            raise ValueError(f"stands for more than {limit} names")
+        out.append((a, b, len(lo) if len(lo) > 1 and lo[0] == "0" else 0))
+    return out, count
+
+
+def expand_hostlist(text: str, limit: int = MAX_HOSTS) -> list[str]:
+    """The node names of a Slurm hostlist as `scontrol show hostnames` gives them: `n[1-3,5]`, `a,b`, `n[01-03]`,
+    `r[1-2]n[1-2]` (each bracket a factor, left to right). The count is known before any name is made, so a short
+    hostile list (`n[0-999999999]`) is refused, not expanded; the work is linear in the text and the names. Raises
+    ValueError naming what is wrong."""
+    if not isinstance(text, str):
+        raise ValueError("not a string")
+    if len(text) > MAX_HOSTLIST:
+        raise ValueError(f"longer than {MAX_HOSTLIST} characters")
+    text = text.strip()
+    if not text:
+        return []
+    names: list[str] = []
+    for entry in _split_top(text):
+        if not entry:
+            raise ValueError("empty name between commas")
+        # prefix [r] literal [r] ... ; Slurm refuses text after the last bracket, so does this
+        pieces: list[Any] = []
+        rest, total = entry, 1
+        while "[" in rest:
+            head, _, tail = rest.partition("[")
+            body, close, rest = tail.partition("]")
+            if not close:
+                raise ValueError(f"{entry!r}: '[' not closed")
+            ranges, count = _ranges(body, limit)
+            total *= count
+            if total + len(names) > limit:
+                raise ValueError(f"stands for more than {limit} names")
+            pieces += [head, ranges]
+        if rest and pieces:
+            raise ValueError(f"{entry!r}: text after the last ']'")
+        pieces.append(rest)
+        expanded = [""]
+        for piece in pieces:
+            if isinstance(piece, str):
+                expanded = [e + piece for e in expanded]
+            else:
+                expanded = [e + str(n).zfill(w) for e in expanded for a, b, w in piece for n in range(a, b + 1)]
+        for name in expanded:
+            if not valid_name(name, MAX_NAME):
+                raise ValueError(f"{name[:80]!r}: not a node name")
+        names += expanded
+    return names
+
+
+def job_state_words(value: Any) -> list[str]:
+    """A job state: "RUNNING" (22.05) or ["RUNNING", ...] (newer)."""
+    items = [value] if isinstance(value, str) else value[:16] if isinstance(value, list) else []
+    return [w for i in items if isinstance(i, str) for w in i[:64].upper().split()]
+
+
+def slurm_flag(value: Any, default: Any) -> Any:
+    """A flag of squeue --json: a plain bool (22.05) or {"set", "number"} (newer); `default` for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("number"), (int, bool)):  # {"set":..,"number":..} shapes
+        return bool(value["number"])
+    return default
+
+
 # squeue's job states (squeue(1) "JOB STATE CODES") as the job response reads them.
 _JOB_STATES = {"RUNNING": "running", "CONFIGURING": "running", "RESIZING": "running", "PENDING": "pending",
                "REQUEUED": "pending", "REQUEUE_HOLD": "pending", "REQUEUE_FED": "pending", "RESV_DEL_HOLD": "pending",
@@ -280,69 +391,24 @@ _JOB_STATES = {"RUNNING": "running", "CONFIGURING": "running", "RESIZING": "runn
                "STAGE_OUT": "ending", "COMPLETED": "ended", "CANCELLED": "ended", "FAILED": "ended",
                "TIMEOUT": "ended", "NODE_FAIL": "ended", "PREEMPTED": "ended", "BOOT_FAIL": "ended",
                "DEADLINE": "ended", "OUT_OF_MEMORY": "ended", "REVOKED": "ended", "SPECIAL_EXIT": "ended"}
-MAX_HOSTS = 100_000  # a node list that expands to more is not one
-
-
-def expand_hostlist(text: str) -> tuple[str, ...]:
-    """Slurm's compact node list ("n[1-3,7],gpu-a[01-02]") as names, in order; () for what is not one."""
-    out: list[str] = []
-    for part in _split_outside_brackets(text.strip()[:65536]):
-        head, sep, rest = part.partition("[")
-        if not sep:
-            if valid_name(part, MAX_NAME):
-                out.append(part)
-            continue
-        body, close, tail = rest.partition("]")
-        if not close:
-            return ()
-        for item in body.split(","):
-            lo, dash, hi = item.partition("-")
-            if not (lo.isdigit() and (not dash or hi.isdigit())):
-                return ()
-            width, start, end = len(lo), int(lo), int(hi) if dash else int(lo)
-            if end < start or end - start > MAX_HOSTS or len(out) + end - start > MAX_HOSTS:
-                return ()
-            out.extend(f"{head}{n:0{width}d}{tail}" for n in range(start, end + 1))
-    return tuple(out)
-
-
-def _split_outside_brackets(text: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for c in text:
-        if c == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-            continue
-        depth += c == "["
-        depth -= c == "]"
-        cur.append(c)
-    parts.append("".join(cur))
-    return [p for p in parts if p]
 
 
 def parse_squeue_job(text: str, job_id: str) -> JobView | None:
     """The job `job_id` of `squeue --json --jobs=ID` (22.05: plain values; 23.x: state lists and {"number"} values);
-    None when squeue lists no such job."""
-    if len(text) > MAX_OUTPUT:
-        raise Transient(f"squeue --json: more than {MAX_OUTPUT >> 20} MiB; not read")
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise Transient(f"squeue --json: not JSON ({str(exc)[:100]})") from None
-    jobs = doc.get("jobs") if isinstance(doc, dict) else None
+    None when squeue lists no such job (slurmctld answered: an error entry is Transient)."""
+    jobs = _json_document(text, "squeue").get("jobs")
     if not isinstance(jobs, list):
         raise Transient("squeue --json: no job list")
     for entry in jobs[:10_000]:
         jid = slurm_number(entry.get("job_id")) if isinstance(entry, dict) else None
         if jid is None or str(int(jid)) != job_id:
             continue
-        raw = entry.get("job_state")
-        states = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)] if isinstance(raw, list) \
-            else []
-        state = next((_JOB_STATES[x.upper()] for x in states if x.upper() in _JOB_STATES), "unknown")
-        requeue = entry.get("requeue")
-        return JobView(job_id, state, expand_hostlist(_text(entry.get("nodes"), 65536)),
-                       _count(entry.get("restart_cnt")), requeue if isinstance(requeue, bool) else None,
+        state = next((_JOB_STATES[w] for w in job_state_words(entry.get("job_state")) if w in _JOB_STATES), "unknown")
+        try:
+            nodes = tuple(expand_hostlist(_text(entry.get("nodes"), MAX_HOSTLIST)))
+        except ValueError:
+            nodes = ()  # not a node list: where it runs is not said (the run and the state still decide)
+        return JobView(job_id, state, nodes, _count(entry.get("restart_cnt")), slurm_flag(entry.get("requeue"), None),
                        _text(entry.get("admin_comment"), 4096) or None)
     return None
 
