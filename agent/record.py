@@ -17,7 +17,7 @@ from . import config as config_mod
 from . import logs
 from .errors import ConfigError, GpuwardenError, NvmlError, SourceError
 from .node import Node
-from .record_tools import capture_always, capture_full
+from .record_tools import capture_always, capture_full, tools_recorded
 from .sources.nvml import SNAPSHOT_FORMAT, XidEvents, load_snapshot
 from .sources.procs import COMM_LEN
 from .sources.sysfs import Sysfs
@@ -196,12 +196,13 @@ def _copy_jobs(node: Node, out: Path) -> list[str]:
     """What `gpuwarden jobs` reads of the GPUs' processes (agent/jobs/discover.py), as that reading taped it: their
     cgroup and stat, the environment's variables the job response reads (nothing else: an environment holds tokens),
     the lines of maps that map NCCL or PyTorch, the files that say their versions (a library only as the bytes around
-    its banner, in place), and `scontrol pidinfo`'s answers."""
+    its banner, in place), and `scontrol pidinfo`'s answers (as every tool's: agent/record_tools.py)."""
     from .jobs import discover
 
     tape = discover.Tape()
     try:
-        found = discover.discover(node, [], 0.0, tape)
+        with tools_recorded(node, out / "tools") as files:
+            found = discover.discover(node, [], 0.0, tape)
     except SourceError as exc:
         return [f"jobs: {exc}"]
     dst = Sysfs(out)
@@ -215,12 +216,7 @@ def _copy_jobs(node: Node, out: Path) -> list[str]:
         with open(target, "wb") as f:  # the bytes in place, the rest a hole: a sparse file of the library's size
             f.seek(offset)
             f.write(data)
-    if tape.tools:
-        (out / "tools").mkdir(exist_ok=True)
-    for name, (text, rc) in tape.tools.items():
-        (out / "tools" / f"{name}.out").write_text(text)
-        (out / "tools" / f"{name}.rc").write_text(f"{rc}\n")
-    return [f"jobs: {p}" for p in found.problems]
+    return [f"jobs: {p}" for p in (*found.problems, *files.problems)]
 
 
 def _copy_file(src: Sysfs, dst: Sysfs, path: str, problems: list[str]) -> None:

@@ -156,6 +156,16 @@ def _recording(node: Any, tools: RecordingTools) -> Iterator[None]:
         node.tools, node.dcgm = saved
 
 
+@contextmanager
+def tools_recorded(node: Any, folder: Path) -> Iterator[RecordedFiles]:
+    """Every tool the node runs within saved under `folder` as the replay reads it (RecordingTools); the files'
+    problems once it ends."""
+    files = RecordedFiles(folder)
+    with _recording(node, RecordingTools(node.tools, files)):
+        yield files
+    files.close()
+
+
 def capture_always(node: Any, out: Path, cfg: Any) -> list[str]:
     """tools/nvidia-smi-topo-m.* and tools/systemctl-fabricmanager.*, as pcie_link and fabric run them."""
     from gpuwarden.checks import fabric_manager, pcie_link

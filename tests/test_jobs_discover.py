@@ -248,3 +248,25 @@ def test_a_job_whose_every_gpu_is_lost_stays_while_its_processes_live(scenario_c
     for pid in PIDS:
         (root / "proc" / str(pid) / "stat").unlink()  # the processes are gone
     assert _judged(root, first.state, 1010.0).state["jobs"] == {}
+
+
+def test_a_recording_replays_the_jobs_the_node_showed(scenario_copy, tmp_path):
+    from gpuwarden.agent.record import record
+
+    root = scenario_copy("gb200-nvl72-job")
+    (root / "proc" / "12596" / "cgroup").write_text("0::/\n")  # this one named by scontrol pidinfo alone
+    set_env(root, 12596, SLURM_JOB_ID=None)
+    record_tool(root, "scontrol-pidinfo-12596", "Slurm job id 4242 ends at Fri Dec 04 23:59:59 2026\n", rc=0)
+    set_env(root, 12597, AWS_SECRET_ACCESS_KEY="hunter2")  # a process's environment holds secrets: never recorded
+    out = tmp_path / "recorded"
+    assert record(Node.recorded_at(root), out) == []
+    assert (out / "tools" / "scontrol-pidinfo-12596.out").read_text().startswith("Slurm job id 4242")
+    discover.forget()
+    before = look(root)
+    discover.forget()
+    after = look(out)
+    assert [j.to_dict() for j in after.jobs] == [j.to_dict() for j in before.jobs]
+    (job,) = after.jobs
+    assert job.gpu_indices == (0, 1, 2, 3) and job.nccl_version.value == "2.32.3"
+    assert "hunter2" not in (out / "proc" / "12597" / "environ").read_text()
+    assert job.job.source == "scontrol pidinfo 12596"  # the lead rank, named by its replayed answer

@@ -85,14 +85,14 @@ class Discovery:
 
 
 class Tape:
-    """What a look read, kept for `gpuwarden record` (kernel path -> bytes): a scenario written from it replays the
-    same answers. Only what the reading keeps is taped (the environment's ENV_KEYS, maps' library lines, the bytes
-    around a library's banner)."""
+    """What a look read of /proc, kept for `gpuwarden record` (kernel path -> bytes): a scenario written from it
+    replays the same answers. Only what the reading keeps is taped (the environment's ENV_KEYS, maps' library lines,
+    the bytes around a library's banner). The tools it runs (`scontrol pidinfo`) are the node's tool runner's: record
+    saves them as it saves every tool's (agent/record_tools.py)."""
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
         self.windows: dict[str, tuple[int, bytes]] = {}  # a library's banner: (offset, bytes), the rest not kept
-        self.tools: dict[str, tuple[str, int]] = {}  # recorded tool name -> (stdout, exit status)
 
 
 _cache: "OrderedDict[tuple[str, int, str], ProcessInfo]" = OrderedDict()
@@ -240,8 +240,6 @@ def _job_of(node: Any, pid: int, env: Mapping[str, str], tape: Tape | None, prob
     except ToolError as exc:
         text, rc = None, None
         problems.append(f"scontrol pidinfo {pid}: {exc}")
-    if tape is not None and text is not None and rc is not None:
-        tape.tools[f"scontrol-pidinfo-{pid}"] = (text, rc)
     m = _PIDINFO.search(text or "") if rc == 0 else None
     if m:
         return JobRef("slurm", m[1], run, f"scontrol pidinfo {pid}")
