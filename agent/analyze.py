@@ -170,6 +170,8 @@ def _head_votes(f: BinaryIO) -> tuple[bytes, str, bool, Counter[str]]:
 
 
 def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
+    from .model import Status
+
     head, head_text, whole_head, votes = _head_votes(f)
     if not _kernel_lines_lead(votes):
         from gpuwarden.checks import ALL
@@ -183,7 +185,21 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
             for analyzer in spec.analyzers:
                 if analyzer.detect(head_text):
                     return _tool_output(path, f, head, spec.name, analyzer.fmt, analyzer.analyze, start)
-    return _kernel_log(path, f, head, format_of_votes(votes), start)
+        from .jobs.analyze_job_log import analyze_job_log, looks_like_job_log
+
+        if looks_like_job_log(head_text):
+            return analyze_job_log(path)
+    result = _kernel_log(path, f, head, format_of_votes(votes), start)
+    if result.status is Status.UNKNOWN and not result.findings and result.error and "not a format" in result.error:
+        # A job's log whose head is its program's own output (iterations, a traceback): the job-log reader looks
+        # for its lines through the whole file.
+        from .jobs.analyze_job_log import analyze_job_log
+        from .jobs.joblog import read_job_log
+
+        log = read_job_log(path)
+        if log.events:
+            return analyze_job_log(path, log)
+    return result
 
 
 def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float, readers: Any = None) -> CheckResult:

@@ -43,6 +43,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("topology", "this node's NVLink domain; publish it; write Slurm topology.conf / topology.yaml from the "
                  "scheduler's view"),
     ("checks", "list the checks and their config keys"),
+    ("explain", "name the node, GPU, IB port or rank behind a failed job, from its logs and its nodes' gpuwarden"),
     ("jobs", "the jobs using this node's GPUs, their ranks, GPUs and IB ports, and how long a fault takes to end "
              "them"),
     ("slurm", "run the quick preflight as Slurm's HealthCheckProgram, Prolog or Epilog, and drain or resume this "
@@ -125,7 +126,7 @@ def _parser(command: str | None = EVERY, part: str | None = EVERY) -> argparse.A
         "record": lambda: _record_parser(sub), "run": lambda: _run_parser(sub),
         "status": lambda: _status_parser(sub), "breaker": lambda: _breaker_parser(sub),
         "topology": lambda: _topology_parser(sub), "checks": lambda: _checks_parser(sub),
-        "jobs": lambda: _jobs_parser(sub),
+        "jobs": lambda: _jobs_parser(sub), "explain": lambda: _explain_parser(sub),
         "slurm": lambda: _slurm_parser(sub), "sweep": lambda: _sweep_parser(sub),
         "plan": lambda: _plan_parser(sub, part),
     }
@@ -315,6 +316,12 @@ def _jobs_parser(sub: argparse._SubParsersAction) -> None:
     from .jobs import cli as jobs_cli
 
     jobs_cli.add_parser(sub, _HelpFormatter, _CONFIG_HELP, _log_flags)
+
+
+def _explain_parser(sub: argparse._SubParsersAction) -> None:
+    from .jobs import explain_cli
+
+    explain_cli.add_parser(sub, _HelpFormatter, _log_flags)
 
 
 def _slurm_parser(sub: argparse._SubParsersAction) -> None:
@@ -518,6 +525,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .jobs.explain_cli import run
+
+    return run(args)
+
+
 def cmd_slurm(args: argparse.Namespace) -> int:
     from .slurm_healthcheck import run
 
@@ -543,7 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(command, words[1] if command == "plan" and len(words) > 1 else None).parse_args(argv)
     handler = {"preflight": cmd_preflight, "analyze": cmd_analyze, "record": cmd_record, "checks": cmd_checks,
                "run": cmd_run, "status": cmd_status, "breaker": cmd_breaker, "topology": cmd_topology,
-               "slurm": cmd_slurm, "sweep": cmd_sweep, "plan": cmd_plan, "jobs": cmd_jobs}
+               "slurm": cmd_slurm, "sweep": cmd_sweep, "plan": cmd_plan, "jobs": cmd_jobs,
+               "explain": cmd_explain}
     try:
         return handler[args.command](args)
     except GpuwardenError as exc:

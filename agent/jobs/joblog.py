@@ -1,0 +1,306 @@
+"""Reading a distributed job's logs: the lines of PyTorch's ProcessGroupNCCL, NCCL's own WARN/INFO lines, torchrun's
+failure summary and srun/slurmstepd that say which rank stalled, which peer failed, which host and GPU each rank ran
+on, and what failed first. What each line means is in `joblog_lines` (the patterns); here is only the reading.
+
+Linear and bounded: a file is read in buffers and only the lines that hold one of the patterns' fixed texts are
+decoded (`agent/line_search.py`, at C speed; a 1M-line log costs a few times `grep -c` of it, see bench/README.md);
+a line longer than LINE_MAX is cut (and said so), a file past MAX_BYTES or a read past the deadline stops there
+with a note, at most MAX_EVENTS events are kept. A path that is not a regular file (a FIFO, /dev/zero) is refused:
+it may never end. Nothing here raises for what a file holds: a binary file, NULs or a line cut mid-way read as
+lines that match nothing.
+
+Lines prefixed by launchers (`[rank3]:`, `[default3]:`, mpirun's `[1,3]<stdout>:` and `[56] `, srun --label's
+`3: `, a collector's timestamp) read as bare ones; the prefix gives the line's rank where the line does not."""
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Sequence
+
+from ..line_search import ProbeMemory, lines_holding, probes_for
+from ..records import dataclass
+from . import joblog_lines
+
+CHUNK = 1 << 20
+LINE_MAX = 64 << 10  # a longer line is cut to this (a job log's longest real lines, tracebacks' frames, are < 4 KiB)
+MAX_BYTES = 16 << 30  # a job log past this is read up to it, with a note
+MAX_EVENTS = 200_000  # events kept per file (a 72-rank job's init lines are a few thousand)
+DEADLINE_S = 300.0  # reading one file stops here, with a note: the rest of the evidence still counts
+KEEP_FIRST = 3  # lines kept of one kind from one rank (with its last)
+TEXT_MAX = 400  # characters of a line kept as evidence
+
+_PROBES = probes_for(joblog_lines.NEEDLES)
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """One line that says something, with where it is. `fields`: what the line says (joblog_lines names them);
+    host/pid/dev: NCCL's `host:pid:tid [dev]` prefix; rank: the global rank the line's launcher prefix gives
+    (`[rank3]:`, mpirun's tag), local_rank torchrun's `[default3]:`; stamp: (clock, seconds) of a time the line
+    carries, comparable only within one clock ("glog" has no year)."""
+
+    kind: str
+    source: str
+    line: int
+    text: str
+    fields: dict[str, Any]
+    host: str | None = None
+    pid: int | None = None
+    dev: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    stamp: tuple[str, float] | None = None
+
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+@dataclass(frozen=True)
+class JobLog:
+    """What one file said. `error`: why it could not be read at all (then there are no events); `notes`: what was
+    cut or skipped (a long line, the deadline)."""
+
+    source: str
+    lines: int
+    events: tuple[LogEvent, ...]
+    notes: tuple[str, ...] = ()
+    error: str | None = None
+    wrapped: int | None = None  # the terminal width the file's lines were hard-wrapped at, where they were
+
+
+def read_job_log(path: Path | str, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES) -> JobLog:
+    source = str(path)
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return JobLog(source, 0, (), error=f"{source}: cannot open: {exc.strerror or exc}")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return JobLog(source, 0, (), error=f"{source}: not a regular file (a FIFO, device or folder may never "
+                                               "end): save the log to a file first")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            return _read(f, source, time.monotonic() + deadline_s, max_bytes)
+    except OSError as exc:
+        return JobLog(source, 0, (), error=f"{source}: read failed: {exc.strerror or exc}")
+    finally:
+        os.close(fd)
+
+
+def read_text(text: str, source: str = "<text>") -> JobLog:
+    """The same reading of a log held in memory (tests, and `analyze` of a file already read)."""
+    import io
+
+    return _read(io.BytesIO(text.encode()), source, time.monotonic() + DEADLINE_S, MAX_BYTES)
+
+
+def _read(f: BinaryIO, source: str, deadline: float, max_bytes: int) -> JobLog:
+    reader = _Reader(source)
+    buf = bytearray()
+    memory = ProbeMemory()
+    lineno = 0  # lines before buf[0]
+    total = 0
+    eof = False
+    first = True
+    while not eof:
+        if time.monotonic() > deadline:
+            reader.notes.append(f"{source}: stopped reading at line {lineno + 1}: the read took longer than "
+                                f"{DEADLINE_S:.0f} s")
+            break
+        want = min(CHUNK, max_bytes - total)
+        data = f.read(want) if want > 0 else b""
+        if want <= 0:
+            reader.notes.append(f"{source}: read up to {max_bytes} bytes, the rest is not looked at")
+        if not data:
+            eof = True
+            if buf and not buf.endswith(b"\n"):
+                buf += b"\n"  # a file cut mid-line: its last line reads as a line
+        else:
+            total += len(data)
+            buf += data
+        if first and buf:
+            first = False
+            reader.wrap = _wrap_width(bytes(buf[:CHUNK]))
+        stop = buf.rfind(b"\n") + 1
+        if stop == 0:
+            if len(buf) > LINE_MAX:  # one line longer than LINE_MAX: keep its start, skip to its end
+                buf, lineno = _skip_long(f, buf, lineno, reader, source)
+            continue
+        lineno = reader.take(buf, stop, lineno, memory)
+        del buf[:stop]
+        if len(reader.events) >= MAX_EVENTS:
+            reader.notes.append(f"{source}: more than {MAX_EVENTS} lines of interest; those after line {lineno} "
+                                "are not looked at")
+            break
+    reader.flush(lineno)
+    reader.tag_check()
+    return JobLog(source, lineno, tuple(reader.events), tuple(reader.notes), wrapped=reader.wrap)
+
+
+def _skip_long(f: BinaryIO, buf: bytearray, lineno: int, reader: "_Reader", source: str) -> tuple[bytearray, int]:
+    head = bytes(buf[:LINE_MAX])
+    skipped = len(buf)
+    while True:
+        data = f.read(CHUNK)
+        if not data:
+            rest = b""
+            break
+        nl = data.find(b"\n")
+        if nl >= 0:
+            rest = data[nl + 1:]
+            skipped += nl
+            break
+        skipped += len(data)
+    reader.notes.append(f"{source}:{lineno + 1}: a line of {skipped} bytes, longer than {LINE_MAX}: only its start "
+                        "is read")
+    reader.take(bytearray(head + b"\n"), len(head) + 1, lineno, None)
+    return bytearray(rest), lineno + 1
+
+
+_RECORD_START = re.compile(rb"^(?:\[|\s*\d+: |\S+:\d+:\d+ \[|Traceback|  File |\s*$)")
+
+
+def _starts_record(line: bytes) -> bool:
+    """A line that opens a record of its own (a launcher's or NCCL's prefix, a traceback), never a wrapped line's
+    continuation."""
+    return _RECORD_START.match(line) is not None
+
+
+def _wrap_width(head: bytes) -> int | None:
+    """The width a terminal hard-wrapped the file's lines at (116 in a pasted watchdog message): the length most long
+    lines have, where lines of that length go on in a line that opens no record of its own. Identical messages
+    (every rank's same watchdog line) have one length too, but each opens its own record."""
+    lines = [line.rstrip(b"\r") for line in head.split(b"\n")[:-1][:2000]]
+    lengths: dict[int, int] = {}
+    long = 0
+    for line in lines:
+        if len(line) >= 60:
+            long += 1
+            lengths[len(line)] = lengths.get(len(line), 0) + 1
+    if not lengths:
+        return None
+    width, count = max(lengths.items(), key=lambda kv: kv[1])
+    if count < 3 or count * 2 < long:
+        return None
+    # A wrap cuts words: a line of that width that ends inside a word whose rest opens the next line. Lines that
+    # merely share a length (a progress line's fixed format) end where a field ends.
+    split_words = sum(1 for a, b in zip(lines, lines[1:], strict=False)
+                      if len(a) == width and b and not _starts_record(b) and _word(a[-1:]) and _word(b[:1]))
+    return width if split_words >= 2 else None
+
+
+def _word(ch: bytes) -> bool:
+    return ch.isalnum() or ch == b"_"
+
+
+class _Reader:
+    def __init__(self, source: str):
+        self.source = source
+        self.events: list[LogEvent] = []
+        self.notes: list[str] = []
+        self.wrap: int | None = None
+        self.state = joblog_lines.BlockState()
+        self._seen: dict[tuple, int] = {}
+        self._last: dict[tuple, int] = {}
+
+    def take(self, buf: bytearray, stop: int, lineno: int, memory: ProbeMemory | None) -> int:
+        """Parses the lines of interest of buf[:stop] (complete lines); returns the line count after them."""
+        if self.wrap:
+            return self._take_wrapped(buf, stop, lineno)
+        at, n = 0, lineno
+        count = buf.count
+        for start, end in lines_holding(buf, 0, stop, _PROBES, memory):
+            n += count(b"\n", at, start) + 1
+            at = end + 1
+            self._line(buf[start:end], n)
+        return n + count(b"\n", at, stop)
+
+    def _take_wrapped(self, buf: bytearray, stop: int, lineno: int) -> int:
+        """A hard-wrapped file: a line exactly `wrap` wide goes on in the next, unless that one opens a record of
+        its own; each logical line is read whole, under the number of its first physical line."""
+        n = lineno
+        joined: list[bytes] = []
+        first = 0
+        for raw in bytes(buf[:stop]).split(b"\n")[:-1]:
+            n += 1
+            piece = raw.rstrip(b"\r")
+            if joined and (len(joined[-1]) != self.wrap or _starts_record(piece)):
+                self._logical(joined, first)
+                joined = []
+            if not joined:
+                first = n
+            joined.append(piece)
+        if joined:
+            self._logical(joined, first)
+        return n
+
+    def _logical(self, pieces: list[bytes], lineno: int) -> None:
+        logical = b"".join(pieces)
+        if any(needle in logical for needle in joblog_lines.NEEDLES):
+            self._line(logical, lineno)
+
+    def _line(self, raw: bytes | bytearray, lineno: int) -> None:
+        text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
+        self.state.lineno = lineno
+        self._add(joblog_lines.parse(text, self.state), text, lineno)
+
+    def _add(self, events: Any, text: str, lineno: int) -> None:
+        tag = joblog_lines.tag_context(text)
+        for kind, fields, ctx in events:
+            if tag:
+                fields = {**fields, **tag}
+                if ctx.get("rank") is None:
+                    ctx = {**ctx, "rank": tag["_tag"]}
+                    fields["_rank_from"] = "tag"
+            event = LogEvent(kind, self.source, fields.get("_line", lineno), _short(fields.get("_text", text)), fields,
+                             **ctx)
+            # A flood of one kind of line from one rank adds nothing past its first lines and its last: those are
+            # kept (the last in place of the one before), so memory is bounded by the ranks and kinds, not the lines.
+            key = (kind, ctx.get("host"), ctx.get("pid"), ctx.get("rank"), fields.get("pg"), fields.get("peer"))
+            seen = self._seen.get(key, 0)
+            self._seen[key] = seen + 1
+            if seen < KEEP_FIRST:
+                self.events.append(event)
+            elif seen == KEEP_FIRST:
+                self._last[key] = len(self.events)
+                self.events.append(event)
+            else:
+                self.events[self._last[key]] = event
+
+    def flush(self, lineno: int) -> None:
+        self._add(joblog_lines.flush(self.state), "", lineno)
+
+    def tag_check(self) -> None:
+        """A `[N] ` tag in front of every line is mpirun's rank, unless it counts the file's lines (a paste's line
+        numbers): then it says nothing of ranks and is dropped."""
+        tagged = [e for e in self.events if e.fields.get("_tag") is not None]
+        if len(tagged) >= 2 and len({e.fields["_tag"] - e.line for e in tagged}) == 1:
+            self.events = [_untag(e) for e in self.events]
+        self.events = [_drop_tag(e) for e in self.events]
+
+
+def _untag(e: LogEvent) -> LogEvent:
+    if e.fields.get("_tag") is None or e.fields.get("_rank_from") != "tag":
+        return e
+    return LogEvent(e.kind, e.source, e.line, e.text, e.fields, e.host, e.pid, e.dev, None, e.local_rank, e.stamp)
+
+
+def _drop_tag(e: LogEvent) -> LogEvent:
+    if "_tag" in e.fields or "_rank_from" in e.fields:
+        fields = {k: v for k, v in e.fields.items() if not k.startswith("_")}
+        return LogEvent(e.kind, e.source, e.line, e.text, fields, e.host, e.pid, e.dev, e.rank, e.local_rank,
+                        e.stamp)
+    return e
+
+
+def _short(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= TEXT_MAX else text[:TEXT_MAX - 3] + "..."
+
+
+def read_all(paths: Sequence[Path | str]) -> list[JobLog]:
+    return [read_job_log(p) for p in paths]
