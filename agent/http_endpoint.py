@@ -1,13 +1,16 @@
 """The read-only HTTP endpoint of `gpuwarden run`: `/metrics` (Prometheus text or OpenMetrics as the scraper
-asks, gzip when it accepts it, `name[]=` to select series as prometheus-client does) and `/` (a page that links
-to it). Any other path is 404. Optional TLS and basic auth come from a web config file (agent/web_config.py).
+asks, gzip when it accepts it, `name[]=` to select series as prometheus-client does), `/api/v1/findings` (the
+node's findings, transitions and job intents over a window, as JSON: agent/jobs/evidence_window.py) and `/` (a
+page that links to them). Any other path is 404. Optional TLS and basic auth come from a web config file
+(agent/web_config.py); they guard every path alike.
 
 Whatever a client does, the endpoint must not take from the checks what they need (file descriptors, threads):
 - one thread does all socket I/O on non-blocking sockets through a selector, and answers what is quick itself:
   the daemon's page (cached by its collector, only what changed rendered again, its gzip kept while it is
   unchanged), the landing page, errors. A fixed pool of two threads builds the rest (a bcrypt check takes ~0.1 s;
-  a `name[]=` selection or a format the page does not have is prometheus-client's rendering; the I/O thread
-  serves the others meanwhile). No thread per connection.
+  a `name[]=` selection or a format the page does not have is prometheus-client's rendering; a findings window is
+  a read of the store on a connection of its own; the I/O thread serves the others meanwhile). No thread per
+  connection.
 - at most `max_connections` are open (64, far under the descriptor limit). At the cap a new connection takes
   the place of the one idle longest (waiting for a request); when none is idle, the new one is closed at once.
 - every connection has a deadline: the request head within `head_timeout_s` of its first byte (trickling bytes
@@ -23,6 +26,7 @@ import base64
 import binascii
 import errno
 import gzip
+import json
 import os
 import queue
 import resource
@@ -33,7 +37,7 @@ import time
 from collections import deque
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 from urllib.parse import parse_qs
 
 from . import logs
@@ -49,6 +53,9 @@ log = logs.get_logger("gpuwarden.http")
 
 LANDING_PAGE = (b"<!DOCTYPE html>\n<html><head><title>gpuwarden</title></head><body><h1>gpuwarden</h1>\n"
                 b"<p>GPU node health agent.</p>\n<p><a href=\"metrics\">Metrics</a></p>\n</body></html>\n")
+FINDINGS_PATH = "/api/v1/findings"
+_FINDINGS_LINK = (b"<p>Findings, transitions and job intents over a window: <code>api/v1/findings?since=T&amp;"
+                  b"until=T</code> (JSON; T a Unix time or an RFC 3339 time)</p>\n")
 _CHUNK = 65536
 _GZIP_KEPT = 4
 _MAX_QUERY_FIELDS = 256
@@ -184,8 +191,14 @@ class _Conn:
 
 class MetricsEndpoint:
     def __init__(self, host: str, port: int, registry: Any, web_config_file: Path | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None,
+                 findings: Callable[[float, float], Mapping[str, Any]] | None = None):
+        """`findings(since, until)`: the node's window document (agent/jobs/evidence_window.py), served on
+        /api/v1/findings; run on a worker, never on the I/O thread. None: that path is 404."""
         self._registry = registry
+        self._findings = findings
+        self._landing = LANDING_PAGE if findings is None else LANDING_PAGE.replace(
+            b"</p>\n</body>", b"</p>\n" + _FINDINGS_LINK + b"</body>")
         self.limits = limits or Limits()
         self._web = web_config.Watched(Path(web_config_file), log) if web_config_file else None
         # What a non-blocking TLS socket raises for want of bytes: ssl (and OpenSSL) is loaded only with a web
@@ -480,6 +493,8 @@ class MetricsEndpoint:
         if self._web is not None and self._web.current().auth:
             return False
         path, _, query = req.target.partition("?")
+        if path == FINDINGS_PATH:
+            return self._findings is None  # a read of the store: a worker's
         if path != "/metrics":
             return True
         return ("name" not in query and getattr(self._registry, "has_page", False)
@@ -507,12 +522,14 @@ class MetricsEndpoint:
                 return _simple(401, "Unauthorized", "Unauthorized\n", keep,
                                ("WWW-Authenticate: Basic realm=\"gpuwarden\"",), head_only)
         path, _, query = req.target.partition("?")
-        if path not in ("/", "/metrics"):
+        if path not in ("/", "/metrics") and (path != FINDINGS_PATH or self._findings is None):
             return _simple(404, "Not Found", "404 page not found\n", keep, head_only=head_only)
         if req.method not in ("GET", "HEAD"):
             return _simple(405, "Method Not Allowed", "method not allowed\n", keep, ("Allow: GET, HEAD",), head_only)
         if path == "/":
-            return _response(200, "OK", LANDING_PAGE, "text/html; charset=utf-8", keep, (), head_only)
+            return _response(200, "OK", self._landing, "text/html; charset=utf-8", keep, (), head_only)
+        if path == FINDINGS_PATH:
+            return self._window(query, keep, head_only)
         try:
             params = parse_qs(query, max_num_fields=_MAX_QUERY_FIELDS)
         except ValueError:
@@ -536,6 +553,45 @@ class MetricsEndpoint:
             body = self._gzip(body)
             extra += ("Content-Encoding: gzip",)
         return _response(200, "OK", body, content_type, keep, extra, head_only)
+
+    def _window(self, query: str, keep: bool, head_only: bool) -> bytes:
+        """GET /api/v1/findings?since=T[&until=T]: the window document as JSON; 400 with a one-line reason for a
+        bad window, 503 when the store cannot be read now (the daemon goes on; the reason names the file)."""
+        from .jobs.evidence_window import parse_time, window_problem
+        from .store import StoreError
+
+        def bad(reason: str) -> bytes:
+            return _simple(400, "Bad Request", reason + "\n", keep, head_only=head_only)
+
+        try:
+            params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query),
+                              max_num_fields=_MAX_QUERY_FIELDS)
+        except ValueError:
+            return bad("malformed query")
+        unknown = sorted(set(params) - {"since", "until"})
+        if unknown:
+            return bad(f"unknown parameter {unknown[0][:40]!r} (since and until only)")
+        if any(len(v) > 1 for v in params.values()):
+            return bad("since and until may each be given once")
+        if "since" not in params:
+            return bad("since is required (a Unix time or an RFC 3339 time, e.g. 2026-12-06T11:00:00Z)")
+        try:
+            since = parse_time(params["since"][0])
+            until = parse_time(params["until"][0]) if "until" in params else time.time()
+        except ValueError as exc:
+            return bad(str(exc)[:200])
+        problem = window_problem(since, until)
+        if problem:
+            return bad(problem)
+        assert self._findings is not None
+        try:
+            doc = self._findings(since, until)
+        except StoreError as exc:
+            log.warning("findings: the store could not be read", error=str(exc))
+            return _simple(503, "Service Unavailable", f"the store could not be read: {str(exc)[:300]}\n", keep,
+                           head_only=head_only)
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return _response(200, "OK", body, "application/json", keep, ("Cache-Control: no-store",), head_only)
 
     def _page(self, encoder: Callable[[Any], bytes]) -> bytes:
         """The registry's own cached page where it has one and the format is one it renders (the text format and

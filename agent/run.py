@@ -42,6 +42,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     from .cli import _node
     from .daemon import Daemon, DaemonOptions
     from .http_endpoint import MetricsEndpoint, raise_fd_limit
+    from .jobs.evidence_window import serving
     from .metrics import DaemonCollector, registry_for
     from .retest import run_retest
     from .systemd import name_this_thread, notify, watchdog_interval_s
@@ -62,7 +63,8 @@ def run_daemon(args: argparse.Namespace) -> int:
     raise_fd_limit()
     web_cfg = args.web_config_file or cfg.agent["web_config_file"] or None
     try:
-        server = MetricsEndpoint(host, port, registry, web_config_file=Path(web_cfg) if web_cfg else None)
+        server = MetricsEndpoint(host, port, registry, web_config_file=Path(web_cfg) if web_cfg else None,
+                                 findings=serving(state_dir / "state.db", remediation.node_name or node.hostname))
     except (OSError, UnicodeError) as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
