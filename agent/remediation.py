@@ -40,6 +40,7 @@ from .adapters.base import REASON_PREFIX, Busy, Refused, SchedulerAdapter, Servi
 from .breaker import BreakerPolicy
 from .breaker import judge as breaker_judge
 from .jobs import respond as job_response
+from .jobs.respond import JOB_ACTION
 from .model import finding_text
 from .passive import MetricSample
 from .records import dataclass
@@ -47,10 +48,10 @@ from .records import dataclass
 log = logs.get_logger("gpuwarden.remediation")
 
 ACTIONS = ("cordon", "drain", "quarantine", "uncordon", "resume", "retire", "reset_gpu", "reboot", "ticket",
-           "take_spare", "return_to_pool", "publish_domain", "job")
-JOB_ACTION = "job"  # a doomed job: notified, signalled, requeued or cancelled per [jobs] on_doomed (agent/jobs/)
-JOB_ACTION_KINDS = ("notify", "signal", "requeue", "cancel", "dry_run")  # gpuwarden_job_actions_total{action}
+           "take_spare", "return_to_pool", "publish_domain", JOB_ACTION)
 GATED = ("cordon", "drain", "quarantine")  # take capacity out of the fleet: the breaker is asked first
+# Carried out (or found already so), these leave the node out of service: a doomed job on it may then be ended.
+OUT_OF_SERVICE = ("cordon", "drain", "quarantine", "retire")
 MODES = ("dry-run", "act")
 RESET_AT_KEY = "breaker_reset_at"  # meta key `gpuwarden breaker reset` writes, the engine reads
 STATUS_KEY = "remediation"  # meta key the engine keeps for `gpuwarden status`
@@ -238,7 +239,7 @@ class Engine:
             item.not_before, item.attempts = exc.until, 0
             self._deferred.append(item)
             if item.key not in self._job_progress:  # its first action, the signal: what the time to act measures
-                self._count_job(item, "done", "done: signalled", latency=True)
+                self._count_job(item, "signal", ended=False)
             self._job_progress[item.key] = exc.progress
         log.info("job signalled; its requeue waits", key=item.key, until=exc.until)
         self._save_status()
@@ -302,7 +303,9 @@ class Engine:
             self._queued.discard(item.key)
             self._counts[kind] += 1
             if item.action == JOB_ACTION:
-                self._count_job(item, kind, outcome)
+                job_action = "dry_run" if kind == "dry_run" else job_response.action_taken(outcome)
+                if job_action is not None:
+                    self._count_job(item, job_action)
         if item.action == JOB_ACTION and self._job_progress.pop(item.key, None) is not None:
             self._save_status()
         log.info("intent carried out" if self.settings.acting else "would act", action=item.action, key=item.key,
@@ -346,7 +349,7 @@ class Engine:
             if self._confirming == item.key:  # it landed, and the read that judges it again failed: judged now
                 self._confirm(adapter, now)
             self._confirming = None
-            self._out_of_service = action in ("cordon", "drain", "quarantine", "retire")
+            self._out_of_service = action in OUT_OF_SERVICE
             return f"already so at the scheduler ({view.service.value}{', ours' if view.ours else ''}" \
                    f"{', quarantined' if view.quarantined else ''}{', spare' if view.spare else ''})"
         reason = _reason(detail)
@@ -374,31 +377,22 @@ class Engine:
         return job_response.carry_out(adapter, item.detail, self.settings.node_name, now,
                                       self._job_progress.get(item.key))
 
-    def _count_job(self, item: _Item, kind: str, outcome: str, latency: bool | None = None) -> None:
-        """The job metrics of a job intent that ended, or signalled its job first (lock held): what was done, how long
+    def _count_job(self, item: _Item, action: str, ended: bool = True) -> None:
+        """The job metrics of a job intent that took `action` (one of job_response.JOB_ACTION_KINDS; lock held), when
+        it ended or (`ended` False) when it signalled its job first and waits for the requeue: what was done, how long
         after the fault (of the first action: a requeue that waited out signal_before_s after its signal took its time
         at the signal), and the GPU-seconds it is estimated to have saved ((the job's watchdog timeout - the time to
         the end of the job) x its GPUs)."""
         d = item.detail
-        if kind == "dry_run":
-            action = "dry_run"
-        elif kind == "done" and outcome.startswith("done: "):
-            verb = outcome[len("done: "):].split(" ", 1)[0].rstrip(":")
-            action = {"notified": "notify", "signalled": "signal", "requeued": "requeue",
-                      "cancelled": "cancel"}.get(verb)
-            if action is None:
-                return
-        else:
-            return
         rule = str(d.get("rule") or "")
         self._job_counts[(action, rule)] = self._job_counts.get((action, rule), 0) + 1
         fault_at = d.get("fault_at")
         if action == "dry_run" or not isinstance(fault_at, (int, float)):
             return
         took = max(0.0, self.clock() - float(fault_at))
-        if latency if latency is not None else item.key not in self._job_progress:
+        if item.key not in self._job_progress:  # no signal before this action (the progress is kept from the signal)
             self._job_latency[action] = took
-        if latency:
+        if not ended:
             return  # the job goes on until its requeue: what it saved is counted then
         watchdog, gpus = d.get("watchdog_s"), d.get("gpus_total")
         if action != "notify" and isinstance(watchdog, (int, float)) and isinstance(gpus, (int, float)):
@@ -422,7 +416,7 @@ class Engine:
         else:
             return f"failed: unknown action {action!r}"
         self._spare = action == "return_to_pool"
-        self._out_of_service = action in ("cordon", "drain", "quarantine", "retire")
+        self._out_of_service = action in OUT_OF_SERVICE
         return "done"
 
     def _adapter(self) -> SchedulerAdapter:

@@ -342,15 +342,17 @@ def _remediation_text(view: dict[str, Any], now: float) -> str:
 def _jobs_view(checks: list[Any], intents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The jobs the `jobs` check last saw on the node, and the job actions of the journal: each job with what was
     done to it (a job the journal acted on that has left the node since is listed too)."""
-    from .jobs.model import jobs_in
+    from .jobs.model import JobRef, jobs_in
 
     record = next((c for c in checks if c.name == "jobs"), None)
     seen = {j.job.key: j for j in jobs_in(record.state)} if record is not None else {}
     acted: dict[str, list[dict[str, Any]]] = {}
     for i in intents:
-        job = i["detail"].get("job") if isinstance(i["detail"].get("job"), dict) else {}
-        key = f"{job.get('scheduler')}:{job.get('id')}" + (f".{job['run']}" if job.get("run") is not None else "")
-        acted.setdefault(key, []).append({
+        job = i["detail"].get("job")
+        # An intent whose job cannot be read (a journal edited by hand) is still listed, under "unknown:?".
+        ref = JobRef.from_dict(job) if isinstance(job, dict) and "scheduler" in job and "id" in job \
+            else JobRef("unknown", "?")
+        acted.setdefault(ref.key, []).append({
             "key": i["key"], "rule": i["detail"].get("rule"), "reason": i["detail"].get("reason"),
             "policy": i["detail"].get("policy"), "fault_at": i["detail"].get("fault_at"), "created": i["created"],
             "done": i["done"], "outcome": i["outcome"] if i["done"] is not None else "pending"})
@@ -382,6 +384,7 @@ def _jobs_text(jobs: list[dict[str, Any]], now: float) -> str:
 def print_status(args: argparse.Namespace) -> int:
     import time
 
+    from .jobs.respond import JOB_ACTION
     from .remediation import RESET_AT_KEY, STATUS_KEY
     from .render import iso_utc, when
 
@@ -406,8 +409,10 @@ def print_status(args: argparse.Namespace) -> int:
         checks = read("checks", store.checks, [])
         transitions = read("transitions", lambda: store.transitions(10), [])
         pending = read("intents", lambda: store.intents(pending_only=True), [])
-        recent = read("intents", lambda: store.intents(limit=10), [])
-        job_intents = [i for i in read("intents", lambda: store.intents(limit=1000), []) if i["action"] == "job"]
+        # One read of the journal's newest entries: the last ten shown, the job intents among them all.
+        intents = read("intents", lambda: store.intents(limit=1000), [])
+        recent = intents[-10:]
+        job_intents = [i for i in intents if i["action"] == JOB_ACTION]
         remediation = read("meta", lambda: store.meta(STATUS_KEY), None)
         reset_at = read("meta", lambda: store.meta(RESET_AT_KEY), None)
         store_notes = [n for n in (read("meta", lambda: store.meta("store_fault"), None),

@@ -91,7 +91,9 @@ from . import logs
 from .adapters.base import NodeView, Service
 from .adapters.local import LocalAdapter, read_views
 from .daemon import transition_intents
+from .jobs.doom import intent_key
 from .jobs.model import JobRef
+from .jobs.respond import JOB_ACTION
 from .model import Action, Entity, Finding, Status
 from .remediation import RESET_AT_KEY, Engine, Hooks, Settings
 from .state import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
@@ -662,14 +664,14 @@ class Fleet:
         sl, name = self.slices[j], self.names[i]
         ref = self._job_ref(j)
         incident = f"node-failure:{name}:{self.now:.6f}"
-        key = f"job:{ref.key}:{incident}"
+        key = intent_key(ref, incident)
         detail = {"at": self.now, "job": ref.to_dict(), "incident": incident, "rule": "node-failure",
                   "reason": f"node_failure node-failure {name} (simulated)",
                   "finding": self.findings(i)[0].to_dict(), "fault_at": self.now, "policy": "requeue",
                   "signal": "USR1", "signal_before_s": 0.0, "node": name, "gpus_total": self._job_gpus(sl),
                   "watchdog_s": self.watchdog_s}
         self._job_intents[key] = (j, sl.run)
-        self._engine(i).enqueue([(key, "job", detail)])
+        self._engine(i).enqueue([(key, JOB_ACTION, detail)])
         self._drive(i)
 
     # -- the workload ----------------------------------------------------------------------------------------------

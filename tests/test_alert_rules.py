@@ -264,7 +264,7 @@ def test_the_scrape_example_is_valid_and_names_the_instance_after_the_node():
 # -- the series the rules and the dashboard need ----------------------------------------------------------------------
 def test_the_job_metrics_appear_after_job_actions_with_every_action_and_doom_rule():
     from gpuwarden.agent.jobs import doom
-    from gpuwarden.agent.remediation import JOB_ACTION_KINDS
+    from gpuwarden.agent.jobs.respond import JOB_ACTION_KINDS
 
     series = after_job_actions()
     assert set(series) == {"gpuwarden_job_actions_total", "gpuwarden_job_fault_to_action_seconds",

@@ -245,7 +245,9 @@ def test_job_slurm_two_nodes_of_one_job_seeing_one_fault_requeue_it_once(cluster
 def test_job_slurm_kill_9_between_the_intent_and_the_action_acts_exactly_once(cluster, tmp_path):
     job, _ = submit(cluster, tmp_path)
     a = JobAgent(tmp_path, cluster, "n1", job)
-    slow = [sys.executable, str(ROOT / "tests" / "slow_jobs_agent.py"), "30", "--"]
+    # Only the job's own calls held back 30 s: the reads and the node's cordon and quarantine go as usual.
+    slow = [sys.executable, str(ROOT / "tests" / "kill9_agent.py"), "30", "--only",
+            "mark_job,signal_job,requeue_job,cancel_job", "--"]
     args = ["run", "--root", str(a.root), "--state-dir", str(a.state), "--listen", f"127.0.0.1:{a.port}", "--config",
             str(a.cfg), "--log-format", "json"]
     with open(a.log, "ab") as log:

@@ -43,6 +43,22 @@ def test_a_fixpoint_never_loops():
     assert (rec.state, t.actions) == (NodeState.HEALTHY, ("resume",))
 
 
+def test_a_drain_class_fault_that_dooms_a_job_quarantines_at_once():
+    # Without the grace a DRAIN-class fault gets: the job is ended only on a node out of service (agent/jobs/).
+    rec, t = next_state(NodeRecord(since=0), [FAIL_DRAIN], [], 10, P, doomed=True)
+    assert (rec.state, t.frm, t.to, t.actions) == (NodeState.QUARANTINED, NodeState.HEALTHY, NodeState.QUARANTINED,
+                                                   ("cordon", "drain"))
+    assert rec.reason == t.reason and rec.since == 10
+    # A node cordoned earlier for the fault is quarantined by the observation at which it dooms a job.
+    rec, _ = next_state(NodeRecord(since=0), [FAIL_DRAIN], [], 10, P)
+    assert rec.state is NodeState.CORDONED
+    rec, t = next_state(rec, [FAIL_DRAIN], [], 11, P, doomed=True)
+    assert (rec.state, t.actions) == (NodeState.QUARANTINED, ("drain",))
+    # A job doomed with no DRAIN-class fault on the node (a WARN) does not take the node out.
+    rec, t = next_state(NodeRecord(since=0), [WARN], [], 10, P, doomed=True)
+    assert rec.state is NodeState.SUSPECT and t.actions == ()
+
+
 def test_transient_fault_uncordons_without_quarantine():
     _, out = drive(NodeRecord(), [(0, [FAIL_DRAIN], [], None), (5, [], [], None),
                                   (5 + P["cordon_clear_s"], [], [], None)])

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..model import Action, Finding, Status, finding_text
 from ..records import dataclass
-from .model import JobOnNode
+from .model import JobOnNode, JobRef
 
 RULES_FILE = Path(__file__).with_name("doom_rules.toml")
 HITS = ("gpu", "nvlink", "domain", "ib_port")
@@ -45,7 +45,12 @@ class Doom:
     @property
     def key(self) -> str:
         """The journal's key of the action on this job for this fault: one action per (job run, incident)."""
-        return f"job:{self.job.job.key}:{self.incident}"
+        return intent_key(self.job.job, self.incident)
+
+
+def intent_key(job: JobRef, incident: str) -> str:
+    """`job:slurm:4242.0:<incident>`: the journal's key of the action on one run of a job for one fault."""
+    return f"job:{job.key}:{incident}"
 
 
 def parse_rules(data: Mapping[str, Any], origin: str) -> tuple[Rule, ...]:

@@ -18,9 +18,9 @@ from .. import logs
 from ..model import Finding
 from . import doom
 from .model import JobOnNode
+from .respond import JOB_ACTION
 
 log = logs.get_logger("gpuwarden.jobs")
-JOB_ACTION = "job"  # the intent's action (agent/remediation.py)
 KEEP_KEYS = 10_000  # intent keys remembered (a key falls out only long after its job ended)
 KEEP_INCIDENTS = 4096
 

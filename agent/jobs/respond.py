@@ -23,8 +23,12 @@ from typing import Any, Mapping
 from ..adapters.base import REASON_PREFIX, JobView
 from .model import JobRef
 
+JOB_ACTION = "job"  # a job intent's action in the journal: made by agent/jobs/guard.py, run by agent/remediation.py
 POLICIES = ("notify", "signal", "requeue", "cancel")
 _RUN = re.compile(r"\[run (\d+)\]$")
+# The verb of a `done: ...` outcome carry_out returns -> the action it took (gpuwarden_job_actions_total{action}).
+_DONE_VERBS = {"notified": "notify", "signalled": "signal", "requeued": "requeue", "cancelled": "cancel"}
+JOB_ACTION_KINDS = (*_DONE_VERBS.values(), "dry_run")  # "dry_run": an intent a dry run logged, not carried out
 
 
 class Deferred(Exception):
@@ -126,3 +130,11 @@ def carry_out(adapter: Any, detail: Mapping[str, Any], node: str, now: float,
                                     reason, ref.run))
     return f"done: signalled {ref.label()} with {signal}" + (
         " (it is not requeueable: signalled, never cancelled)" if not_requeueable else "")
+
+
+def action_taken(outcome: str) -> str | None:
+    """The action an outcome of carry_out says was taken (`done: requeued Slurm job 7` -> "requeue"); None for one
+    that took none (already so at the scheduler, refused, failed, superseded)."""
+    if not outcome.startswith("done: "):
+        return None
+    return _DONE_VERBS.get(outcome[len("done: "):].split(" ", 1)[0].rstrip(":"))
