@@ -385,12 +385,14 @@ class Engine:
         the end of the job) x its GPUs)."""
         d = item.detail
         rule = str(d.get("rule") or "")
-        self._job_counts[(action, rule)] = self._job_counts.get((action, rule), 0) + 1
+        signalled = item.key in self._job_progress  # counted at its signal: a job that then ended is no second one
+        if not (ended and signalled and action == "signal"):
+            self._job_counts[(action, rule)] = self._job_counts.get((action, rule), 0) + 1
         fault_at = d.get("fault_at")
         if action == "dry_run" or not isinstance(fault_at, (int, float)):
             return
         took = max(0.0, self.clock() - float(fault_at))
-        if item.key not in self._job_progress:  # no signal before this action (the progress is kept from the signal)
+        if not signalled:  # no signal before this action (the progress is kept from the signal)
             self._job_latency[action] = took
         if not ended:
             return  # the job goes on until its requeue: what it saved is counted then

@@ -164,6 +164,23 @@ def test_a_deferred_requeue_holds_no_other_intent_up_and_survives_a_restart(loca
     assert len(actions(local, "signal_job")) == 1 and journal.meta[STATUS_KEY]["job_progress"] == {}
 
 
+def test_a_signalled_job_that_ends_before_its_requeue_is_counted_once(local):
+    journal, clock = Journal(), [100.0]
+    eng = engine(local, journal, clock)
+    eng.enqueue([("t:cordon", "cordon", {"at": 100.0, "to": "cordoned", "reason": "xid"}),
+                 ("job:a", "job", detail("requeue", 30.0))])
+    drain(eng)
+    local.set_job(REF, "ended")  # the job took the signal and ended on its own
+    clock[0] = 131.0
+    drain(eng)
+    assert journal.done["job:a"].startswith("done: signalled") and journal.done["job:a"].endswith("has ended")
+    counts = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in eng.samples()}
+    assert counts[("gpuwarden_job_actions", (("action", "signal"), ("reason", "xid")))] == 1.0
+    # What it saved is counted once, when the intent saw the job ended (31.5 s after the fault).
+    assert counts[("gpuwarden_job_gpu_seconds_saved_estimate", (("action", "signal"),))] == \
+        pytest.approx((600.0 - 31.5) * 8)
+
+
 def test_in_dry_run_the_job_is_logged_never_acted_on(local, tmp_path):
     journal, clock = Journal(), [100.0]
     eng = Engine(local, Settings(mode="dry-run", node_name="n1", actions_path=tmp_path / "dry.jsonl"),
