@@ -10,8 +10,14 @@ scheduler adapter.
 - `guard`: the daemon's side (jobs known, rules applied at each observation, one intent per job and incident);
 - `respond`: the engine's side (carrying a job intent out through the adapter, reconciled against the scheduler);
 - `settings`: the NCCL settings check (a job whose IB timeout is shorter than this node's port outages), pure;
-- `cli`: `gpuwarden jobs`.
+- `cli`: `gpuwarden jobs`;
+- explaining a failed job (`gpuwarden explain`): `joblog_lines` (what each line of a job's log means, pure) and
+  `joblog` (reading a log, bounded), `explain` (the reasoning, pure), `node_evidence` (one node's evidence over a
+  window, read from its endpoint or saved stores), `evidence_window` (what the daemon serves at /api/v1/findings),
+  `prometheus_evidence` (the same from Prometheus' series), `slurm_job` (a job's nodes, window and output files
+  from sacct/scontrol), `analyze_job_log` (`gpuwarden analyze` of a job log), `explain_cli`.
 
-It may import the agent's model, records, errors, logs, config, the sources (through a node) and the adapters' base;
-the daemon and the remediation engine import it, never the other way round.
+It may import the agent's model, records, errors, logs, config, the sources (through a node), the adapters' base
+and (slurm_job only) the Slurm adapter's readers; the daemon and the remediation engine import it, never the other
+way round.
 """

@@ -18,7 +18,6 @@ else the rank its process group printed (said so).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -168,9 +167,11 @@ class _Tables:
         return self.ip_host.get(peer, peer)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Pointer:
-    """One line of reasoning's answer: a rank and/or host, with its evidence."""
+    """One line of reasoning's answer: a rank and/or host, with its evidence. `extra`: culprit fields it knows
+    itself (kind, link, local_rank); `action` what to do where it knows. A node finding (step "a") also carries the
+    culprit it names whole (`culprit`), the ranks it maps to, its GPU's bus id and how severe it is."""
 
     step: str
     rank: int | None
@@ -178,6 +179,12 @@ class _Pointer:
     steps: tuple[Step, ...]
     what: str
     cause: str | None = None
+    extra: Mapping[str, Any] | None = None
+    action: str | None = None
+    culprit: Mapping[str, Any] | None = None
+    ranks: tuple[int, ...] = ()
+    bus: int | None = None
+    severity: int = 0
 
 
 def explain(logs: Sequence[JobLog], nodes: Sequence[NodeEvidence] = (), job_nodes: Sequence[str] = ()
@@ -247,7 +254,7 @@ class _Ctx:
 
     def named(self, p: _Pointer, agreeing: Sequence[_Pointer]) -> Explanation:
         steps = list(p.steps) + [s for a in agreeing for s in a.steps if s not in p.steps]
-        c = dict(p.what_culprit) if isinstance(p, _Hardware) else self._rank_culprit(p)
+        c = dict(p.culprit) if p.culprit is not None else self._rank_culprit(p)
         if c["rank"] is not None and c["rank"] in self.t.places:
             place = self.t.places[c["rank"]]
             steps.append(_map_step(place))
@@ -262,7 +269,7 @@ class _Ctx:
     def _rank_culprit(self, p: _Pointer) -> dict[str, Any]:
         place = self.t.places.get(p.rank) if p.rank is not None else None
         host = p.host or (place.host if place else None)
-        extra = dict(getattr(p, "extra", {}) or {})
+        extra = dict(p.extra or {})
         kind = extra.pop("kind", "rank" if p.rank is not None else "node")
         gpu = extra.pop("gpu", None)
         if gpu is None and place is not None and place.bus is not None and kind in ("gpu", "rank"):
@@ -270,10 +277,8 @@ class _Ctx:
         return culprit(kind, host, p.rank, gpu, extra.pop("port", None), **extra)
 
     def _action(self, p: _Pointer, c: Mapping[str, Any]) -> str:
-        if isinstance(p, _Hardware):
+        if p.action:
             return p.action
-        if getattr(p, "action", None):
-            return p.action  # type: ignore[attr-defined]
         rank, host = c.get("rank"), c.get("host")
         tb = next((e for e in self.events if e.kind == "traceback" and rank is not None
                    and self.t.rank_of(e) == rank), None)
@@ -324,17 +329,8 @@ class _Ctx:
                            tuple(mapping), (), self.unreachable, self.notes)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Hardware(_Pointer):
-    what_culprit: Mapping[str, Any] = None  # type: ignore[assignment]
-    action: str = ""
-    ranks: tuple[int, ...] = ()
-    bus: int | None = None
-    severity: int = 0
-
-
-def _node_hardware(nodes: Sequence[NodeEvidence], t: _Tables) -> list[_Hardware]:
-    out: list[_Hardware] = []
+def _node_hardware(nodes: Sequence[NodeEvidence], t: _Tables) -> list[_Pointer]:
+    out: list[_Pointer] = []
     for n in nodes:
         if not n.reachable:
             continue
@@ -364,12 +360,12 @@ def _node_hardware(nodes: Sequence[NodeEvidence], t: _Tables) -> list[_Hardware]
             act = (f"gpuwarden on {n.host} recommends {action} for {ent.get('id') or kind}"
                    f"{' (' + pci + ')' if pci else ''}; keep the node out of the job's next run "
                    f"(Slurm: --exclude={short(n.host)}) until it passes `gpuwarden preflight`")
-            out.append(_Hardware("a", c["rank"], n.host, (step,), what, cause, c, act, ranks, bus, ladder))
+            out.append(_Pointer("a", c["rank"], n.host, (step,), what, cause, None, act, c, ranks, bus, ladder))
     out.sort(key=lambda h: (-h.severity, h.host or ""))
     return out
 
 
-def _agrees(h: _Hardware, p: _Pointer, t: _Tables) -> bool:
+def _agrees(h: _Pointer, p: _Pointer, t: _Tables) -> bool:
     if p.rank is not None and h.ranks:
         return p.rank in h.ranks
     if p.rank is not None and p.rank in t.places and h.bus is not None:
@@ -411,16 +407,10 @@ def _log_hardware(events: Sequence[LogEvent], t: _Tables) -> _Pointer | None:
         extra["gpu"] = e.fields["pci"]
     find = ("" if host else " and the log names no host: find it with `gpuwarden explain --job ID`, which asks each "
             "node, or write one log per node (sbatch --output=%x-%j-%N.out)")
-    ptr = _Extra("d", rank, host, (_step("a", e),), f"the GPU failed: {what}", "hardware", extra,
+    ptr = _Pointer("d", rank, host, (_step("a", e),), f"the GPU failed: {what}", "hardware", extra,
                  f"the GPU of {who}{' on ' + host if host else ''} failed{find}; keep that node out of the next run "
                  "until `gpuwarden preflight` passes there")
     return ptr
-
-
-@dataclasses.dataclass(frozen=True)
-class _Extra(_Pointer):
-    extra: Mapping[str, Any] = None  # type: ignore[assignment]
-    action: str | None = None
 
 
 def _stalled(events: Sequence[LogEvent], t: _Tables) -> _Pointer | None:
@@ -503,7 +493,7 @@ def _peers(events: Sequence[LogEvent], t: _Tables) -> _Pointer | None:
     reporters = sorted(by)
     who = ", ".join(reporters)
     if "connect_failed" in kinds:
-        return _Extra("c", None, peer, steps, f"{who} could not connect to {peer} "
+        return _Pointer("c", None, peer, steps, f"{who} could not connect to {peer} "
                       f"({next(e for e in evs if e.kind == 'connect_failed').fields['why']})", "fabric",
                       {"kind": "node"}, f"the other nodes cannot connect to {peer}: keep it out of the job "
                       f"(Slurm: --exclude={peer}) and check its network")
@@ -511,13 +501,13 @@ def _peers(events: Sequence[LogEvent], t: _Tables) -> _Pointer | None:
     if ib:
         status = ib[0].fields["status"]
         if len(reporters) >= 2:
-            return _Extra("c", None, peer, steps, f"{len(reporters)} hosts ({who}) got InfiniBand completion errors "
+            return _Pointer("c", None, peer, steps, f"{len(reporters)} hosts ({who}) got InfiniBand completion errors "
                           f"(status {status}) from {peer}", "fabric", {"kind": "ib_port"},
                           f"check {peer}'s InfiniBand ports (`gpuwarden preflight` there: ib_port, rdma_loopback)")
         if status == _RETRY_EXCEEDED:
             e = ib[0]
             dev = f" (the NIC of cudaDev {e.dev})" if e.dev is not None else ""
-            return _Extra("c", None, None, steps, f"the InfiniBand link between {reporters[0]}{dev} and {peer} "
+            return _Pointer("c", None, None, steps, f"the InfiniBand link between {reporters[0]}{dev} and {peer} "
                           f"failed: status 12, vendor err {e.fields['vendor']} (retry count exceeded: the NICs "
                           "could not talk to each other)", "fabric",
                           {"kind": "ib_port", "link": [reporters[0], peer]},
@@ -528,7 +518,7 @@ def _peers(events: Sequence[LogEvent], t: _Tables) -> _Pointer | None:
                         f"{status}, vendor err {ib[0].fields['vendor']}) from {peer}" +
                         (": status 4 (local protection error) is usually ACS or the IOMMU breaking GPUDirect RDMA "
                          f"on {reporters[0]}" if status == 4 else ""), None)
-    return _Extra("c", None, peer, steps, f"{peer} went away first: {who} lost its connection to it "
+    return _Pointer("c", None, peer, steps, f"{peer} went away first: {who} lost its connection to it "
                   f"({evs[0].fields['why']})", "software", {"kind": "rank"},
                   f"read the log of the rank(s) on {peer}: the process there ended first (a crash before these "
                   "errors)")
@@ -538,7 +528,7 @@ def _first_failure(events: Sequence[LogEvent], t: _Tables) -> _Pointer | None:
     fails = [e for e in events if e.kind == "node_failure"]
     if fails:
         e = fails[0]
-        return _Extra("d", None, e.fields["host"], (_step("d", e),), f"Slurm saw node {e.fields['host']} fail",
+        return _Pointer("d", None, e.fields["host"], (_step("d", e),), f"Slurm saw node {e.fields['host']} fail",
                       "unknown", {"kind": "node"}, f"look at {e.fields['host']}: Slurm lost it during the job")
     runs = [e for e in events if e.kind == "torchrun_failure" and e.stamp]
     if len(runs) >= 2:

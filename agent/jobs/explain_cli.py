@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     since, until = parse_time(args.since, "--since"), parse_time(args.until, "--until")
     job_info: dict[str, Any] | None = None
     if args.job:
-        from .slurm_job import slurm_job
+        from .slurm_job import locate_outputs, slurm_job
 
         window = slurm_job(str(args.job))
         job_info = {"id": window.job_id, "state": window.state, "exit_code": window.exit_code,
@@ -88,11 +88,9 @@ def _run(args: argparse.Namespace) -> int:
         nodes = nodes or list(window.nodes)
         since = since if since is not None else (window.start - MARGIN_S if window.start else None)
         until = until if until is not None else (window.end + MARGIN_S if window.end else None)
-        for out in _job_outputs(window):
-            if out not in paths and Path(out).exists():
-                paths.append(Path(out))
-            elif not Path(out).exists():
-                notes.append(f"job {window.job_id}'s output {out} is not readable from here")
+        found, missing = locate_outputs(window)
+        paths += [Path(f) for f in found if Path(f) not in paths]
+        notes += [f"job {window.job_id}'s output {f} is not readable from here" for f in missing]
     if not paths and not nodes and not args.evidence:
         print("gpuwarden explain: give the job's logs, --job, --nodes or --evidence", file=sys.stderr)
         return 2
@@ -151,14 +149,6 @@ def _auth(text: str | None) -> tuple[str, str] | None:
         return user, Path(file).read_text().strip()
     except OSError as exc:
         raise GpuwardenError(f"--basic-auth: cannot read the password file {file}: {exc.strerror}") from exc
-
-
-def _job_outputs(window: Any) -> list[str]:
-    """The job's StdOut/StdErr files as Slurm expands them (one per node where the pattern holds %N)."""
-    outs = list(getattr(window, "stdout_files", ()) or ()) + list(getattr(window, "stderr_files", ()) or ())
-    if not outs:
-        outs = [str(v) for v in (window.stdout, window.stderr) if v]
-    return list(dict.fromkeys(outs))
 
 
 def parse_time(text: str | None, flag: str) -> float | None:
