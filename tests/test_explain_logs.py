@@ -273,3 +273,20 @@ def test_analyze_recognises_a_job_log_and_judges_it_as_explain_does(name):
     assert result["check"] == "job_log"
     if x.verdict == "culprit":
         assert result["findings"][0]["evidence"]["culprit"] == json.loads(json.dumps(x.culprit))
+
+
+def test_explain_of_a_1m_line_log_reads_it_to_its_end(tmp_path):
+    """Linear and bounded (speed and memory are bench/explain.py's): a 1M-line log with 5 % failure lines is read to
+    its last lines, where its stalled rank's line is."""
+    log = tmp_path / "big.log"
+    with log.open("w") as f:
+        subprocess.run([sys.executable, str(ROOT / "bench" / "gen_job_log.py"), "--lines", "1000000", "--mix",
+                        "failures"], stdout=f, check=True, timeout=300)
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "explain", str(log), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    out, err = proc.communicate(timeout=300)
+    doc = json.loads(out)
+    assert proc.returncode == 1, err
+    assert doc["culprit"]["rank"] == 37 and doc["culprit"]["host"] == "gpu005"
+    stalled = next(e for e in doc["evidence"] if e["step"] == "b" and "[rank37]" in e["text"])
+    assert stalled["line"] > 999_000
