@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
 # The texts the kernel-log checks read (the interest of _kernel_consumers(), which a test holds them to), known
 # before the checks are loaded: the readers of a large file start while they load.
-KERNEL_INTEREST = ("NVRM: ", "SXid", "NVSwitch")
+KERNEL_INTEREST = ("Xid", "NVRM: GPU at ", "SXid", "NVSwitch")
 VOTE_CHARS = 1 << 18  # characters of the head read first: HEAD_LINES kernel-log lines of up to ~130 characters
 # Line formats that only a kernel log has (one a line); "plain" and "embedded" (a driver line quoted in other text)
 # are not among them.

@@ -80,8 +80,8 @@ def gc_paused() -> Iterator[None]:
 KMSG_ROW = re.compile(r"^(?:([0-9]{1,10}+),([0-9]{1,20}+),([0-9]{1,20}+),[\x00-\t\x0b-:<-\x7f]{0,30}+;)?+(.*+)", re.M)
 _U64 = 1 << 64
 _CHUNK = 1 << 16  # characters of text per findall, cut at a line end
-_LEVEL = {str(p): p & 7 for p in range(192)}  # prio = facility * 8 + level; facilities 0..23
-_FACILITY = {str(p): p >> 3 for p in range(192)}
+PRIO_LEVEL = {str(p): p & 7 for p in range(192)}  # prio = facility * 8 + level; facilities 0..23
+PRIO_FACILITY = {str(p): p >> 3 for p in range(192)}
 
 
 def _kmsg_rows(text: str) -> Iterator[list[tuple[str, str, str, str]]]:
@@ -100,7 +100,7 @@ def _kmsg_rows(text: str) -> Iterator[list[tuple[str, str, str, str]]]:
 
 def kmsg_record(message: str, lineno: int, source: str, prio: str, seq: str, usec: str) -> LogRecord:
     try:
-        level, facility = _LEVEL[prio], _FACILITY[prio]
+        level, facility = PRIO_LEVEL[prio], PRIO_FACILITY[prio]
     except KeyError:  # "0006", or a prio past the 24 facilities: still a number
         p = int(prio)
         level, facility = p & 7, p >> 3
@@ -136,7 +136,7 @@ def parse_kmsg_text(text: str, source: str) -> tuple[list[LogRecord], list[Parse
     errors: list[ParseError] = []
     append = records.append
     new, builder, record_type, level_of, facility_of, int_ = (
-        object.__new__, LogRecordBuilder, LogRecord, _LEVEL, _FACILITY, int)
+        object.__new__, LogRecordBuilder, LogRecord, PRIO_LEVEL, PRIO_FACILITY, int)
     lineno = 0
     with gc_paused():
         for rows in _kmsg_rows(text):
@@ -231,13 +231,26 @@ _CTIME = re.compile(r"\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4
 _ISO = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?) ")
 # Possessive \S++: a long word that is not followed by a space fails at once instead of being given back
 # character by character.
-_SYSLOG = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d) (\S++) ")  # "Jan 01 09:30:56 host "
+_SYSLOG_TIME = r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d)"
+_SYSLOG = re.compile(_SYSLOG_TIME + r" (\S++) ")  # "Jan 01 09:30:56 host "
 _HOST_KERNEL = r"\S++ kernel: "
 _HOST_KERNEL_RE = re.compile(_HOST_KERNEL)  # journal/syslog "host kernel: " after the timestamp
 # Lines joined by newlines, each read in one findall as classify_line reads a line that starts with a dmesg stamp and
 # has no journal host after it: (secs, frac, message), and ("", "", line) for any other line. The space after the
 # stamp is taken possessively, as _DMESG_STAMP_RE.match takes it before _HOST_KERNEL_RE is tried where it ends.
 DMESG_LINES = re.compile(r"^(?:" + _STAMP + r" ?+(?!" + _HOST_KERNEL + r"))?+(.*)$", re.M)
+# The same for the other text forms a saved log is usually in, one pattern a form: each reads a line that starts so as
+# classify_line's steps do (each step a match from where the last ended, which possessive quantifiers reproduce):
+# (the time as written, the kernel's own secs and frac after a journal's "host kernel: ", the message); a line the
+# pattern does not take is ("", "", "", line), for classify_line. A journal's or syslog's host is not kept
+# (classify_line does not return it).
+_KERNEL_STAMP = r"(?:" + _STAMP + r" ?+)?+"
+FORM_LINES = {
+    "dmesg-ctime": re.compile(r"^(?:" + _CTIME.pattern + r"(?:" + _HOST_KERNEL + _KERNEL_STAMP + r")?+)?+(.*)$",
+                              re.M),
+    "dmesg-iso": re.compile(r"^(?:" + _ISO.pattern + r"(?:" + _HOST_KERNEL + _KERNEL_STAMP + r")?+)?+(.*)$", re.M),
+    "syslog": re.compile(r"^(?:" + _SYSLOG_TIME + r" \S++ (?:kernel: )?+" + _KERNEL_STAMP + r")?+(.*)$", re.M),
+}
 # A kernel line quoted inside other text ("mynode-066 | ERROR: ... [ 3606.832215] NVRM: Xid ..."):
 # only NVIDIA driver lines are looked for, so ordinary text is not cut at a stray "[1.5]".
 # Found by its fixed text first (a C substring scan); a pattern with an optional stamp in front cannot skip ahead,

@@ -2,15 +2,15 @@
 checks read, as records (each with its exact line number), and nothing else.
 
 What decides which lines: each kernel-log check states the fixed texts a line must hold for it to look at the line
-(its KernelConsumer's ``interest``: "NVRM: " for xid, "SXid" and "NVSwitch" for nvswitch_sxid); every other line
-is one they skip unread. So the file is read in fixed chunks into one reused buffer (not mmap: the pages of a
-mapped file that are touched count in the process's memory), each chunk's complete lines are searched for those
-texts with ``bytes.find`` (C), and only a line that holds one is decoded and parsed as a whole-file parse reads it
-(agent/kernel_log.py parse_line; in a reader process, a part's dmesg lines with one findall of kernel_log's
-DMESG_LINES, built from the patterns parse_line reads them with). The newlines between two such lines are counted
-(``bytes.count``, C) for their line numbers, which are exact. The search looks first for one rare byte of each text
-(``memchr``: X, V) and checks the text there; where that byte is common it searches for the texts themselves
-(agent/line_search.py, which the followed kernel log's reader shares).
+(its KernelConsumer's ``interest``: "Xid" and "NVRM: GPU at " for xid, "SXid" and "NVSwitch" for nvswitch_sxid);
+every other line is one they skip unread. So the file is read in fixed chunks into one reused buffer (not mmap: the
+pages of a mapped file that are touched count in the process's memory), each chunk's complete lines are searched for
+those texts with ``bytes.find`` (C), and only a line that holds one is decoded and parsed as a whole-file parse reads
+it (agent/kernel_log.py parse_line; in a reader process, a part's lines with one findall of the pattern of their form,
+kernel_log's DMESG_LINES, FORM_LINES or KMSG_ROW, built from the patterns parse_line reads them with). The newlines
+between two such lines are counted (``bytes.count``, C) for their line numbers, which are exact. The search looks
+first for one rare byte of each text (``memchr``: X, V) and checks the text there; where that byte is common it
+searches for the texts themselves (agent/line_search.py, which the followed kernel log's reader shares).
 
 What is read is what a parse of the whole file reads, and so the findings are the same (tests/test_analyze_scan.py
 compares both on every recorded log and on generated ones):
@@ -40,6 +40,7 @@ whose pipe is full waits).
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import gc
 import marshal
@@ -50,11 +51,11 @@ import signal
 import stat
 import struct
 from dataclasses import field
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from .errors import GpuwardenError, ParseError
-from .kernel_log import (DMESG_LINES, HEAD_CHARS, LogRecord, LogRecordBuilder, classify_line, gc_paused, parse_line,
-                         stamp_usec)
+from .kernel_log import (DMESG_LINES, FORM_LINES, HEAD_CHARS, KMSG_ROW, PRIO_FACILITY, PRIO_LEVEL, LogRecord,
+                         LogRecordBuilder, classify_line, gc_paused, kmsg_line, parse_line, stamp_usec)
 from .line_search import ProbeMemory, Probes, lines_holding, probes_for
 from .records import dataclass
 
@@ -247,12 +248,15 @@ def _reader(f: BinaryIO, first: bytes) -> Callable[[memoryview], int]:
 def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
                 probes: Probes, kmsg: bool, buf: bytearray, chunk: int,
                 line_max: int, final: bool, hit: Callable[[bytes | bytearray, int], None],
-                long_line: Callable[[int, int], None], memory: ProbeMemory | None = None) -> tuple[int, bool]:
+                long_line: Callable[[int, int], None], memory: ProbeMemory | None = None,
+                gather: Callable[[bytes, list[int]], None] | None = None) -> tuple[int, bool]:
     """Reads lines from ``read`` to its end: each line that holds one of ``needles`` goes to ``hit`` with its line
     number (counted from 1 at the first byte read), each line longer than ``line_max`` to ``long_line`` (its
     number, its length). ``final``: the end read is the file's end (in raw kmsg its last line is read in any case).
     ``buf``, of chunk + line_max bytes, is where they are read; ``memory``, what earlier reads of the same log taught
-    of the probes (one is made for this read otherwise). Returns (lines read, nothing but white space)."""
+    of the probes (one is made for this read otherwise). ``gather``: if given, a buffer's lines go to it at once
+    instead of one by one to ``hit``, joined by newlines (CRs of CRLF ends taken off) with their numbers: a step of
+    Python less per line, where the lines are many. Returns (lines read, nothing but white space)."""
     view = memoryview(buf)
     lines = 0  # newlines before buf[0]
     have = 0  # bytes of a partial line at the front of buf
@@ -265,10 +269,23 @@ def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
         """Reads the complete lines buf[start:stop] (stop just past a newline)."""
         nonlocal lines, last, blank
         at = start
-        for ls, le in lines_holding(buf, start, stop, probes, memory):
-            lines += count(b"\n", at, ls)
-            at = ls
-            hit(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
+        spans = lines_holding(buf, start, stop, probes, memory)
+        if gather is not None:
+            if spans:
+                numbers = []
+                for ls, _ in spans:
+                    lines += count(b"\n", at, ls)
+                    at = ls
+                    numbers.append(lines + 1)
+                joined = b"\n".join([buf[ls:le] for ls, le in spans])
+                if b"\r" in joined:
+                    joined = joined.replace(b"\r\n", b"\n").removesuffix(b"\r")
+                gather(joined, numbers)
+        else:
+            for ls, le in spans:
+                lines += count(b"\n", at, ls)
+                at = ls
+                hit(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
         lines += count(b"\n", at, stop)
         if final:
             ls = rfind(b"\n", start, stop - 1) + 1 or start
@@ -531,16 +548,59 @@ class _Readers:
         self.held.close()
 
 
+class RowRecords(Sequence[LogRecord]):
+    """A batch of the readers' records as they sent them (rows, numbered from their part's first line): each record
+    is made when it is asked for, and ``messages`` holds every record's message at once. A judge that reads the
+    messages and only some records (the xid check: the first and last line of each text) makes only those; one
+    that reads them all gets them all, the same as a list's."""
+
+    __slots__ = ("messages", "_rows", "_offsets", "_starts", "_source")
+
+    def __init__(self, source: str) -> None:
+        self.messages: list[str] = []
+        self._rows: list[tuple[Any, ...]] = []
+        self._offsets: list[int] = []  # lines before each segment's part
+        self._starts: list[int] = []  # index of each segment's first row
+        self._source = source
+
+    def add(self, rows: list[tuple[Any, ...]], offset: int) -> None:
+        self._starts.append(len(self._rows))
+        self._offsets.append(offset)
+        self._rows += rows
+        self.messages += [r[0] for r in rows]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self._rows)))]
+        if i < 0:
+            i += len(self._rows)
+        message, line, seq, usec, priority, timestamp, facility = self._rows[i]
+        if type(usec) is str:  # as the reader found it (see _text_rows): made a number only for a record made
+            secs, _, frac = usec.partition(".")
+            usec = stamp_usec(secs, frac) if frac else int(secs)
+        if type(seq) is str:
+            seq = int(seq)
+        offset = self._offsets[bisect.bisect_right(self._starts, i) - 1]
+        r = LogRecordBuilder(message, line + offset, self._source, seq, usec, priority, timestamp, facility)
+        r.__class__ = LogRecord
+        return r
+
+    def __iter__(self) -> Iterator[LogRecord]:
+        return (self[i] for i in range(len(self._rows)))
+
+
 def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) -> ScanResult:
     """The readers' results, part by part in file order, numbered on and judged."""
     readers.source = source
-    records: list[LogRecord] = []
+    records = RowRecords(source)
     errors: list[ParseError] = []
     notes: list[str] = []
     malformed = cut = held = 0
     offset = 0  # lines before the part
     blank = True
-    build, record_type = LogRecordBuilder, LogRecord
     for i in range(len(readers.parts)):
         rows, errs, part_malformed, cuts, part_cut, lines, part_blank = readers.take(i)
         readers.hand_out(i + 1 + HANDED_AHEAD)
@@ -555,18 +615,15 @@ def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) 
         cut += part_cut - len(cuts)
         blank = blank and part_blank
         for at in range(0, len(rows), BATCH):
-            built = [build(message, line + offset, source, seq, usec, priority, timestamp, facility)
-                     for message, line, seq, usec, priority, timestamp, facility in rows[at:at + BATCH]]
-            for one in built:
-                one.__class__ = record_type
-                records.append(one)
-                held += len(one.message)
-                if len(records) >= BATCH or held >= BATCH_BYTES:
-                    judges.judge(records)
-                    records.clear()
-                    held = 0
+            some = rows[at:at + BATCH] if at or len(rows) > BATCH else rows
+            records.add(some, offset)
+            held += sum(map(len, records.messages[-len(some):]))
+            if len(records) >= BATCH or held >= BATCH_BYTES:
+                judges.judge(records)  # type: ignore[arg-type]  # a Sequence of LogRecords
+                records = RowRecords(source)
+                held = 0
         offset += lines
-    judges.judge(records)
+    judges.judge(records)  # type: ignore[arg-type]
     readers.wait()
     return _result(judges, errors, offset, blank, notes, source, cut, malformed, line_max)
 
@@ -644,50 +701,85 @@ def _read_part(fd: int, start: int, stop: int, final: bool, kmsg: bool, needles:
         at += n
         return n
 
-    raws: list[bytes | bytearray] = []  # a text file's lines the checks read, and their numbers: parsed together
+    # The lines the checks read, in pieces of newline-joined lines, and their numbers: parsed together.
+    raws: list[bytes | bytearray] = []
     linenos: list[int] = []
 
     def hit(raw: bytes | bytearray, lineno: int) -> None:
-        if not kmsg:
-            raws.append(raw)
-            linenos.append(lineno)
-            return
-        one = parse_line(raw.decode("utf-8", "replace"), lineno, "", kmsg)
-        if one is None:
-            return
-        if type(one) is ParseError:
-            counts[0] += 1
-            if len(errs) < MAX_NOTES:
-                errs.append((one.what, lineno))
-            return
-        rows.append((one.message, lineno, one.seq, one.usec, one.priority, one.timestamp, one.facility))
+        raws.append(raw)
+        linenos.append(lineno)
+
+    def gather(joined: bytes, numbers: list[int]) -> None:
+        raws.append(joined)
+        linenos.extend(numbers)
 
     def long_line(lineno: int, size: int) -> None:
         counts[1] += 1
         if len(cuts) < MAX_NOTES:
             cuts.append((lineno, size))
 
-    lines, blank = _read_lines(read, needles, probes, kmsg, buf, chunk, line_max, final, hit, long_line, memory)
+    lines, blank = _read_lines(read, needles, probes, kmsg, buf, chunk, line_max, final, hit, long_line, memory,
+                               gather)
     if raws:
-        _text_rows(raws, linenos, rows)
+        if kmsg:
+            _kmsg_rows(raws, linenos, rows, errs, counts)
+        else:
+            _text_rows(raws, linenos, rows)
     return rows, errs, counts[0], cuts, counts[1], lines, blank
 
 
 def _text_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tuple[Any, ...]]) -> None:
-    """The rows of a text file's lines, as parse_line's text branch reads them: a dmesg line ("[secs.frac] " and no
-    journal host after it) read by one findall over them all, any other line through classify_line: one pattern
-    over the part's lines instead of two matches and a function call for each line (about a tenth less)."""
-    # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
-    read = DMESG_LINES.findall("\n".join([raw.decode("utf-8", "replace") for raw in raws]))
+    """The rows of a text file's lines, as parse_line's text branch reads them: the lines in the part's form (its
+    first line's: dmesg, dmesg -T, ISO, syslog/journal) read by one findall of kernel_log's pattern of that form
+    over them all, any other line through classify_line: one pattern over the part's lines instead of several
+    matches and a function call for each line."""
+    text = b"\n".join(raws).decode("utf-8", "replace")
     # One object for each text that repeats (a flood's lines do): marshal sends it once and refers to it after, and
-    # the judges here find the hash of a text they look up already made.
+    # the judges here find the hash of a text they look up already made. A stamp goes as its text ("secs.frac"):
+    # RowRecords makes it a number for the records a judge asks for, most of a flood's never are.
     same: dict[str, str] = {}
-    for (secs, frac, message), lineno in zip(read, linenos, strict=True):
-        if secs:
-            rows.append((same.setdefault(message, message), lineno, None, stamp_usec(secs, frac), None, None, None))
+    form = classify_line(text[:text.find("\n")] if "\n" in text else text)[0]
+    lines = FORM_LINES.get({"journal": "dmesg-ctime", "journal-iso": "dmesg-iso"}.get(form, form))
+    # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
+    if lines is None:
+        for (secs, frac, message), lineno in zip(DMESG_LINES.findall(text), linenos, strict=True):
+            if secs:
+                rows.append((same.setdefault(message, message), lineno, None, f"{secs}.{frac}", None, None, None))
+            elif message and not message.isspace():
+                _, message, timestamp, usec, priority, seq = classify_line(message)
+                rows.append((message, lineno, seq, usec, priority, timestamp, None))
+        return
+    for (timestamp, secs, frac, message), lineno in zip(lines.findall(text), linenos, strict=True):
+        if timestamp:
+            rows.append((same.setdefault(message, message), lineno, None, f"{secs}.{frac}" if secs else None, None,
+                         timestamp, None))
         elif message and not message.isspace():
             _, message, timestamp, usec, priority, seq = classify_line(message)
             rows.append((message, lineno, seq, usec, priority, timestamp, None))
+
+
+def _kmsg_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tuple[Any, ...]],
+               errs: list[tuple[str, int]], counts: list[int]) -> None:
+    """The rows of a raw kmsg file's lines, as parse_line's kmsg branch reads them: the well-formed records by one
+    findall of KMSG_ROW over them all, any other line (a malformed record, one past the pattern's bounds) through
+    kmsg_line, the exact test."""
+    read = KMSG_ROW.findall(b"\n".join(raws).decode("utf-8", "replace"))
+    same: dict[str, str] = {}
+    for (prio, seq, usec, message), lineno in zip(read, linenos, strict=True):
+        if prio:
+            try:
+                level, facility = PRIO_LEVEL[prio], PRIO_FACILITY[prio]
+            except KeyError:  # "0006", or a prio past the 24 facilities: still a number
+                level, facility = int(prio) & 7, int(prio) >> 3
+            rows.append((same.setdefault(message, message), lineno, seq, usec, level, None, facility))  # as text
+        elif message and message[0] != " ":
+            one = kmsg_line(message, "", lineno)
+            if type(one) is ParseError:
+                counts[0] += 1
+                if len(errs) < MAX_NOTES:
+                    errs.append((one.what, lineno))
+            else:
+                rows.append((one.message, lineno, one.seq, one.usec, one.priority, one.timestamp, one.facility))
 
 
 _HEADER = struct.Struct("<Q")

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -52,39 +54,95 @@ XID_TEXTS = {
     119: "pid=2024380, name=nvidia-smi, Timeout after 6s of waiting for RPC response from GPU4 GSP! Expected function "
          "103 (GSP_RM_ALLOC) (0x2081 0x4).",  # gpud__dmesg-ctime__xid119-gsp-timeout-with-stack.log
 }
+# A tenth XID for the mixes (--noise mixed/long/short), from a real 'dmesg --ctime' excerpt.
+XID_MIX = {**XID_TEXTS, 45: "pid=1496200, name=distprovers-gpu, Ch 0000000f"}
+# embedded_xid_lines_from_docs_and_tests.tsv (a README's dmesg --ctime lines)
 
 
-def noise_messages() -> list[str]:
-    """The recorded boot's messages (raw kmsg: the text after the first ';'), without any XID line."""
+MIX_DIR = ROOT / "fixtures/logs/kernel"
+# Real kernel logs of other machines, in their own forms (sources beside each in fixtures/logs/kernel/): the
+# "mixed" noise is every line of them that is not an XID's, its form's prefix taken off. The boot log of a
+# 8-GPU node (USB, ext4, mlx5, audit, IPv6, ACPI, PCI), a Kubernetes node's journal (IPv6, veth, cali), a raw
+# kmsg of NVSwitch opens, nvidia-peermem errors, a GSP timeout's stack and a hung task's.
+MIX_SOURCES = (
+    "gpud__dmesg-decode-iso__boot-noise-no-xid.log", "gpud__journalctl-short-iso__noise-1.log",
+    "gpud__journalctl-short-iso__noise-2.log", "gpud__kmsg-raw__noise-nvswitch.log",
+    "gpud__dmesg-iso__xid48-63-94-with-peermem-noise.log", "gpud__dmesg-ctime__xid119-gsp-timeout-with-stack.log",
+    "gpud__dmesg-ctime__xid45-then-hung-task-nvidia-stack.txt", "gpud__dmesg-decode-iso__nccl-segfault.log",
+)
+# The prefixes of those files' forms: dmesg --decode (facility:level : ISO stamp), journalctl -o short-iso
+# (stamp host kernel:), raw kmsg (prio,seq,usec,flags;), dmesg (-T) ([stamp]), an ISO stamp alone.
+_PREFIX = re.compile(r"^(?:\w+\s*:\w+\s*: \S+ |\S+ \S+ kernel: |\d+,\d+,\d+,[^;]*;|\[[^\]]*\] |\d{4}-\d\d-\S+ )")
+NOISES = ("boot", "mixed", "long", "short")
+FORMS = ("dmesg", "dmesg-T", "journalctl", "kmsg")
+LONG_MIN, SHORT_MAX = 100, 48  # message lengths of the "long" and "short" mixes (the mixed corpus' median is ~60)
+HOST = "gpu-node-017"
+BOOT_EPOCH = 1_733_400_000  # 2024-12-05 12:00 UTC: where dmesg -T's and journalctl's wall clocks start
+
+
+def noise_messages(noise: str = "boot") -> list[str]:
+    """The messages (no prefix) that fill the lines that are not XIDs; "boot": the recorded H100 boot (raw kmsg:
+    the text after the first ';'), "mixed": the other machines' logs, "long"/"short": those of them longer than
+    LONG_MIN / at most SHORT_MAX characters."""
+    if noise == "boot":
+        out = []
+        for line in SOURCE.read_text().splitlines():
+            head, sep, msg = line.partition(";")
+            if sep and head[:1].isdigit() and "Xid" not in msg:
+                out.append(msg)
+        return out
+    if noise not in NOISES:
+        raise ValueError(f"noise {noise!r}: one of {', '.join(NOISES)}")
     out = []
-    for line in SOURCE.read_text().splitlines():
-        head, sep, msg = line.partition(";")
-        if sep and head[:1].isdigit() and "Xid" not in msg:
-            out.append(msg)
+    for name in MIX_SOURCES:
+        for line in (MIX_DIR / name).read_text(errors="replace").splitlines():
+            msg = _PREFIX.sub("", line, count=1).rstrip()
+            if msg and "Xid" not in msg:
+                out.append(msg)
+    if noise == "long":
+        out = [m for m in out if len(m) > LONG_MIN]
+    elif noise == "short":
+        out = [m for m in out if len(m) <= SHORT_MAX]
     return out
 
 
+def _stamp(form: str | None, usec: int, seq: int, prio: int) -> str:
+    if form is None:  # the first benchmarks' form, kept so that their figures stay comparable
+        return f"[{usec // 1_000_000:5d}.{usec % 1_000_000:06d}] "
+    if form == "dmesg":
+        return f"[{usec / 1e6:12.6f}] "
+    if form == "kmsg":
+        return f"{prio},{seq},{usec},-;"
+    t = time.gmtime(BOOT_EPOCH + usec // 1_000_000)
+    if form == "dmesg-T":
+        return time.strftime("[%a %b ", t) + f"{t.tm_mday:2d}" + time.strftime(" %H:%M:%S %Y] ", t)
+    if form == "journalctl":
+        return time.strftime("%b %d %H:%M:%S ", t) + HOST + " kernel: "
+    raise ValueError(f"form {form!r}: one of {', '.join(FORMS)}")
+
+
 def generate(lines: int, seed: int = 1, xid_fraction: float = 0.02, counts: Counter | None = None,
-             spans: dict | None = None) -> Iterator[bytes]:
+             spans: dict | None = None, form: str | None = None, noise: str = "boot") -> Iterator[bytes]:
     """The log as chunks of bytes; ``counts`` (if given) gains (bus id, XID) -> lines written, and ``spans``
     (bus id, XID) -> [first line, last line], numbered from 1."""
     rng = random.Random(seed)
-    noise = noise_messages()
-    xids = sorted(XID_TEXTS)
+    pool = noise_messages(noise)
+    texts = XID_TEXTS if noise == "boot" else XID_MIX
+    xids = sorted(texts)
     usec = 0
     block: list[str] = []
     for number in range(1, lines + 1):
         usec += rng.randint(1, 10_000)
         if rng.random() < xid_fraction:
             gpu, xid = rng.choice(GPUS), rng.choice(xids)
-            msg = f"NVRM: Xid (PCI:{gpu}): {xid}, {XID_TEXTS[xid]}"
+            msg, prio = f"NVRM: Xid (PCI:{gpu}): {xid}, {texts[xid]}", 4
             if counts is not None:
                 counts[(gpu, xid)] += 1
             if spans is not None:
                 spans.setdefault((gpu, xid), [number, number])[1] = number
         else:
-            msg = rng.choice(noise)
-        block.append(f"[{usec // 1_000_000:5d}.{usec % 1_000_000:06d}] {msg}\n")
+            msg, prio = rng.choice(pool), 6
+        block.append(_stamp(form, usec, number - 1, prio) + msg + "\n")
         if len(block) >= 65_536:
             yield "".join(block).encode()
             block.clear()
@@ -92,7 +150,8 @@ def generate(lines: int, seed: int = 1, xid_fraction: float = 0.02, counts: Coun
         yield "".join(block).encode()
 
 
-def write(path: Path, lines: int, seed: int = 1, xid_fraction: float = 0.02) -> dict:
+def write(path: Path, lines: int, seed: int = 1, xid_fraction: float = 0.02, form: str | None = None,
+          noise: str = "boot") -> dict:
     """Write the log to ``path`` and return what it holds: lines, bytes, XID lines, and per "bus xid" the count
     and the first and last line."""
     counts: Counter = Counter()
@@ -100,27 +159,31 @@ def write(path: Path, lines: int, seed: int = 1, xid_fraction: float = 0.02) -> 
     size = 0
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
-        for chunk in generate(lines, seed, xid_fraction, counts, spans):
+        for chunk in generate(lines, seed, xid_fraction, counts, spans, form, noise):
             f.write(chunk)
             size += len(chunk)
     tmp.replace(path)
+    sources = [str(SOURCE.relative_to(ROOT))] if noise == "boot" else \
+        [str((MIX_DIR / n).relative_to(ROOT)) for n in MIX_SOURCES]
     return {"lines": lines, "bytes": size, "seed": seed, "xid_fraction": xid_fraction, "version": VERSION,
-            "xid_lines": sum(counts.values()),
+            "form": form or "dmesg-5", "noise": noise, "xid_lines": sum(counts.values()),
             "counts": {f"{gpu} {xid}": n for (gpu, xid), n in sorted(counts.items())},
             "lines_of": {f"{gpu} {xid}": spans[(gpu, xid)] for (gpu, xid) in sorted(spans)},
-            "source": str(SOURCE.relative_to(ROOT))}
+            "source": ", ".join(sources)}
 
 
-def cached(directory: Path, lines: int, seed: int = 1, xid_fraction: float = 0.02) -> tuple[Path, dict]:
+def cached(directory: Path, lines: int, seed: int = 1, xid_fraction: float = 0.02, form: str | None = None,
+           noise: str = "boot") -> tuple[Path, dict]:
     """The log for these arguments under ``directory``, made once and kept (with its counts beside it)."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"dmesg-{lines}-s{seed}-x{xid_fraction:g}-v{VERSION}.txt"
+    kind = "dmesg" if form is None and noise == "boot" else f"{form or 'dmesg-5'}-{noise}"
+    path = directory / f"{kind}-{lines}-s{seed}-x{xid_fraction:g}-v{VERSION}.txt"
     meta_path = path.with_name(path.name + ".json")
     if path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if meta.get("bytes") == path.stat().st_size:
             return path, meta
-    meta = write(path, lines, seed, xid_fraction)
+    meta = write(path, lines, seed, xid_fraction, form, noise)
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     return path, meta
 
@@ -131,10 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--xid-fraction", type=float, default=0.02)
+    ap.add_argument("--form", choices=FORMS, help="the log's form (default: dmesg with 5-place seconds, the first "
+                                                   "benchmarks' form)")
+    ap.add_argument("--noise", choices=NOISES, default="boot", help="what the other lines are (default: boot)")
     args = ap.parse_args(argv)
     if args.lines < 0 or not 0 <= args.xid_fraction <= 1:
         ap.error("--lines must be >= 0 and --xid-fraction within 0..1")
-    json.dump(write(args.out, args.lines, args.seed, args.xid_fraction), sys.stdout, indent=1)
+    json.dump(write(args.out, args.lines, args.seed, args.xid_fraction, args.form, args.noise), sys.stdout, indent=1)
     print()
     return 0
 

@@ -76,8 +76,13 @@ def sxid_events_from_records(records: Iterable[LogRecord],
                              unread: list[LogRecord] | None = None) -> list[SxidEvent]:
     """The SXid events in `records`; a record that mentions an SXid in a form not read here goes to `unread`."""
     out = []
-    for r in records:
-        if "SXid" in r.message or "NVSwitch" in r.message:  # cheap filter before the regexes
+    messages = getattr(records, "messages", None)  # a saved log's records: made only for the lines read here
+    if messages is None:
+        records = list(records)
+        messages = [r.message for r in records]
+    for i, message in enumerate(messages):
+        if "SXid" in message or "NVSwitch" in message:  # cheap filter before the regexes
+            r = records[i]  # type: ignore[index]
             event = parse_sxid(r.message[:_MAX_LINE], r)
             if event is not None:
                 out.append(event)

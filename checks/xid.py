@@ -488,6 +488,9 @@ CONSUMER = KernelConsumer(
     judge=judge,
     defaults=DEFAULTS,  # the one [checks.xid] table, read by every form
     list_types=CHECK.list_types,
-    interest=("NVRM: ",),  # XIDs and the driver's "GPU at PCI" lines that name the GPU
+    # XID lines (read or not: an unreadable one is reported) and the driver's "GPU at PCI" lines that name the GPU;
+    # not every "NVRM: " line: a GSP timeout's stack dump is hundreds of those, and none says more to this check.
+    # "Xid" rather than "NVRM: Xid": it holds nvswitch_sxid's "SXid" too, so one search finds the lines of both.
+    interest=("Xid", "NVRM: GPU at "),
     quiet=unread_lines.nothing_held,
 )

@@ -142,14 +142,17 @@ def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[Logge
     runs: dict[str, XidRun] = {}
     logged: dict[str, LoggedGpu] = {}
     unread: list[LogRecord] = []
-    for i, r in enumerate(records):
-        message = r.message
+    # A saved log's reader hands its records' messages apart (agent/kernel_scan.py RowRecords): a record is then made
+    # only for the first line of each text, not for every line of a flood.
+    messages = getattr(records, "messages", None)
+    for i, message in enumerate(messages if messages is not None else [r.message for r in records]):
         if "NVRM: " not in message:  # cheap filter: most kernel lines are not the NVIDIA driver's
             continue
         run = runs.get(message)
         if run is not None:
             run.at.append(i)
             continue
+        r = records[i]
         event = parse_xid(message, r)
         if event is not None:
             runs[message] = XidRun(event, [i])

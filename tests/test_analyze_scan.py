@@ -349,21 +349,21 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     import os
     import signal
 
-    real = kernel_scan.classify_line  # what a reader calls on each syslog line it reads
+    real = kernel_scan._text_rows  # what a reader calls on each part's lines it reads
 
-    def failing(line):
-        if "0000:db:00" in line:  # a line in the middle of the file
+    def failing(raws, linenos, rows):
+        if any(b"0000:db:00" in raw for raw in raws):  # a part in the middle of the file
             if how == "raises":
                 raise MemoryError("no room")
             if how == "dies":
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(line)
+        return real(raws, linenos, rows)
 
     data = generated(8, "syslog", 3000)
     path = tmp_path / "f.log"
     path.write_bytes(data)
-    monkeypatch.setattr(kernel_scan, "classify_line", failing)
+    monkeypatch.setattr(kernel_scan, "_text_rows", failing)
     with pytest.raises(kernel_scan.ScanError) as caught:
         in_parts(path, 2, 5000, source=str(path))
     assert str(caught.value).startswith(f"{path}: reading bytes ") and "the file was not read whole" in str(
@@ -613,14 +613,14 @@ def test_a_reader_started_ahead_that_fails_makes_the_file_unknown(tmp_path, monk
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("read in parts only where this process may use more than one CPU")
-    real = kernel_scan.classify_line
+    real = kernel_scan._text_rows
 
-    def failing(line):
-        if "0000:db:00" in line:
+    def failing(raws, linenos, rows):
+        if any(b"0000:db:00" in raw for raw in raws):
             os._exit(3)
-        return real(line)
+        return real(raws, linenos, rows)
 
-    monkeypatch.setattr(kernel_scan, "classify_line", failing)
+    monkeypatch.setattr(kernel_scan, "_text_rows", failing)
     monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
     monkeypatch.setattr(kernel_scan, "PART", 5000)
     path = tmp_path / "f.log"

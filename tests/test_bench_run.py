@@ -167,6 +167,36 @@ def test_exactness_against_real_analyze(bench_run, tmp_path):
     assert not ok and note.startswith("no JSON report")
 
 
+
+@pytest.mark.parametrize("form", gen_kernel_log.FORMS)
+@pytest.mark.parametrize("noise", ["mixed", "long", "short"])
+def test_every_mix_is_read_exactly_by_analyze(bench_run, tmp_path, form, noise):
+    """The other machines' kernel logs of the benchmark, in each form: real noise (none of it an XID line), the
+    lengths the mix asks for, and analyze's every (GPU, XID) count, first and last line equal to the generator's."""
+    log = tmp_path / "log.txt"
+    meta = gen_kernel_log.write(log, 4000, seed=5, xid_fraction=0.1, form=form, noise=noise)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 4000 and meta["form"] == form and meta["noise"] == noise
+    assert sum(meta["counts"].values()) == meta["xid_lines"] == sum("NVRM: Xid" in line for line in lines)
+    assert 0.07 < meta["xid_lines"] / 4000 < 0.13 and len({k.split()[1] for k in meta["counts"]}) == 10
+    noise_lines = gen_kernel_log.noise_messages(noise)
+    assert not any("Xid" in m for m in noise_lines)
+    lengths = sorted(len(m) for m in noise_lines)
+    if noise == "long":
+        assert lengths[0] > gen_kernel_log.LONG_MIN
+    elif noise == "short":
+        assert lengths[-1] <= gen_kernel_log.SHORT_MAX
+    else:  # the other machines' logs: their subsystems are there
+        text = "\n".join(noise_lines)
+        assert all(word in text for word in ("usb", "EXT4", "mlx5", "audit", "IPv6", "nvidia-peermem"))
+    report = tmp_path / "report.json"
+    with open(report, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", "analyze", "--json", str(log)],
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    ok, note = bench_run.exact(report, meta)
+    assert ok, note
+
 def test_spawn_and_dmesg_shim(tmp_path):
     log = tmp_path / "saved.log"
     log.write_text("[    1.000000] NVRM: Xid (PCI:0000:19:00): 79, GPU has fallen off the bus.\n")
