@@ -145,12 +145,17 @@ def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[Logge
     # A saved log's reader hands its records' messages apart (agent/kernel_scan.py RowRecords): a record is then made
     # only for the first line of each text, not for every line of a flood.
     messages = getattr(records, "messages", None)
+    named: dict[str, LoggedGpu] = {}  # preamble lines read in this batch: the same line again names the same GPU
     for i, message in enumerate(messages if messages is not None else [r.message for r in records]):
         if "NVRM: " not in message:  # cheap filter: most kernel lines are not the NVIDIA driver's
             continue
         run = runs.get(message)
         if run is not None:
             run.at.append(i)
+            continue
+        gpu = named.get(message)
+        if gpu is not None:
+            logged[gpu.pci] = gpu  # the last line naming an address wins, as when each is read
             continue
         r = records[i]
         event = parse_xid(message, r)
@@ -159,7 +164,7 @@ def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[Logge
             continue
         preamble = parse_gpu_preamble(message)
         if preamble is not None:
-            logged[preamble[0]] = LoggedGpu(preamble[1], preamble[0])
+            logged[preamble[0]] = named[message] = LoggedGpu(preamble[1], preamble[0])
         elif XID_MARK in message:
             unread.append(r)
     return list(runs.values()), list(logged.values()), unread

@@ -630,3 +630,32 @@ def test_a_reader_started_ahead_that_fails_makes_the_file_unknown(tmp_path, monk
     [result] = analyze_mod.analyze([Path(path)]).results
     assert result.status is Status.UNKNOWN and result.error.startswith(f"{path}: reading bytes ")
     assert "exited with status 3" in result.error and not analyze_mod._AHEAD and no_child_left()
+
+
+def test_a_flood_read_in_parts_makes_records_only_for_the_lines_the_judges_ask_for(tmp_path, monkeypatch):
+    """The readers send rows; the xid judge reads every message and makes a record of the first and last line of
+    each text of a batch (its evidence), not of every line of a flood: the findings are the whole parse's."""
+    texts = ["NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+             "NVRM: Xid (PCI:0000:3b:00): 13, pid=12, name=python, Graphics SM Warp Exception on (GPC 1, TPC 2, SM 0)",
+             "NVRM: GPU at PCI:0000:19:00: GPU-5f6c4c1e-26a8-0f1b-6a8d-bd1b5a2ac0b1"]
+    noise = "usb 1-1: new high-speed USB device number 2 using xhci_hcd"
+    lines = [f"[{i / 1000:12.6f}] {texts[i % 3] if i % 4 else noise}" for i in range(1, 20001)]
+    path = tmp_path / "flood.log"
+    path.write_text("\n".join(lines) + "\n")
+    made = []
+    real = kernel_scan.RowRecords.__getitem__
+
+    def counted(self, i):
+        made.append(i)
+        return real(self, i)
+
+    monkeypatch.setattr(kernel_scan.RowRecords, "__getitem__", counted)
+    _, findings, notes, count = in_parts(path, 2, 20000)
+    assert count == 20000 and not notes
+    xid_lines = sum(1 for line in lines if "Xid" in line)
+    assert 0 < len(made) < xid_lines // 50  # a few per batch and text, of 10,000 XID lines
+    records, _ = parse_log_text(path.read_text(), "p.log")
+    whole = xid.judge_records(records)
+    assert sorted((f.code, f.evidence["count"], f.evidence["first_line"], f.evidence["last_line"])
+                  for f in findings if f.check == "xid") == sorted(
+        (f.code, f.evidence["count"], f.evidence["first_line"], f.evidence["last_line"]) for f in whole)

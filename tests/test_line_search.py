@@ -24,7 +24,7 @@ def plain(buf: bytes, texts: tuple[bytes, ...]) -> list[tuple[int, int]]:
 
 @settings(max_examples=400, deadline=None)
 @given(parts=st.lists(st.sampled_from(PIECES), max_size=400), lead=st.binary(max_size=3),
-       texts=st.sampled_from([TEXTS, TEXTS[:3], TEXTS[3:], (b"SXid",)]))
+       texts=st.sampled_from([TEXTS, TEXTS[:3], TEXTS[3:], (b"SXid",), (b"Xid", b"SXid", b"NVRM: Xid", b"NVSwitch")]))
 def test_the_lines_found_are_those_that_hold_a_text(parts, lead, texts):
     body = b"".join(parts) + b"\n"
     buf = lead.replace(b"\n", b" ") + b"\n" + body + b"partial line after the last newline, X V R SXid"
@@ -65,3 +65,13 @@ def test_a_probe_byte_common_in_one_buffer_is_searched_by_its_texts_in_the_next_
     assert memory.common == set()  # forgotten: where the byte is rare again it is the probe again
     lines_holding(quiet, 0, len(quiet), probes, memory)
     assert memory.common == set()
+
+
+def test_a_text_that_holds_another_is_found_with_it():
+    """"SXid" holds "Xid": a line with it holds "Xid" too, so it is not looked for apart (its probe byte, X, would
+    be a miss on every XID line, and past the misses allowed the buffer searched again for it)."""
+    probes = probes_for((b"Xid", b"NVRM: GPU at ", b"SXid", b"NVSwitch", b"NVRM: Xid"))
+    assert [texts for _, _, texts in probes] == [(b"Xid",), (b"NVRM: GPU at ", b"NVSwitch")]
+    buf = b"a\nnvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20034\nNVRM: Xid (PCI:0000:19:00): 79, x\nb\n"
+    assert [buf[s:e] for s, e in lines_holding(buf, 0, len(buf), probes)] == [
+        b"nvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20034", b"NVRM: Xid (PCI:0000:19:00): 79, x"]
