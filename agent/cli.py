@@ -183,10 +183,12 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
                     "nccl-tests and perftest (ib_write_bw). Nothing on this machine is read.",
         epilog="examples:\n"
                "  gpuwarden analyze dmesg.txt\n"
-               "  gpuwarden analyze --json node17/*.log\n\n"
+               "  gpuwarden analyze --json node17/*.log\n"
+               "  ssh node17 dmesg | gpuwarden analyze -\n\n"
                + _exit_codes_epilog())
-    ana.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                     help="saved kernel log or tool output; the format is recognised from the content")
+    ana.add_argument("files", nargs="+", metavar="FILE",  # a str: Path("./-") would be "-", standard input
+                     help="saved kernel log or tool output, a regular file (a FIFO or device is refused); the format "
+                          "is recognised from the content. - reads standard input, up to 1 GiB and for 300 s")
     ana.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     _log_flags(ana)
 
@@ -432,10 +434,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from .analyze import analyze
+    from .analyze import STDIN, analyze
 
+    if args.files.count(STDIN) > 1:
+        raise GpuwardenError(f"{STDIN} (standard input) is given more than once: it can be read only once")
     logs.setup(args.log_format or "auto", args.log_level or "info")
-    return _emit(analyze(args.files), args.json)
+    return _emit(analyze(STDIN if f == STDIN else Path(f) for f in args.files), args.json)
 
 
 def cmd_record(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """DCGM diagnostics (`dcgmi diag -r 2 -j`): every failing or warning test x GPU is a finding carrying DCGM's own
-message and error id; a GPU DCGM reported no result for is UNKNOWN, never passed."""
+message and error id; a GPU DCGM reported no result for is UNKNOWN, never passed, and so is a diagnostic that tested
+nothing (no test, no result, every test skipped or not run: the check is UNKNOWN, with the reason)."""
 from __future__ import annotations
 
 import re
@@ -83,10 +84,28 @@ def targets(result: TestResult, gpus: Sequence[Any], node: str) -> list[Entity]:
     return [Entity.node(node)]
 
 
+# The statuses of a test that ran on what it names. Skip and Not Run are tests that did not (a plugin DCGM could not
+# load, a GPU it would not test: MIG mode, a missing EUD package); Info is a note, no verdict. None of them passes.
+RAN = frozenset(("pass", "warn", "fail"))
+
+
 def require_ran(run: DiagRun, what: str) -> None:
-    """dcgmi answered, but the diagnostic did not run ("runtime_error"): could not look."""
+    """dcgmi answered, but the diagnostic did not run ("runtime_error") or tested nothing: could not look. A run
+    whose every result is Skip or Not Run is not a pass: nothing in it was looked at."""
     if run.runtime_error:
         raise ToolError(f"{what}: DCGM did not run the diagnostic: {run.runtime_error[:300]}")
+    if not run.results:
+        listed = (f"it lists {run.tests} test(s), none with a result" if run.tests else
+                  "it lists no test ('test_categories' is empty)" if run.schema != "text" else "it lists no test")
+        raise ToolError(f"{what}: DCGM reported no test result ({listed}): nothing was tested, so nothing is known "
+                        "healthy")
+    if not any(r.status in RAN for r in run.results):
+        counts: dict[str, int] = {}
+        for r in run.results:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        said = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in sorted(counts.items()))
+        raise ToolError(f"{what}: every result DCGM reported is a test that did not run ({said}): nothing was "
+                        "tested, so nothing is known healthy")
 
 
 def evidence(run: DiagRun, r: TestResult) -> dict[str, Any]:
@@ -107,8 +126,10 @@ def describe(r: TestResult, verb: str) -> str:
 
 def decide(run: DiagRun, gpus: Sequence[Any], policy: Mapping[str, Any], node: str = "node") -> list[Finding]:
     """One finding per failing (FAIL) or warning (WARN/MONITOR) test x GPU; pass/skip/info/not-run results are
-    not findings. GPUs the node has (or DCGM listed) with no per-GPU result are UNKNOWN when the run has per-GPU
-    tests (level >= 2, or any per-GPU result): not tested is not passed."""
+    not findings. GPUs the node has (or DCGM listed) with no per-GPU result of a test that ran (pass, warn, fail)
+    are UNKNOWN when the run has per-GPU tests (level >= 2, or any per-GPU result): not tested is not passed. With
+    no GPU known (analyze of a file that lists none), a level >= 2 run in which no per-GPU test ran is UNKNOWN on
+    the node."""
     ignored = {slug(t) for t in policy.get("ignore_tests", ())}
     out: dict[tuple[str, Entity], Finding] = {}
     for r in run.results:
@@ -123,15 +144,25 @@ def decide(run: DiagRun, gpus: Sequence[Any], policy: Mapping[str, Any], node: s
             old = out.get((f.code, entity))  # two results of one test on one GPU: keep the worse
             if old is None or (f.status.rank, f.action) > (old.status.rank, old.action):
                 out[(f.code, entity)] = f
-    return [*out.values(), *untested(run, gpus, policy)]
+    return [*out.values(), *untested(run, gpus, policy, node)]
 
 
-def untested(run: DiagRun, gpus: Sequence[Any], policy: Mapping[str, Any]) -> list[Finding]:
+def untested(run: DiagRun, gpus: Sequence[Any], policy: Mapping[str, Any], node: str = "node") -> list[Finding]:
     expected = {g.index for g in gpus if g.index is not None} | set(run.gpus_listed)
     per_gpu = [r for r in run.results if r.gpu is not None or r.all_gpus]
-    if not expected or not (per_gpu or int(policy.get("level", 2)) >= 2) or any(r.all_gpus for r in per_gpu):
+    ran = [r for r in per_gpu if r.status in RAN]  # a GPU whose every test was skipped was not tested
+    if not (per_gpu or int(policy.get("level", 2)) >= 2) or any(r.all_gpus for r in ran):
         return []
-    tested = {r.gpu for r in per_gpu}
+    if not expected:
+        if ran:  # which GPUs the node has is not known: those DCGM tested are judged, no other can be named
+            return []
+        return [Finding(CHECK_NAME, "dcgm-no-gpu-result", Entity.node(node), Status.UNKNOWN,
+                        f"DCGM reported no per-GPU result of a test that ran ({len(run.results)} system-wide or "
+                        "skipped result(s): a level-1 run, or GPUs DCGM did not test): no GPU was tested, so none "
+                        "is known healthy; a level-2 diagnostic tests each GPU",
+                        Action.NONE, {"results": len(run.results), "per_gpu_results": len(per_gpu),
+                                      "format": run.schema, "source": run.source})]
+    tested = {r.gpu for r in ran}
     out = []
     for idx in sorted(expected - tested):
         entity = gpu_entity(idx, gpus)

@@ -89,6 +89,7 @@ class DiagRun:
     gpus_listed: tuple[int, ...] = ()  # GPU ids DCGM says it saw (entity list, serials, device ids)
     runtime_error: str | None = None  # dcgmi ran but the diagnostic did not (JSON "runtime_error", text "Error:")
     problems: tuple[ParseError, ...] = ()  # text rows that could not be read (the rest was), each naming its line
+    tests: int = 0  # tests the output lists, with a result or not ("results": [] is a test that gave none)
 
 
 _JSON_ROOT = re.compile(r'"DCGM (GPU )?Diagnostic"\s*:\s*[{\[]')
@@ -158,6 +159,7 @@ def diag_from_json(data: Any, source: str) -> DiagRun:
             return run
         raise ParseError(f"'{root}' has no 'test_categories' (and no 'runtime_error')", source)
     results: list[TestResult] = []
+    tests = 0
     for ci, cat in enumerate(walk.array(categories, f"{root}.test_categories")):
         where = f"test_categories[{ci}]"
         if cat is None:
@@ -166,8 +168,9 @@ def diag_from_json(data: Any, source: str) -> DiagRun:
         name = walk.string(cat.get("category"), f"{where}.category")
         for ti, test in enumerate(walk.array(cat.get("tests"), f"{where}.tests")):
             if test is not None:
+                tests += 1
                 results.extend(walk.test(walk.obj(test, f"{where}.tests[{ti}]"), name, f"{where}.tests[{ti}]"))
-    return replace(run, results=tuple(results))
+    return replace(run, results=tuple(results), tests=tests)
 
 
 class _Walk:
@@ -389,7 +392,8 @@ def parse_dcgmi_diag_text(text: str, source: str) -> DiagRun:
         raise ParseError("no dcgmi diag result row (expected '| <test> | Pass/Fail/... |')", source)
     return DiagRun(source, "text", table.meta.get("DCGM Version") or None,
                    table.meta.get("Driver Version Detected") or None, results,
-                   tuple(range(gpu_count)) if gpu_count else (), runtime_error, tuple(table.problems))
+                   tuple(range(gpu_count)) if gpu_count else (), runtime_error, tuple(table.problems),
+                   sum(1 for t in table.tests if t.name))
 
 
 @dataclass

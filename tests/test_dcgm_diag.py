@@ -1,18 +1,23 @@
 """dcgm_diag: decisions on real and built dcgmi diag outputs, recorded scenarios (pass, fail, warn, DCGM 4.x, dcgmi
 missing, hang, garbage, dcgmi errors) and `gpuwarden analyze` on JSON and text giving the same findings."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 import gpuwarden.checks
 from conftest import NODES, record_tool, run_spec
+from conftest import ROOT
 from gpuwarden.agent.analyze import analyze_file
+from gpuwarden.agent.errors import ToolError
 from gpuwarden.agent.model import Action, Status
 from gpuwarden.agent.node import Node
 from gpuwarden.checks import dcgm_diag
 from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_json, parse_dcgmi_diag_text
-from test_parse_dcgmi_diag import (FOOTER, FRAG_MEMORY, FRAG_REMAP, HEADER, MALFORMED, R2_PASS_T4, band,
-                                   message_rows, row, v3_doc, v4_doc, warning)
+from test_parse_dcgmi_diag import (EMPTY_CATEGORIES, FOOTER, FRAG_MEMORY, FRAG_REMAP, HEADER, MALFORMED, R1_PASS_T4,
+                                   R2_PASS_T4, band, message_rows, row, v3_doc, v4_doc, warning)
 
 POLICY = dict(dcgm_diag.CHECK.defaults)
 H100 = Node.recorded_at(NODES / "h100-hgx-healthy").gpus()  # 8 GPUs
@@ -110,6 +115,75 @@ def test_a_level1_run_has_no_per_gpu_results_to_miss():
     assert {f.code for f in decide(doc, level=2)} == {"dcgm-gpu-not-tested"}  # level 2 must test every GPU
 
 
+def statuses(doc, status):
+    """Every result of a built document set to one status."""
+    for cat in next(iter(doc.values()))["test_categories"]:
+        for test in cat["tests"]:
+            for r in test["results"]:
+                r["status"] = status
+            if "test_summary" in test:
+                test["test_summary"]["status"] = status
+    return doc
+
+
+def without_results(doc):
+    for cat in doc["DCGM GPU Diagnostic"]["test_categories"]:
+        for test in cat["tests"]:
+            test["results"] = []
+    return doc
+
+
+# A run that tested nothing is undecided, whatever its level: nothing in it was looked at. Skip and Not Run are
+# tests DCGM did not run (a plugin it could not load, a GPU it would not test), so a run of only those is no pass.
+NOTHING_RAN = [
+    pytest.param(json.loads(EMPTY_CATEGORIES.read_text()), "DCGM reported no test result (it lists no test "
+                 "('test_categories' is empty)): nothing was tested", id="empty-test_categories"),
+    pytest.param(without_results(v3_doc(8)), "it lists 11 test(s), none with a result", id="tests-without-results"),
+    pytest.param(statuses(v3_doc(8), "Skip"), "every result DCGM reported is a test that did not run (25 skip)",
+                 id="all-skip-3x"),
+    pytest.param(statuses(v4_doc(4), "Skip"), "a test that did not run (12 skip)", id="all-skip-4x"),
+    pytest.param(statuses(v3_doc(2), "Not Run"), "(13 not run)", id="all-not-run"),
+]
+
+
+@pytest.mark.parametrize("doc, reason", NOTHING_RAN)
+def test_a_diag_that_tested_nothing_is_could_not_look(doc, reason):
+    run = diag_from_json(doc, "x")
+    for level in (1, 2):
+        with pytest.raises(ToolError) as err:
+            dcgm_diag.require_ran(run, f"dcgmi diag -r {level} -j")
+        assert reason in str(err.value) and "nothing is known healthy" in str(err.value)
+
+
+def test_a_skip_beside_tests_that_ran_is_no_finding_and_no_pass_for_its_gpu():
+    # The real r3 output: EUD skipped on GPU 0, every other test passed on it: GPU 0 was tested.
+    r3 = json.loads((R2_PASS_T4.parent / "virtualclient__dcgmi-diag-r3-j__DCGM-3.x-schema__1xT4__pass-with-skip.json")
+                    .read_text())
+    dcgm_diag.require_ran(diag_from_json(r3, "x"), "x")
+    assert decide(r3, gpus=H100[:1]) == []
+    # A GPU whose every per-GPU test was skipped was not tested: UNKNOWN, not passed.
+    doc = v3_doc(8, per_gpu={("PCIe", 5): {"status": "Skip"}, ("GPU Memory", 5): {"status": "Skip"}})
+    (f,) = decide(doc)
+    assert codes([f]) == [("dcgm-gpu-not-tested", 5, Status.UNKNOWN, Action.NONE)]
+
+
+@pytest.mark.parametrize("doc", [
+    pytest.param(json.loads(R1_PASS_T4.read_text()), id="real-r1-system-wide-only"),
+    pytest.param(v3_doc(0), id="per-gpu-tests-with-no-gpu"),
+    pytest.param(v4_doc(0) | {"entity_groups": []}, id="4x-no-entity"),
+    pytest.param({"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [
+        {"name": "cpu_eud", "results": [{"entity_group": "CPU", "entity_group_id": 7, "entity_id": 0,
+                                         "status": "Pass"}]}]}]}}, id="4x-cpu-entity-only"),
+])
+def test_no_per_gpu_result_and_no_gpu_known_is_unknown_at_level_2(doc):
+    """analyze of a file that names no GPU: at level 2 (the default) each GPU is to be tested; none was."""
+    assert diag_from_json(doc, "x").results  # results there are, none of a GPU
+    (f,) = decide(doc, gpus=())
+    assert (f.code, f.entity.kind, f.status, f.action) == ("dcgm-no-gpu-result", "node", Status.UNKNOWN, Action.NONE)
+    assert "no GPU was tested, so none is known healthy" in f.message
+    assert decide(doc, gpus=(), level=1) == []  # a level-1 run has only system-wide tests
+
+
 # ------------------------------------------------------------------------------------ scenarios
 
 
@@ -177,6 +251,19 @@ def test_scenario_garbage_and_dcgmi_errors_are_unknown(scenario_copy, out, rc, r
     assert result.status is Status.UNKNOWN and reason in result.error, result.error
 
 
+@pytest.mark.parametrize("doc, reason", NOTHING_RAN)
+def test_scenario_a_diag_that_tested_nothing_is_unknown(scenario_copy, doc, reason):
+    """The preflight path on a recorded node: dcgmi exited 0 with a document that tested nothing."""
+    result = run_check(node_with(scenario_copy, out=doc, rc=0))
+    assert result.status is Status.UNKNOWN and result.findings == (), result
+    assert result.error.startswith("dcgmi diag -r 2 -j: ") and reason in result.error, result.error
+
+
+def test_scenario_the_empty_fixture_as_dcgmi_printed_it(scenario_copy):
+    result = run_check(node_with(scenario_copy, out=EMPTY_CATEGORIES.read_text(), rc=0))
+    assert result.status is Status.UNKNOWN and "'test_categories' is empty" in result.error
+
+
 def test_scenario_level_comes_from_config(scenario_copy):
     node = node_with(scenario_copy, out=v3_doc(8, tests=()), tool="dcgmi-diag-r1")
     assert run_check(node, level=1).status is Status.OK
@@ -225,7 +312,10 @@ def test_analyze_real_files(registered):
     assert codes(memory.findings) == [("dcgm-memory", 0, Status.FAIL, Action.DRAIN)]
     assert "Thermal violations totaling 13.3 seconds" in memory.findings[0].message
     remap = analyze_file(FRAG_REMAP)
-    assert codes(remap.findings) == [("dcgm-deployment", 3, Status.FAIL, Action.RESET_GPU)]
+    # The fragment holds no per-GPU result: GPU 3 is named by the failed deployment test, no GPU is known tested.
+    assert codes(remap.findings) == [("dcgm-deployment", 3, Status.FAIL, Action.RESET_GPU),
+                                     ("dcgm-no-gpu-result", None, Status.UNKNOWN, Action.NONE)]
+    assert remap.status is Status.FAIL
     assert remap.findings[0].evidence["error_ids"] == [85]  # named by DCGM's message template
     assert analyze_file(R2_PASS_T4).status is Status.OK  # no node, no GPU list in the file: GPU 0 passed
     bad = analyze_file(MALFORMED)
@@ -238,3 +328,29 @@ def test_analyze_runtime_error_is_unknown(tmp_path, registered):
                                                     "diagnostic. Return: (-3) : Not Supported"}}))
     result = analyze_file(path)
     assert result.status is Status.UNKNOWN and "Not Supported" in result.error
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "gpuwarden.agent.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, stdin=subprocess.DEVNULL)
+
+
+def test_cli_analyze_of_a_diag_that_tested_nothing_is_undecided(tmp_path):
+    proc = cli("analyze", "--json", str(EMPTY_CATEGORIES))
+    assert proc.returncode == 2, proc.stdout
+    (result,) = json.loads(proc.stdout)["results"]
+    assert result["status"] == "unknown" and result["source"].endswith("(dcgmi-diag-json)")
+    assert "DCGM reported no test result" in result["error"] and "'test_categories' is empty" in result["error"]
+    skipped = tmp_path / "skipped.json"
+    skipped.write_text(json.dumps(statuses(v4_doc(4), "Skip"), indent="\t"))
+    proc = cli("analyze", str(skipped))
+    assert proc.returncode == 2 and "a test that did not run (12 skip)" in " ".join(proc.stdout.split())
+
+
+def test_cli_analyze_of_a_diag_with_no_per_gpu_result_is_undecided():
+    proc = cli("analyze", "--json", str(R1_PASS_T4))
+    assert proc.returncode == 2, proc.stdout
+    (result,) = json.loads(proc.stdout)["results"]
+    assert result["check"] == "dcgm_diag" and result["status"] == "unknown"
+    assert [f["code"] for f in result["findings"]] == ["dcgm-no-gpu-result"]
+    assert cli("analyze", str(R2_PASS_T4)).returncode == 0  # GPU 0 tested and passed

@@ -21,6 +21,8 @@ SCHEMA_3 = DCGMI / "dcgm__dcgm_diag_schema__DCGM-3.3.1.json"
 SCHEMA_4 = DCGMI / "dcgm__dcgm_diag_schema__DCGM-4.0.json"
 R2_PASS_T4 = DCGMI / "virtualclient__dcgmi-diag-r2-j__DCGM-3.x-schema__1xT4__pass.json"
 MALFORMED = DCGMI / "virtualclient__dcgmi-diag-j__MALFORMED-missing-test_categories.json"
+EMPTY_CATEGORIES = DCGMI / "handmade__dcgmi-diag-j__DCGM-3.x-schema__EDITED-empty-test_categories.json"
+R1_PASS_T4 = DCGMI / "virtualclient__dcgmi-diag-r1-j__DCGM-3.x-schema__1xT4__pass.json"
 FRAG_MEMORY = DCGMI / "stas00__dcgmi-diag-r2__text__FRAGMENT__gpu-memory-fail-gpu0-thermal-warning.txt"
 FRAG_REMAP = DCGMI / "stas00__dcgmi-diag-r3__text__FRAGMENT__deployment-error-row-remap-pending.txt"
 
@@ -106,6 +108,7 @@ EXPECTED = {
     "dcgm__dcgm_diag_schema__DCGM-4.0.json": ParseError,
     "virtualclient__dcgmi-health-c-j__healthy.json": ParseError,  # dcgmi health, not diag
     "virtualclient__dcgmi-diag-j__MALFORMED-missing-test_categories.json": ParseError,
+    "handmade__dcgmi-diag-j__DCGM-3.x-schema__EDITED-empty-test_categories.json": {},  # well formed: no test in it
     "virtualclient__dcgmi-diag-r1-j__DCGM-3.x-schema__1xT4__pass.json": {"pass": 9},
     "virtualclient__dcgmi-diag-r2-j__DCGM-3.x-schema__1xT4__pass.json": {"pass": 11},
     "virtualclient__dcgmi-diag-r3-j__DCGM-3.x-schema__1xT4__pass-with-skip.json": {"pass": 15, "skip": 1},
@@ -180,6 +183,22 @@ def test_fragment_deployment_error_names_gpu_3():
     assert (r.category, r.test, r.gpu, r.status) == ("Deployment", "", None, "fail")
     assert r.messages == ("GPU 3 has uncorrectable memory errors and row remappings are pending",)
     assert r.gpu_ids == (3,)
+
+
+def test_a_run_with_no_test_parses_to_no_result_and_says_how_many_tests_it_listed():
+    empty = parse_file(EMPTY_CATEGORIES)  # DCGM's own 3.x schema allows an empty test_categories
+    assert (empty.results, empty.tests, empty.runtime_error, empty.schema) == ((), 0, None, "dcgm-3.x-json")
+    validate(json.loads(EMPTY_CATEGORIES.read_text())["DCGM GPU Diagnostic"],
+             json.loads(SCHEMA_3.read_text())["properties"]["DCGM GPU Diagnostic"])
+    doc = v3_doc(2)
+    for cat in doc["DCGM GPU Diagnostic"]["test_categories"]:
+        for test in cat["tests"]:
+            test["results"] = []
+    none = diag_from_json(doc, "x")
+    assert (none.results, none.tests) == ((), len(V3_DEPLOYMENT) + len(V3_PER_GPU))
+    assert parse_file(R1_PASS_T4).tests == 9
+    text = parse_dcgmi_diag_text("\n".join([row("DCGM Version", "3.3.5"), row("Driver Version Detected", "550")]), "t")
+    assert (text.results, text.tests) == ((), 0)
 
 
 # ------------------------------------------------------------------------------------ JSON shapes

@@ -1,11 +1,14 @@
 """The shipped units under a real systemd (a private PID 1, tests/systemd_harness.py): the hardened daemon starts,
 says READY=1, serves /metrics, reads the live kernel log, is restarted by its watchdog when stalled and reloads on
 `systemctl reload`; the boot preflight keeps a stand-in slurmd from starting on a faulty node and lets it start on a
-healthy one.
+healthy one; the hardened sweep runs its collectives through a real slurmctld (srun) and over hosts (mpirun) and
+writes its verdicts. `systemd-analyze security --offline=true` rates the sweep's unit at most 2.5, as the daemon's,
+every item still exposed justified in a comment of the unit.
 
-Only ExecStart is changed (through drop-ins), to this checkout's program and a recorded node; every other line,
-the hardening included, is the unit as shipped."""
+Only ExecStart is changed (through drop-ins), to this checkout's program and a recorded node, and the environment
+the test's stand-ins read; every other line, the hardening included, is the unit as shipped."""
 import contextlib
+import json
 import shutil
 import socket
 import sys
@@ -19,14 +22,17 @@ from conftest import ROOT, host_etc_gpuwarden
 import systemd_harness
 from gpuwarden.agent.adapters.base import REASON_PREFIX
 from slurm_cluster import SlurmCluster
-
-pytestmark = pytest.mark.skipif(systemd_harness.missing() is not None, reason=str(systemd_harness.missing()))
+from test_sweep_launch import RSH_AGENT
+from test_systemd import _comment_text, _exposure_items, _needle, _units_with_program, needs_analyze
 
 PROGRAM = Path(sys.executable).parent / "gpuwarden"
 NODES = ROOT / "fixtures" / "nodes"
 DAEMON = "gpuwarden.service"
 PREFLIGHT = "gpuwarden-preflight.service"
+SWEEP = "gpuwarden-sweep.service"
 STAND_IN = "slurmd.service"  # the scheduler's node daemon, as the preflight's [Install] names it
+STANDIN_ALL_REDUCE = ROOT / "tests" / "standin_all_reduce_perf.py"
+MAX_SWEEP_EXPOSURE = 2.5  # the daemon's unit rates 2.5
 
 
 def _interpreter_visible() -> str:
@@ -51,6 +57,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def manager():
+    if systemd_harness.missing() is not None:
+        pytest.skip(str(systemd_harness.missing()))
     if not PROGRAM.exists():
         pytest.skip(f"{PROGRAM} not installed (pip install -e . in this interpreter's environment)")
     # A checkout or virtual environment under /tmp (a CI clone) stays visible: the namespace's /tmp is a tmpfs.
@@ -64,7 +72,7 @@ def manager():
         if made_etc:
             cleanup.callback(lambda: etc.is_dir() and not any(etc.iterdir()) and etc.rmdir())
         m = cleanup.enter_context(systemd_harness.PrivateSystemd(keep=keep))
-        for name in ("gpuwarden.slice", DAEMON, PREFLIGHT):
+        for name in ("gpuwarden.slice", DAEMON, PREFLIGHT, SWEEP):
             m.install_unit(ROOT / "systemd" / name, reload=False)
         m.install_unit("[Unit]\nDescription=stand-in for the scheduler's node daemon\n\n"
                        "[Service]\nExecStart=/bin/sleep infinity\n", name=STAND_IN, reload=False, stand_in=True)
@@ -315,3 +323,109 @@ def test_stopping_the_preflight_never_stops_slurmd(manager):
     slurmd = manager.show(STAND_IN, "ActiveState", "MainPID")
     assert slurmd == {"ActiveState": "active", "MainPID": pid}
     assert manager.show(PREFLIGHT, "ActiveState")["ActiveState"] == "active"
+
+
+# ------------------------------------------------------------------------------------ the sweep's unit
+
+
+@needs_analyze
+def test_sweep_exposure_is_at_most_the_daemons_and_each_remaining_item_is_justified(tmp_path):
+    _units_with_program(tmp_path)
+    overall, exposed = _exposure_items(str(tmp_path / SWEEP), tmp_path)
+    assert overall is not None and overall <= MAX_SWEEP_EXPOSURE, (overall, exposed)
+    comments = _comment_text(SWEEP)  # its own comments: the sweep's needs are not the daemon's
+    unexplained = [item for item in exposed if _needle(item) not in comments]
+    assert not unexplained, f"exposures without a comment saying why: {unexplained}"
+    assert "User=" in [_needle(i) for i in exposed]  # the review ran and saw the unit (root is the one known)
+
+
+def _run_sweep(m, args: str, environment: dict[str, str]) -> dict[str, str]:
+    """The shipped sweep unit, its program this checkout's, started (Type=oneshot: returns when the sweep ended)."""
+    shipped = _shipped_exec_start(SWEEP)
+    assert shipped == "ExecStart=/usr/bin/gpuwarden sweep"
+    env = "".join(f'Environment="{k}={v}"\n' for k, v in environment.items())
+    m.drop_in(SWEEP, f"[Service]\nExecStart=\nExecStart={PROGRAM} sweep {args}\n{env}{_interpreter_visible()}")
+    m.systemctl("reset-failed", SWEEP, check=False)
+    _forget_output(m, SWEEP)
+    m.systemctl("start", SWEEP, check=False, timeout=300)
+    return m.show(SWEEP, "ActiveState", "Result", "ExecMainStatus")
+
+
+def _sweep_config(m, folder: str, command: list[str], extra: str = "") -> str:
+    shutil.rmtree(m.root_path(f"{folder}/results"), ignore_errors=True)  # only this run's report is read
+    path = f"{folder}/gpuwarden.toml"
+    m.write(path, f"""{extra}
+[sweep]
+command = {json.dumps(command)}
+ranks_per_node = 1
+group_nodes = 2
+timeout_s = 60.0
+start_timeout_s = 10.0
+results_dir = "{folder}/results"
+[sweep.baselines]
+"any/2" = {{ latency_p95_us = 65.0, busbw_gbps = 460.0 }}
+""")
+    return path
+
+
+def _sweep_passed(m, folder: str, nodes: list[str], launcher: str) -> None:
+    """The sweep's report and verdicts, as it wrote them under the sandbox: every node tested and passed."""
+    output = m.output(SWEEP)
+    assert "Traceback" not in output, output[-3000:]
+    results = m.root_path(f"{folder}/results")
+    (report_path,) = (results / "reports").glob("*.json")
+    report = json.loads(report_path.read_text())
+    assert report["launcher"] == launcher and sorted(report["passed"]) == nodes, report
+    assert sorted(n for t in report["tests"] for n in t["nodes"]) == nodes
+    for node in nodes:
+        verdict = json.loads((results / "nodes" / f"{node}.json").read_text())
+        assert verdict["findings"] == []
+    assert (results / "nodes" / f"{nodes[0]}.json").stat().st_mode & 0o777 == 0o644  # UMask=0022: nodes read it
+
+
+def test_the_hardened_sweep_runs_its_collectives_through_a_real_slurmctld(manager):
+    """srun under the sandbox: munge's socket (AF_UNIX), slurmctld and the tasks' I/O over TCP, its open-file limit
+    raised (@resources). Each group is a job of the real cluster; the stand-in collective runs on its slurmd "nodes"
+    (outside the unit, as on real nodes). The cluster lives in /dev/shm, which the unit sees."""
+    base = Path(tempfile.mkdtemp(prefix="gpuwarden-sweep-slurm-", dir="/dev/shm"))
+    cluster = SlurmCluster(base, live=("n1", "n2"), dead=())
+    folder = "/run/gpuwarden-test/sweep-srun"
+    try:
+        cluster.start()
+        command = [sys.executable, str(STANDIN_ALL_REDUCE), "-b", "8", "-e", "2G", "-f", "2", "-g", "1", "-N", "5"]
+        config = _sweep_config(manager, folder, command, f"""
+[remediation]
+adapter = "slurm"
+[remediation.slurm]
+slurm_conf = "{cluster.conf}"
+""")
+        state = _run_sweep(manager, f"--config {config} --json", {
+            "SLURM_CONF": str(cluster.conf), "GW_SWEEP_STANDIN_LOG": str(base / "standin.log"),
+            "GW_STANDIN_DIR": str(base / "rendezvous")})
+        assert (state["Result"], state["ExecMainStatus"]) == ("success", "0"), (state, manager.output(SWEEP)[-3000:],
+                                                                                 cluster.logs()[-3000:])
+        _sweep_passed(manager, folder, ["n1", "n2"], "slurm")
+        started = [json.loads(line) for line in (base / "standin.log").read_text().splitlines()]
+        assert [sorted(e["nodes"]) for e in started if e["event"] == "start"] == [["n1", "n2"]]
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_hardened_sweep_runs_mpirun_over_its_hosts(manager):
+    """mpirun under the sandbox (no scheduler): Open MPI's interface discovery (AF_NETLINK, /proc/net), hwloc, its
+    daemons' TCP. Every "host" is this machine, named by an rsh agent in place of ssh, so the daemons and the ranks run
+    here, inside the unit's sandbox too."""
+    if shutil.which("mpirun") is None:
+        pytest.fail("mpirun not installed (Debian package: openmpi-bin)", pytrace=False)
+    folder = "/run/gpuwarden-test/sweep-mpirun"
+    agent = manager.write(f"{folder}/rsh-agent", RSH_AGENT)
+    agent.chmod(0o755)
+    command = [sys.executable, str(STANDIN_ALL_REDUCE), "-b", "8", "-e", "2G", "-f", "2", "-g", "1", "-N", "5"]
+    config = _sweep_config(manager, folder, command)
+    state = _run_sweep(manager, f"--config {config} --hosts ha,hb --json", {
+        "OMPI_MCA_plm_rsh_agent": f"{folder}/rsh-agent", "OMPI_MCA_rtc_hwloc_vmhole": "none",
+        "GW_RSH_TMP": f"{folder}/hosts", "GW_SWEEP_STANDIN_LOG": f"{folder}/standin.log",
+        "GW_STANDIN_DIR": f"{folder}/rendezvous"})
+    assert (state["Result"], state["ExecMainStatus"]) == ("success", "0"), (state, manager.output(SWEEP)[-3000:])
+    _sweep_passed(manager, folder, ["ha", "hb"], "mpirun")

@@ -91,6 +91,11 @@ def read_job_log(path: Path | str, deadline_s: float = DEADLINE_S, max_bytes: in
         os.close(fd)
 
 
+def read_job_file(f: BinaryIO, source: str, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES) -> JobLog:
+    """The same reading of a regular file already open, from where it stands (`analyze`'s, standard input's copy)."""
+    return _read(f, source, time.monotonic() + deadline_s, max_bytes)
+
+
 def read_text(text: str, source: str = "<text>") -> JobLog:
     """The same reading of a log held in memory (tests, and `analyze` of a file already read)."""
     import io
