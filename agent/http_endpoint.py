@@ -11,12 +11,16 @@ Whatever a client does, the endpoint must not take from the checks what they nee
   a `name[]=` selection or a format the page does not have is prometheus-client's rendering; a findings window is
   a read of the store on a connection of its own; the I/O thread serves the others meanwhile). No thread per
   connection.
-- at most `max_connections` are open (64, far under the descriptor limit). At the cap a new connection takes
-  the place of the one idle longest (waiting for a request); when none is idle, the new one is closed at once.
-- every connection has a deadline: the request head within `head_timeout_s` of its first byte (trickling bytes
-  buys a slow client nothing), an idle keep-alive connection `idle_timeout_s`, the response written within
+- at most `max_connections` are open (64, far under the descriptor limit), at most `max_per_address` from one
+  client address. A new connection past either cap takes the place of one that has waited longest for its request
+  (agent/http_guard.py says which), so that a scrape is answered however many slow clients there are.
+- every connection has a deadline: a connection's first request head within `head_timeout_s` of its accept (the
+  TLS handshake included), a later one within `head_timeout_s` of its first byte (trickling bytes buys a slow
+  client nothing), an idle keep-alive connection `idle_timeout_s`, the response written within
   `write_timeout_s`. A request head is at most `max_head_bytes`.
-- accept() failing for want of descriptors pauses accepting briefly instead of spinning on the listener.
+- accept() is paced (`accept_per_s`): clients that reconnect the moment they are closed cannot keep this thread
+  busy, and wait in the listen backlog meanwhile. accept() failing for want of descriptors pauses accepting
+  briefly instead of spinning on the listener.
 A scrape reads only the collector's memory, never hardware. An idle endpoint sleeps in the selector with no
 timeout: nothing wakes it while nobody connects.
 """
@@ -42,6 +46,7 @@ from urllib.parse import parse_qs
 
 from . import logs
 from . import web_config
+from .http_guard import AcceptPace, Admission, client_key
 from .metrics import client_mirrored
 from .systemd import name_this_thread
 from .records import dataclass
@@ -59,17 +64,25 @@ _FINDINGS_LINK = (b"<p>Findings, transitions and job intents over a window: <cod
 _CHUNK = 65536
 _GZIP_KEPT = 4
 _MAX_QUERY_FIELDS = 256
+# Connections waiting to be accepted: more than a flood of clients reconnecting at once, so that a scraper's SYN is
+# queued behind them rather than dropped (and retried a second later). The kernel caps it at net.core.somaxconn.
+_BACKLOG = 1024
 
 
 @dataclass(frozen=True)
 class Limits:
     max_connections: int = 64
+    max_per_address: int = 16  # a Prometheus pair holds one each; a host past this gives way to itself first
     head_timeout_s: float = 5.0  # from the first byte of a request (or the TLS handshake's start) to its last
     idle_timeout_s: float = 5.0  # a connection with no request in flight; Prometheus reconnects at its next scrape
     write_timeout_s: float = 10.0  # to send one response
     max_head_bytes: int = 16384
     workers: int = 2
     accept_pause_s: float = 0.5  # after accept() failed with EMFILE / ENFILE
+    # accept()s a second, a burst of accept_burst at once: ~50 us of this thread each, so a reconnecting flood costs
+    # it at most ~5 % of a core, and a scraper queued behind 150 such clients waits ~0.15 s.
+    accept_per_s: float = 1000.0
+    accept_burst: int = 64
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -168,25 +181,32 @@ _HANDSHAKE, _READ, _WORK, _WRITE = "handshake", "read", "work", "write"
 
 
 class _Conn:
-    __slots__ = ("sock", "state", "inbuf", "scanned", "out", "off", "close_after", "deadline", "idle_since",
-                 "events", "closed")
+    __slots__ = ("sock", "address", "state", "inbuf", "scanned", "out", "off", "close_after", "deadline", "since",
+                 "heading", "events", "closed")
 
-    def __init__(self, sock: socket.socket, now: float, tls: bool, limits: Limits):
+    def __init__(self, sock: socket.socket, address: bytes | str, now: float, tls: bool, limits: Limits):
         self.sock = sock
+        self.address = address
         self.state = _HANDSHAKE if tls else _READ
         self.inbuf = bytearray()
         self.scanned = 0
         self.out = memoryview(b"")
         self.off = 0
         self.close_after = False
-        self.idle_since = now
-        self.deadline = now + (limits.head_timeout_s if tls else limits.idle_timeout_s)
+        self.since = now  # when its current wait for a request, or its current response, began
+        self.heading = True  # the deadline is the head's: the first request's runs from the accept
+        self.deadline = now + limits.head_timeout_s
         self.events = selectors.EVENT_READ
         self.closed = False
 
     @property
     def idle(self) -> bool:
         return self.state == _READ and not self.inbuf
+
+    @property
+    def rank(self) -> int | None:
+        """For agent/http_guard.py: 0 waiting for a request, 1 writing a response, None with a worker."""
+        return None if self.state == _WORK else 1 if self.state == _WRITE else 0
 
 
 class MetricsEndpoint:
@@ -213,13 +233,15 @@ class MetricsEndpoint:
         # Never more than a quarter of what the process may open, whatever the configured cap.
         self._max_conns = max(1, min(self.limits.max_connections,
                                      soft // 4 if soft != resource.RLIM_INFINITY else self.limits.max_connections))
+        self._admission = Admission(self._max_conns, self.limits.max_per_address)
+        self._pace = AcceptPace(self.limits.accept_per_s, self.limits.accept_burst)
         family, _, _, _, addr = socket.getaddrinfo(_host(host), port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind(addr)
-            self._listener.listen(128)
+            self._listener.listen(_BACKLOG)
         except OSError:
             self._listener.close()
             raise
@@ -236,8 +258,8 @@ class MetricsEndpoint:
         self._pipe_open = True
         self._stopping = False
         self._accept_paused_until: float | None = None
-        self._refused = 0
-        self._refused_logged_at = 0.0
+        self._shed = self._refused = 0
+        self._capped_logged_at = 0.0
         self._pool = _Workers(self.limits.workers, "gw-metrics-work")
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._gzipped: list[tuple[bytes, bytes]] = []  # (page, its gzip), the latest first
@@ -313,49 +335,64 @@ class MetricsEndpoint:
 
     def _accept(self) -> None:
         for _ in range(16):  # then let the selector look at the others
+            now = time.monotonic()
+            wait = self._pace.take(now)
+            if wait:
+                self._pause_accepting(now + wait)
+                return
             try:
-                sock, _addr = self._listener.accept()
+                sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning("metrics endpoint: cannot accept, pausing", error=exc.strerror,
                                 pause_s=self.limits.accept_pause_s)
-                    self._sel.unregister(self._listener)
-                    self._accept_paused_until = time.monotonic() + self.limits.accept_pause_s
+                    self._pause_accepting(time.monotonic() + self.limits.accept_pause_s)
                     return
                 continue  # ECONNABORTED and the like: that client is gone
-            now = time.monotonic()
-            if len(self._conns) >= self._max_conns:
-                idle = [c for c in self._conns if c.idle]
-                if not idle:
-                    sock.close()
-                    self._note_refused(now)
-                    continue
-                self._close(min(idle, key=lambda c: c.idle_since))
-            self._open(sock, now)
+            address = client_key(peer)
+            taken, victim = self._admission.admit(address)
+            if victim is not None:
+                self._close(victim)  # type: ignore[arg-type]
+                self._shed += 1
+            if not taken:
+                sock.close()
+                self._refused += 1
+            if victim is not None or not taken:
+                self._note_capped(now)
+            if taken:
+                self._open(sock, address, now)
 
-    def _note_refused(self, now: float) -> None:
-        self._refused += 1
-        if now - self._refused_logged_at >= 60.0:
-            log.warning("metrics endpoint at its connection cap: new connections closed", cap=self._max_conns,
+    def _pause_accepting(self, until: float) -> None:
+        if self._accept_paused_until is None:
+            self._sel.unregister(self._listener)
+        self._accept_paused_until = until
+
+    def _note_capped(self, now: float) -> None:
+        if now - self._capped_logged_at >= 60.0:
+            log.warning("metrics endpoint at a connection cap: connections waiting longest closed for new ones, "
+                        "or new ones closed while all were being answered", cap=self._max_conns,
+                        per_address=self._admission.per_address, shed_since_last_log=self._shed,
                         refused_since_last_log=self._refused)
-            self._refused, self._refused_logged_at = 0, now
+            self._shed = self._refused = 0
+            self._capped_logged_at = now
 
-    def _open(self, sock: socket.socket, now: float) -> None:
+    def _open(self, sock: socket.socket, address: bytes | str, now: float) -> None:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             cfg = self._web.current() if self._web else None
             if cfg is not None and cfg.tls is not None:
                 sock = cfg.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            conn = _Conn(sock, now, cfg is not None and cfg.tls is not None, self.limits)
+            conn = _Conn(sock, address, now, cfg is not None and cfg.tls is not None, self.limits)
             self._sel.register(sock, selectors.EVENT_READ, conn)
         except (OSError, ValueError) as exc:
             log.debug("metrics endpoint: could not set up a connection", error=str(exc))
             sock.close()
             return
         self._conns.add(conn)
+        self._admission.add(conn)
         # The request usually arrived with the handshake: take it now, so that a flood of connections accepted in
         # the same pass cannot evict this one as idle before its request is read.
         self._advance(conn)
@@ -365,6 +402,7 @@ class MetricsEndpoint:
             return
         c.closed = True
         self._conns.discard(c)
+        self._admission.remove(c)
         if c.state != _WORK:
             try:
                 self._sel.unregister(c.sock)
@@ -389,8 +427,7 @@ class MetricsEndpoint:
             while True:
                 if c.state == _HANDSHAKE:
                     c.sock.do_handshake()  # type: ignore[attr-defined]
-                    c.state, c.idle_since = _READ, time.monotonic()
-                    c.deadline = c.idle_since + self.limits.idle_timeout_s
+                    c.state = _READ  # the head's deadline, from the accept, goes on
                 elif c.state == _READ:
                     request = self._take_request(c)
                     if request is None:
@@ -398,8 +435,8 @@ class MetricsEndpoint:
                         if not data:
                             self._close(c)
                             return
-                        if not c.inbuf:
-                            c.deadline = time.monotonic() + self.limits.head_timeout_s
+                        if not c.heading:  # a keep-alive connection's next request begins
+                            c.deadline, c.heading = time.monotonic() + self.limits.head_timeout_s, True
                         c.inbuf += data
                     elif isinstance(request, bytes):  # malformed: answered here, and the connection closed
                         self._start_write(c, request, close=True)
@@ -417,9 +454,9 @@ class MetricsEndpoint:
                             self._close(c)
                             return
                         c.state, c.out, c.off = _READ, memoryview(b""), 0
-                        c.idle_since = time.monotonic()
-                        c.deadline = c.idle_since + (self.limits.head_timeout_s if c.inbuf
-                                                     else self.limits.idle_timeout_s)
+                        c.since, c.heading = time.monotonic(), bool(c.inbuf)
+                        c.deadline = c.since + (self.limits.head_timeout_s if c.inbuf
+                                                else self.limits.idle_timeout_s)
                         self._want(c, selectors.EVENT_READ)
                 else:
                     return
@@ -434,7 +471,8 @@ class MetricsEndpoint:
 
     def _start_write(self, c: _Conn, payload: bytes, close: bool) -> None:
         c.state, c.out, c.off, c.close_after = _WRITE, memoryview(payload), 0, close
-        c.deadline = time.monotonic() + self.limits.write_timeout_s
+        c.since = time.monotonic()
+        c.deadline = c.since + self.limits.write_timeout_s
 
     def _take_request(self, c: _Conn) -> _Request | bytes | None:
         """The next request in the buffer: a _Request, an error response (bytes), or None (need more bytes)."""

@@ -205,3 +205,157 @@ def test_abuse_of_the_endpoint_takes_nothing_from_the_checks(scenario_copy, tmp_
             _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-2000:]
     assert "Too many open files" not in err
+
+
+# ---------------------------------------------------------------- slow heads from many clients, one address
+SLOW_CLIENTS = 150
+SCRAPES = 100
+SCRAPE_S = 1.0  # the contract: a scrape answered within this, whatever else is connected
+PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.1"
+
+
+def _slow_heads(port: int, count: int, stop, opened, dropped, held, max_s: float) -> None:
+    """In a process of its own (the scrapes' timing must not share an interpreter with it): `count` clients that
+    each connect, send a request head three bytes a second, never end it, and connect again the moment the server
+    drops them. `opened`, `dropped` and `held` (connected now) are shared counters the test reads."""
+    import selectors as sel_mod
+
+    sel = sel_mod.DefaultSelector()
+    next_byte: dict[socket.socket, float] = {}
+    end = time.monotonic() + max_s
+
+    def connect() -> None:
+        s = socket.socket()
+        s.setblocking(False)
+        if s.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
+            s.close()
+            return
+        sel.register(s, sel_mod.EVENT_WRITE)  # writable: connected; the head's start goes out then
+        next_byte[s] = 0.0
+        opened.value += 1
+
+    def drop(s: socket.socket) -> None:
+        sel.unregister(s)
+        s.close()
+        next_byte.pop(s, None)
+        dropped.value += 1
+
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            for _ in range(count - len(next_byte)):
+                connect()
+            held.value = len(next_byte)
+            now = time.monotonic()
+            wait = min([t for t in next_byte.values() if t > 0] + [now + 0.05]) - now
+            for key, events in sel.select(max(0.0, wait)):
+                s = key.fileobj
+                try:
+                    if events & sel_mod.EVENT_WRITE:
+                        s.send(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                        sel.modify(s, sel_mod.EVENT_READ)
+                        next_byte[s] = time.monotonic() + 0.33
+                    elif not s.recv(4096):
+                        drop(s)
+                except OSError:  # refused, reset: the server dropped it
+                    drop(s)
+            now = time.monotonic()
+            for s, due in list(next_byte.items()):
+                if 0 < due <= now:
+                    try:
+                        s.send(b"z")
+                        next_byte[s] = now + 0.33
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        drop(s)
+    finally:
+        for s in list(next_byte):
+            s.close()
+        sel.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """The process's user + system CPU time so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_scrape(port: int) -> tuple[bool, float, str]:
+    """One scrape as Prometheus makes it (OpenMetrics, gzip), on a connection of its own: (answered with a 200
+    and the whole page, seconds from connect to the page's last byte, what went wrong)."""
+    import gzip
+
+    begun = time.monotonic()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: {PROMETHEUS_ACCEPT}\r\n"
+                      "Accept-Encoding: gzip\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as exc:
+        return False, time.monotonic() - begun, repr(exc)
+    took = time.monotonic() - begun
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200 "):
+        return False, took, repr(head[:80])
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(
+        b"content-length:")), -1)
+    if len(body) != length:
+        return False, took, f"{len(body)} of {length} bytes"
+    if not gzip.decompress(body).endswith(b"# EOF\n"):
+        return False, took, "no # EOF"
+    return True, took, ""
+
+
+def test_scrapes_are_answered_while_many_slow_clients_reconnect(scenario_copy, tmp_path):
+    import multiprocessing
+
+    root, state, port = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state", free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwarden.agent.cli", "run", "--root", str(root), "--state-dir",
+                             str(state), "--listen", f"127.0.0.1:{port}", "--log-format", "json"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ctx = multiprocessing.get_context("spawn")
+    stop, opened, dropped, held = ctx.Event(), ctx.Value("l", 0), ctx.Value("l", 0), ctx.Value("l", 0)
+    clients = ctx.Process(target=_slow_heads, args=(port, SLOW_CLIENTS, stop, opened, dropped, held, ABUSE_MAX_S),
+                          daemon=True)
+    results: list[tuple[bool, float, str]] = []
+    try:
+        wait_for(lambda: len(checks(state)) >= 10, timeout_s=60, what="every check's first look")
+        baseline = fds(proc.pid)
+        clients.start()
+        wait_for(lambda: opened.value >= SLOW_CLIENTS and dropped.value > 0, timeout_s=60,
+                 what="the slow clients connected, and some dropped at the cap")
+        time.sleep(1.0)
+        cpu_before, wall_before = _cpu_s(proc.pid), time.monotonic()
+        peak = fds(proc.pid)
+        for _ in range(SCRAPES):
+            results.append(_timed_scrape(port))
+            peak = max(peak, fds(proc.pid))
+        cpu = (_cpu_s(proc.pid) - cpu_before) / (time.monotonic() - wall_before)
+        load = (opened.value, dropped.value, held.value)
+        assert clients.is_alive(), "the slow clients ended early"
+        after = checks(state)
+    finally:
+        stop.set()
+        clients.join(30)
+        if clients.is_alive():
+            clients.kill()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+    answered = [r for r in results if r[0] and r[1] <= SCRAPE_S]
+    slowest = sorted(r[1] for r in results)[-3:]
+    failures = [r for r in results if not (r[0] and r[1] <= SCRAPE_S)][:5]
+    print("load (opened, dropped, held):", load, "cpu:", round(cpu, 3), "slowest:", slowest, "peak fds:", peak,
+          "baseline:", baseline)
+    assert len(answered) >= SCRAPES - 1, (len(answered), failures, load)
+    assert peak <= baseline + 64 + 8, (baseline, peak)
+    assert not [c for c in after.values() if c["status"] == "unknown"], after
+    assert proc.returncode == 0, err[-2000:]
