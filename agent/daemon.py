@@ -3,8 +3,9 @@ followed by one thread that hands new records to every kernel-log consumer. Afte
 record, the node record (and a transition with its remediation intents, if any) change in memory under one lock;
 nothing slow happens under it. Two workers carry the changes out of it:
 - the **writer** writes each consistent cut of that memory to SQLite in one transaction (agent/store.py), retries
-  a write that failed (disk full, database locked) with a backoff while detection goes on in memory, and
-  recreates a state folder deleted under it;
+  a write that failed (disk full, database locked) after a backoff (1 s doubling to 30 s, however many
+  observations come meanwhile) while detection goes on in memory, and recreates a state folder deleted under it
+  or a database file truncated or overwritten under it (the damaged file set aside);
 - the **action worker** runs the remediation engine (agent/remediation.py), which carries intents out against the
   scheduler adapter in order, each once, reconciled against the scheduler's state, and marks them done with their
   outcome: a scheduler that hangs delays actions, never detection.
@@ -28,6 +29,7 @@ from . import logs
 from .adapters.base import SchedulerAdapter
 from .daemon_devices import DeviceLoop
 from .daemon_events import KMSG_CHECK, EventLoops
+from .daemon_socket import StatusSocket
 from .daemon_polls import PollLoops, InFlight
 from .config import JOBS_DEFAULTS
 from .jobs.guard import JobGuard
@@ -142,6 +144,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._store_error: str | None = None
         self._store_error_since: float | None = None
         self._store_failures = 0
+        self._status_socket: StatusSocket | None = None  # answers `gpuwarden status` (agent/daemon_socket.py)
         settings = self.opt.remediation or Settings(node_name=node.hostname)
         if settings.actions_path is None:
             settings = replace(settings, actions_path=store.path.parent / "actions.jsonl")
@@ -175,6 +178,12 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             self.engine.enqueue(started)
             self._write_wanted.set()
         memory.limit_arenas(ARENAS)  # before the loops' threads exist (agent/memory.py)
+        try:
+            self._status_socket = StatusSocket(self.store.path.parent, self._status_answer)
+            self._status_socket.start()
+        except OSError as exc:  # status then cannot say how the writes go, and says it has no daemon to ask
+            self._status_socket = None
+            log.warning("cannot make the status socket; `gpuwarden status` cannot ask this daemon", error=str(exc))
         self._spawn("writer", self._writer_loop)
         self._spawn("actions", self._action_loop)
         for spec in self.passive:
@@ -203,6 +212,9 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             os.close(self._stop_w)
             self._stop_r = self._stop_w = -1
         self.flush()
+        if self._status_socket is not None:
+            self._status_socket.stop()
+            self._status_socket = None
 
     def flush(self) -> bool:
         """Writes everything memory holds that the store does not, the changes outside a check's durable part
@@ -425,18 +437,39 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                                        self._transitions, self._kmsg_records, self._kmsg_lost))
 
     def _live_samples(self) -> tuple[MetricSample, ...]:
+        error, _since = self._store_health()
         return (MetricSample("gpuwarden_loops_stalled", "The daemon's loops past their deadline (a deadlock, a driver "
                              "call that never returns): while above 0 the systemd watchdog is not fed and the agent "
-                             "is restarted.", {}, float(len(self.stalled()))),)
+                             "is restarted.", {}, float(len(self.stalled()))),
+                MetricSample("gpuwarden_store_ok", "1 while the state store's writes succeed and its file is the one "
+                             "the daemon writes, 0 if a write failed or the file was deleted, truncated or overwritten "
+                             "(detection goes on in memory; the write is retried with a backoff, a damaged file set "
+                             "aside).", {}, 0.0 if error else 1.0))
+
+    def _store_health(self) -> tuple[str | None, float | None]:
+        """Why the store is failing now and since when, or (None, None): the last write's error, else what is wrong
+        with the file (it can be truncated under a daemon whose writes, into SQLite's WAL, still succeed). Read at
+        each scrape and by `status` (the socket), so both say what the file is now; lock-free: a stat and a 16-byte
+        read of a local file, never the daemon's lock. A fault found here wakes the writer, which sets it aside."""
+        error, since = self._store_error, self._store_error_since
+        if error is not None:
+            return error, since
+        fault = self.store.file_fault()
+        if fault is None:
+            return None, None
+        self._write_wanted.set()
+        return f"{self.store.path} {fault}", self.opt.clock()
+
+    def _status_answer(self) -> dict[str, Any]:
+        error, since = self._store_health()
+        return {"pid": os.getpid(), "store": {"ok": error is None, "error": error, "since": since,
+                                              "failed_writes": self._store_failures}}
 
     def _own_samples(self) -> tuple[MetricSample, ...]:
         return (
             MetricSample("gpuwarden_node_info", "1, with the node's name at the scheduler and its NVLink domain (\"\" "
                          "when not known) as labels: join on instance to group any series by node or domain.",
                          {"node": self.engine.settings.node_name, "domain": self.opt.domain or ""}, 1.0),
-            MetricSample("gpuwarden_store_ok", "1 if the last write of the state store succeeded, 0 if it failed "
-                         "(detection goes on in memory; the write is retried).", {},
-                         0.0 if self._store_error else 1.0),
             MetricSample("gpuwarden_store_write_failures", "State store writes that failed since start.", {},
                          float(self._store_failures), "counter"),
             MetricSample("gpuwarden_actions_pending", "Remediation intents not yet carried out by the adapter.", {},
@@ -446,11 +479,17 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
 
     # -- the writer: memory to SQLite, outside the lock --------------------------------------------------------------
     def _writer_loop(self) -> None:
-        backoff = self.opt.error_backoff_s
+        backoff = self.opt.error_backoff_s  # the wait before the next retry of a failed write
         while not self.stop_event.is_set():
-            wait = backoff if self._store_error else self.opt.store_check_s
+            failing = self._store_error is not None
+            wait = backoff if failing else self.opt.store_check_s
             self._beat("writer", wait + 2 * _BUSY_S)
-            self._write_wanted.wait(wait)
+            if failing:
+                # The retry waits out its backoff however many observations come meanwhile: each is kept in memory
+                # and goes in the next cut, and a full disk is not asked again at every XID.
+                self._sleep(wait)
+            else:
+                self._write_wanted.wait(wait)
             if self.stop_event.is_set():
                 break  # stop() writes the last cut itself
             self._write_wanted.clear()
@@ -459,7 +498,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             except Exception as exc:  # noqa: BLE001 - a bug in the writer must not end it
                 self._fail_loop("writer", None, exc)
                 ok = False
-            backoff = self.opt.error_backoff_s if ok else min(2 * backoff, self.opt.retry_max_s)
+            if ok:
+                backoff = self.opt.error_backoff_s
+            elif failing:
+                backoff = min(2 * backoff, self.opt.retry_max_s)
         self._beat_off("writer")
 
     def _write_once(self) -> bool:
@@ -469,6 +511,8 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             try:
                 if self.store.moved():
                     self._recreate_store()
+                elif (fault := self.store.file_fault()) is not None:
+                    self._recreate_store(fault)
                 with self._lock:
                     cut = self._take_cut()
                 if cut is not None:
@@ -506,9 +550,24 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
         self._new_intents[:0] = intents
         self._done[:0] = done
 
-    def _recreate_store(self) -> None:
-        log.error("state folder deleted or replaced while running; recreating it", path=str(self.store.path))
-        self.store.reopen()
+    def _recreate_store(self, damaged: str | None = None) -> None:
+        """A fresh database from what memory holds: the state folder was deleted or replaced (`damaged` None), or the
+        file was damaged under the daemon (`damaged` says how; the file is set aside and named)."""
+        if damaged is None:
+            log.error("state folder deleted or replaced while running; recreating it", path=str(self.store.path))
+        else:
+            log.error("state store damaged while running; setting it aside, writing a fresh one from memory",
+                      path=str(self.store.path), damage=damaged)
+        try:
+            self.store.reopen(damaged)
+        finally:
+            if damaged is None and self._status_socket is not None:
+                try:
+                    self._status_socket.rebind()  # it went with the folder
+                except OSError as exc:
+                    log.warning("cannot make the status socket again", error=str(exc))
+        if self.store.set_aside:
+            log.error("state store set aside", detail=self.store.set_aside)
         with self._lock:
             # The new database starts empty: everything memory holds is written again, the intents not yet done
             # included (a restart must still find them).
@@ -518,7 +577,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             done = {k for k, *_ in self._done}
             journalled = {k for k, _, _ in self._new_intents}
             self._new_intents.extend(i for i in self.engine.pending() if i[0] not in done and i[0] not in journalled)
-            self._store_failed(RuntimeError("state folder was deleted or replaced; recreated"))
+            if self.store.set_aside:
+                self._set_meta("store_set_aside", {"at": self.opt.clock(), "detail": self.store.set_aside})
+            self._store_failed(RuntimeError(f"state store {damaged}; set aside and recreated" if damaged
+                                            else "state folder was deleted or replaced; recreated"))
 
     def _store_failed(self, exc: BaseException) -> None:
         reason = str(exc) if str(exc) else type(exc).__name__

@@ -7,11 +7,11 @@ import math
 import time
 from typing import Any
 
-from . import logs
+from . import logs, memory
 from .errors import GpuwardenError, NvmlError
 from .model import Status
 from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
-from .sources.kmsg import Cursor, Interest
+from .sources.kmsg import Cursor, Interest, resume_cursor
 from .store import CheckRecord
 
 log = logs.get_logger("gpuwarden.daemon")
@@ -27,15 +27,17 @@ class EventLoops:
     _beat(), _beat_off() and _fail_loop()."""
 
     def _kmsg_loop(self) -> None:
-        follower, next_idle, backoff = None, 0.0, 0.0
+        follower, next_idle, backoff, flooded = None, 0.0, 0.0, False
         while not self.stop_event.is_set():
             tick = self.opt.idle_tick_s
             self._beat("kmsg", tick)
             try:
                 if follower is None:
-                    cursor = self.store.meta("kmsg_cursor") if not self._meta.get("kmsg_cursor") else \
-                        self._meta["kmsg_cursor"]
-                    follower = self.node.kmsg_follower(Cursor(**cursor) if cursor else None, _keep(self.consumers))
+                    # This run's own cursor, else after the records the store says were counted (by identity).
+                    cursor = self._meta.get("kmsg_cursor")
+                    start = Cursor(**cursor) if cursor else resume_cursor(
+                        self.store.meta("kmsg_cursor"), self.store.counted(), self.node.kmsg.boot_id)
+                    follower = self.node.kmsg_follower(start, _keep(self.consumers))
                 try:
                     records = follower.poll()
                     error = None
@@ -67,7 +69,13 @@ class EventLoops:
                 self._sleep(backoff)
                 continue
             if getattr(follower, "more", False):
+                flooded = True
                 continue  # the poll stopped at its budget with more to read: no wake-up would say so
+            if flooded:
+                # A backlog or a flood read to its end: what its batches allocated and freed goes back to the
+                # system (the allocator keeps freed pages otherwise, and the daemon's RSS would stay at the flood's).
+                flooded = False
+                memory.trim()
             # Sleep until a record may have arrived (select on /dev/kmsg, inotify on a recorded file), at the
             # latest until the next idle tick: an idle kernel log costs no wake-up beyond that tick.
             follower.wait(max(0.0, next_idle - time.monotonic()), self.opt.kmsg_tick_s, wake_fd=self._stop_r)

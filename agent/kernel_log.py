@@ -20,7 +20,9 @@ from .records import dataclass
 @dataclass(frozen=True, slots=True)
 class LogRecord:
     message: str
-    line: int  # 1-based line of the record's first line in the source
+    # 1-based line of the record's first line in its file; None where the record is no file's line (live /dev/kmsg:
+    # its seq names it)
+    line: int | None
     source: str
     seq: int | None = None  # kmsg sequence number (the follower's cursor)
     usec: int | None = None  # microseconds since boot (kmsg header, or a dmesg "[secs.frac]" stamp)

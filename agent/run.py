@@ -384,6 +384,7 @@ def _jobs_text(jobs: list[dict[str, Any]], now: float) -> str:
 def print_status(args: argparse.Namespace) -> int:
     import time
 
+    from .daemon_socket import store_writes
     from .jobs.respond import JOB_ACTION
     from .remediation import RESET_AT_KEY, STATUS_KEY
     from .render import iso_utc, when
@@ -420,6 +421,8 @@ def print_status(args: argparse.Namespace) -> int:
     finally:
         store.close()
     now = time.time()
+    # What the file cannot say: whether the running daemon's writes into it succeed (agent/daemon_socket.py).
+    writes, writes_text, writes_failing = store_writes(cfg_dir, now)
     jobs = _jobs_view(checks, job_intents)
     if args.json:
         # The epoch numbers stay (a contract); each time also comes as ISO 8601 UTC under the same name + "_utc".
@@ -438,9 +441,10 @@ def print_status(args: argparse.Namespace) -> int:
             "intents": [{**p, "created_utc": iso_utc(p.get("created")), "done_utc": iso_utc(p.get("done"))}
                         for p in recent],
             "remediation": _remediation_view(record, remediation, reset_at, recent),
-            "jobs": jobs, "store": store_notes, "unreadable": problems}, indent=2))
-        return EXIT_UNDECIDED if problems else EXIT_PASS
+            "jobs": jobs, "store": store_notes, "store_writes": writes, "unreadable": problems}, indent=2))
+        return EXIT_UNDECIDED if problems or writes_failing else EXIT_PASS
     out = sys.stdout
+    out.write(writes_text)
     out.write(f"node state: {record.state.value if record else 'unknown'}"
               + (f" since {when(record.since, now)}: {record.reason}" if record else "") + "\n\n")
     for c in checks:
@@ -472,4 +476,4 @@ def print_status(args: argparse.Namespace) -> int:
                       "was written once it could be)\n")
     for problem in problems:
         out.write(f"\nunreadable in {db}: {problem} (`gpuwarden run` sets this database aside at its next start)\n")
-    return EXIT_UNDECIDED if problems else EXIT_PASS
+    return EXIT_UNDECIDED if problems or writes_failing else EXIT_PASS

@@ -1,7 +1,7 @@
-"""What the agent's own small SQLite files (the local scheduler, the sweep history) share: a write is one
-`BEGIN IMMEDIATE` transaction (the write lock first, so the reads in it see what no other process can change
-meanwhile), and a versioned schema that is made in an empty file and checked in any other (a file that is another
-program's is never written to).
+"""What the agent's own SQLite files (the daemon's state store, the local scheduler, the sweep history) share: a
+write is one `BEGIN IMMEDIATE` transaction (the write lock first, so the reads in it see what no other process can
+change meanwhile), and a versioned schema that is made in an empty file and checked in any other (a file that is
+another program's, or one whose tables were edited, is never written to as if it were ours).
 """
 from __future__ import annotations
 
@@ -48,3 +48,35 @@ def schema_version(db: sqlite3.Connection, schema: str, meta: str, tables: Colle
         return found
 
     return write_transaction(db, look)
+
+
+def schema_objects(db: sqlite3.Connection) -> tuple[dict[str, set[str]], set[str]]:
+    """What the file holds: each table with its columns, and the names of its other objects (index, view, trigger;
+    "type name"). SQLite's own (sqlite_*: the AUTOINCREMENT counters, the indexes of PRIMARY KEY / UNIQUE) are left
+    out: they come with the tables."""
+    tables: dict[str, set[str]] = {}
+    others: set[str] = set()
+    for kind, name in db.execute("SELECT type, name FROM sqlite_master").fetchall():
+        if name.startswith("sqlite_"):
+            continue
+        if kind == "table":
+            tables[name] = {row[1] for row in db.execute(f'PRAGMA table_info("{name}")').fetchall()}
+        else:
+            others.add(f"{kind} {name}")
+    return tables, others
+
+
+def schema_problems(found: tuple[dict[str, set[str]], set[str]], required: dict[str, set[str]],
+                    known: dict[str, set[str]]) -> list[str]:
+    """What is missing from or foreign to a file's objects (`schema_objects`): every table and column of `required`
+    (what the file's version wrote) must be there; nothing outside `known` (every version's tables and columns) may
+    be. Empty: the file is one of ours."""
+    tables, others = found
+    problems = [f"table {t} missing" for t in sorted(required.keys() - tables.keys())]
+    problems += [f"column {t}.{c} missing" for t in sorted(required.keys() & tables.keys())
+                 for c in sorted(required[t] - tables[t])]
+    problems += [f"foreign table {t}" for t in sorted(tables.keys() - known.keys())]
+    problems += [f"foreign column {t}.{c}" for t in sorted(tables.keys() & known.keys())
+                 for c in sorted(tables[t] - known[t])]
+    problems += [f"foreign {o}" for o in sorted(others)]
+    return problems

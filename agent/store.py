@@ -10,9 +10,16 @@ changed: a commit costs what moved, however many incidents the node holds.
 
 What can go wrong with the file is told apart: a write that fails (disk full, database locked) is a StoreError
 the caller retries; a database that cannot be read (not a database, malformed, a value that is not what was
-written) is set aside as state.db.corrupt-<time> and a fresh one started; a state folder deleted or replaced
-under a running daemon is noticed (`moved()`) and recreated (`reopen()`). One daemon per state folder: a lock
-on `gpuwarden.lock` (flock, released by the kernel when its holder dies) names the PID that holds it.
+written, tables or columns missing or foreign to the version it names) is set aside as state.db.corrupt-<time> and
+a fresh one started; a state folder deleted or replaced under a running daemon is noticed (`moved()`) and recreated
+(`reopen()`), and so is a file truncated or overwritten under it (`file_fault()`), the damaged one set aside. One
+daemon per state folder: a lock on `gpuwarden.lock` (flock, released by the kernel when its holder dies) names the
+PID that holds it.
+
+The kernel-log records the consumers have counted are kept by their identity, (boot id, seq): kmsg numbers a boot's
+records one after the other and the follower reads them in order, so the set is every record of the boot up to a
+seq, one row (table kmsg_counted), written with the counts it stands for. The cursor in meta (`kmsg_cursor`, what
+a retest and older readers use) is the same value; where the two differ, the row says what was counted.
 """
 from __future__ import annotations
 
@@ -31,31 +38,17 @@ from typing import Any, Iterable
 
 from .errors import GpuwardenError
 from .model import Finding, Status
+from .sqlite_files import write_transaction
+from .store_schema import KMSG_CURSOR, SchemaError, boot_id_of, cursor_row, make_or_migrate, seq_of
 from .state import NodeRecord, NodeState, Transition
 from .records import dataclass
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS node (id INTEGER PRIMARY KEY CHECK (id = 1), record TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS checks (
-    name TEXT PRIMARY KEY, state TEXT NOT NULL, status TEXT NOT NULL, error TEXT,
-    findings TEXT NOT NULL, updated REAL NOT NULL, duration_s REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS transitions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, frm TEXT NOT NULL, too TEXT NOT NULL,
-    reason TEXT NOT NULL, actions TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS intents (
-    key TEXT PRIMARY KEY, action TEXT NOT NULL, created REAL NOT NULL, done REAL, detail TEXT NOT NULL,
-    outcome TEXT);
-CREATE TABLE IF NOT EXISTS check_parts (
-    name TEXT NOT NULL, part TEXT NOT NULL, sub TEXT NOT NULL, ord INTEGER NOT NULL, value TEXT NOT NULL,
-    PRIMARY KEY (name, part, sub)) WITHOUT ROWID;
-"""
-# A check's state and findings are written in parts (table check_parts), each part only when it changed, so a commit
-# costs what changed, not what the check holds (the xid check's incidents, one per GPU and XID, each written when it
-# moved): "state:<key>" / <entry> is one entry of a top-level state value that maps names to objects; "finding" /
-# <index> is one finding. The checks row keeps the rest of the state and the status. Rows an older version wrote
-# (the whole state and findings in the checks row, no parts) read the same.
-SCHEMA_VERSION = "3"
+# A check's state and findings are written in parts (table check_parts, agent/store_schema.py), each part only when it
+# changed, so a commit costs what changed, not what the check holds (the xid check's incidents, one per GPU and XID,
+# each written when it moved): "state:<key>" / <entry> is one entry of a top-level state value that maps names to
+# objects; "finding" / <index> is one finding. The checks row keeps the rest of the state and the status. Rows an
+# older version wrote (the whole state and findings in the checks row, no parts) read the same.
+_SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 _FINDING = "finding"
 _STATE = "state:"
 # The WAL is checkpointed into the database every this many pages (PASSIVE, by the committing thread) and cut back
@@ -63,9 +56,6 @@ _STATE = "state:"
 # pages and no limit, leave a file of 4 MB and more that a checkpoint never shrinks).
 WAL_AUTOCHECKPOINT_PAGES = 256
 JOURNAL_LIMIT_BYTES = 1 << 20
-# Columns added after a table's first release, added to an existing database at open (ALTER TABLE ... ADD COLUMN:
-# the rows already there read NULL, what an older daemon would have meant).
-_ADDED_COLUMNS = (("intents", "outcome", "TEXT"),)
 LOCK_NAME = "gpuwarden.lock"
 BUSY_TIMEOUT_S = 5.0  # a database locked by another process fails a write after this (the writer retries)
 # SQLite result codes that mean the file's content cannot be trusted (sqlite3.h), as opposed to a write that
@@ -128,6 +118,7 @@ class Store:
         self._lock_fd: int | None = None
         self._want_lock = lock and not readonly
         self._identity: tuple | None = None
+        self._size_seen = 0  # the database file's size after the last write: it never shrinks (no VACUUM)
         # What the database holds of each check's parts, as last written or read. A commit compares against it and
         # writes only what differs; a check not here has all its parts rewritten.
         self._parts: dict[str, _Held] = {}
@@ -152,9 +143,10 @@ class Store:
             self._verify()
         except StoreUnreadable as exc:
             self._db.close()
-            self.set_aside = self._set_aside(str(exc))
+            self.set_aside = self._set_aside(f"could not be read ({exc})")
             self._db = self._init_db()
         self._identity = _identity(self.path)
+        self._size_seen = _size(self.path)
 
     def _connect(self, target: str, uri: bool = False) -> sqlite3.Connection:
         try:
@@ -170,11 +162,10 @@ class Store:
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed write survives a crash
             db.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
             db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT_BYTES}")
-            db.executescript(SCHEMA)
-            for table, column, kind in _ADDED_COLUMNS:
-                if column not in _columns(db, table):
-                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            write_transaction(db, make_or_migrate)
+        except SchemaError as exc:
+            self._db = db
+            raise StoreUnreadable(str(exc)) from None
         except sqlite3.Error as exc:
             if _unreadable(exc):
                 self._db = db
@@ -199,15 +190,20 @@ class Store:
             self.meta(key)
         self.transitions(limit=-1)
         self.intents()
+        self.counted()
 
-    def _set_aside(self, reason: str) -> str:
+    def _set_aside(self, why: str) -> str:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while target.exists():  # a second one within the second keeps the first
+            n += 1
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
         for suffix in ("", "-wal", "-shm"):
             src = Path(f"{self.path}{suffix}")
             if src.exists():
                 os.replace(src, Path(f"{target}{suffix}"))
-        return f"{self.path} could not be read ({reason}); set aside as {target.name}, started a fresh one"
+        return f"{self.path} {why}; set aside as {target.name}, started a fresh one"
 
     def _take_lock(self) -> None:
         """flock on the state folder's lock file, the holder's PID written in it. Raises StateInUse naming it."""
@@ -247,8 +243,36 @@ class Store:
         went on writing would write into deleted files)."""
         return self._identity is not None and _identity(self.path) != self._identity
 
-    def reopen(self) -> None:
-        """A fresh database where the old one was (the folder recreated, the lock taken again)."""
+    def file_fault(self) -> str | None:
+        """Why the database file is no longer the one this store wrote (deleted, replaced, truncated, its header
+        overwritten), or None. SQLite goes on committing into its WAL over a file truncated under it, so its writes
+        alone do not tell. Lock-free and cheap (a stat and a 16-byte read): asked before each write and at each
+        scrape of /metrics."""
+        try:
+            size = os.stat(self.path).st_size
+        except OSError as exc:
+            return f"is gone ({exc.strerror or exc})"
+        if self.moved():
+            return "was replaced while in use"
+        seen = self._size_seen
+        if size < seen:
+            return f"was truncated to {size} bytes while in use (it held {seen})"
+        if seen:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    head = os.pread(fd, len(_SQLITE_HEADER), 0)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                return f"cannot be read ({exc.strerror or exc})"
+            if head != _SQLITE_HEADER:
+                return "was overwritten while in use (its first bytes are not SQLite's header)"
+        return None
+
+    def reopen(self, damaged: str | None = None) -> None:
+        """A fresh database where the old one was (the folder recreated, the lock taken again). `damaged`: why the
+        file there is not ours any more (file_fault()); it is set aside first, as at a start."""
         with self._lock:
             self._parts.clear()
             self._parts_complete = False
@@ -257,7 +281,14 @@ class Store:
             except sqlite3.Error:
                 pass
             self.set_aside = None
+            if damaged is not None and self.path.exists():
+                try:
+                    self.set_aside = self._set_aside(damaged)
+                except OSError as exc:
+                    raise StoreError(f"{self.path} {damaged}; cannot set it aside: {exc.strerror or exc}") from None
             self._open()
+            if damaged is not None and self.set_aside is None:
+                self.set_aside = f"{self.path} {damaged}; started a fresh one"
 
     def close(self) -> None:
         with self._lock:
@@ -270,6 +301,13 @@ class Store:
     def node(self) -> NodeRecord | None:
         row = self._one("SELECT record FROM node WHERE id = 1")
         return _decode("node record", lambda: NodeRecord.from_dict(json.loads(row[0]))) if row else None
+
+    def counted(self) -> tuple[str | None, int] | None:
+        """The kernel-log records counted: every record of this boot id up to this seq (None: none yet)."""
+        row = self._one("SELECT boot_id, seq FROM kmsg_counted WHERE id = 1")
+        if not row:
+            return None
+        return _decode("kmsg_counted", lambda: (boot_id_of(row[0]), seq_of(row[1])))
 
     def meta(self, key: str) -> Any:
         row = self._one("SELECT value FROM meta WHERE key = ?", (key,))
@@ -364,6 +402,11 @@ class Store:
                 written = {c.name: self._write_check(c) for c in checks}
                 for key, value in (meta or {}).items():
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+                if meta and KMSG_CURSOR in meta:
+                    # The records counted, by identity, in the transaction of the counts they make.
+                    cursor = cursor_row(meta[KMSG_CURSOR])
+                    if cursor is not None:
+                        self._db.execute("INSERT OR REPLACE INTO kmsg_counted VALUES (1, ?, ?)", cursor)
                 if node is not None:
                     self._db.execute("INSERT OR REPLACE INTO node VALUES (1, ?)", (json.dumps(node.to_dict()),))
                 for t in transitions:
@@ -395,6 +438,7 @@ class Store:
                     raise StoreError(f"{self.path}: write failed: {exc}") from None
                 raise
             self._parts.update(written)
+            self._size_seen = max(self._size_seen, _size(self.path))
         return new_keys
 
     def _write_check(self, c: CheckRecord) -> _Held:
@@ -510,8 +554,11 @@ def record_meta(path: Path, key: str, value: Any, busy_timeout_s: float = BUSY_T
         db.close()
 
 
-def _columns(db: sqlite3.Connection, table: str) -> set[str]:
-    return {row[1] for row in db.execute(f"PRAGMA table_info({table})").fetchall()}
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _identity(path: Path) -> tuple | None:

@@ -183,14 +183,15 @@ def test_a_running_daemon_counts_every_xid_appended_in_pieces_that_split_lines(t
 
 def test_live_kmsg_records_are_scanned_as_the_parser_reads_them(tmp_path):
     """/dev/kmsg hands over whole records: the scan of what one poll read equals the record-by-record parse (a
-    regular file read as /dev/kmsg is, until EOF)."""
+    regular file read as /dev/kmsg is, until EOF), with no line: /dev/kmsg is no file, a record's seq names it."""
     path = tmp_path / "kmsg"
     path.write_bytes(HOSTILE.encode("latin-1"))
     want = as_rows(*parse_kmsg_filtered(HOSTILE.encode("latin-1").decode(errors="replace"), "kmsg", KEEP))
     f = KmsgFollower(KernelLog(path, live=True, boot_id="b"), Cursor("b", -10), KEEP)
     try:
         got = f.poll()
-        assert [(r.message, r.line, r.seq) for r in got] == [(m, n, s) for m, n, s, *_ in want[0]]
-        assert [(e.what, e.line) for e in f.parse_errors] == want[1] and f.cursor.seq == want[2] == 10
+        assert [(r.message, r.line, r.seq) for r in got] == [(m, None, s) for m, _n, s, *_ in want[0]]
+        assert [(e.what, e.line) for e in f.parse_errors] == [(what, None) for what, _ in want[1]]
+        assert f.cursor.seq == want[2] == 10
     finally:
         f.close()

@@ -1,11 +1,14 @@
 """The kernel log: /dev/kmsg live (records since boot, non-blocking), a plain file on a recorded node.
 
 The cursor (last sequence number + boot_id) is what the daemon persists so a restart neither misses
-nor repeats a record; `KmsgFollower` honours it.
+nor repeats a record; `KmsgFollower` honours it. A record's identity is (boot_id, seq): where a saved cursor
+disagrees with the records the store says were counted, those win (`resume_cursor`), and a cursor ahead of the
+kernel's newest record of its boot is taken back to it once the log has been read (`KmsgFollower.ahead`).
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import errno
 import os
 import re
@@ -28,8 +31,12 @@ _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own lo
 # A followed file is read in pieces this size, each scanned once per substring a consumer reads and once for malformed
 # lines (measured: pieces of 64 KiB to 1 MiB scan alike, ~2.3M lines/s on a 2-core VM against ~0.9M for the
 # record-by-record parse; bench/stream.py).
-_PIECE = 1 << 18
+_PIECE = 1 << 16
 _POLL_BYTES = 16 << 20  # read per poll at most; the rest is `more` (memory stays flat on a backlog of any size)
+# Records the consumers read, per poll at most (then `more`): a flood of lines they all read (every line an XID) is
+# judged in batches of about this many, so the daemon's memory stays flat under it (a 16 MiB poll of XID lines would
+# be ~200k records, ~100 MB, and the allocator keeps much of that once freed).
+_POLL_RECORDS = 1024
 _MAX_LINE = 1 << 16  # a "line" this long without a newline is not a kmsg record: reported and skipped
 log = logs.get_logger("gpuwarden.kmsg")
 
@@ -38,6 +45,34 @@ log = logs.get_logger("gpuwarden.kmsg")
 class Cursor:
     boot_id: str | None
     seq: int
+
+
+def resume_cursor(saved: object, counted: "tuple[str | None, int] | None", boot_id: str | None) -> Cursor | None:
+    """Where the follower of boot `boot_id` resumes at a start: after the records counted (`counted`, the store's
+    (boot_id, seq) up to which every record was handed to the consumers, written with their counts), whatever the
+    saved cursor (`saved`, meta kmsg_cursor) says: a cursor edited or rolled back would lose or repeat records.
+    Only where nothing was counted is the saved cursor used (a store that has no such row). None: the boot's log
+    from its start (nothing saved, or another boot's)."""
+    cursor = _as_cursor(saved)
+    if saved is not None and cursor is None:
+        log.warning("kernel-log cursor in the state store is not a cursor; ignored", cursor=repr(saved)[:200])
+    if counted is not None:
+        known = Cursor(*counted)
+        if cursor is not None and cursor != known:
+            log.warning("kernel-log cursor disagrees with the records counted; resuming after the records counted "
+                        "(a record is counted once, by boot id and seq)", cursor_boot_id=cursor.boot_id,
+                        cursor_seq=cursor.seq, counted_boot_id=known.boot_id, counted_seq=known.seq)
+        return known if known.boot_id == boot_id else None
+    return cursor if cursor is not None and cursor.boot_id == boot_id else None
+
+
+def _as_cursor(saved: object) -> Cursor | None:
+    if not isinstance(saved, dict) or set(saved) != {"boot_id", "seq"}:
+        return None
+    boot_id, seq = saved["boot_id"], saved["seq"]
+    if (boot_id is not None and not isinstance(boot_id, str)) or type(seq) is not int:
+        return None
+    return Cursor(boot_id, seq)
 
 
 class Interest:
@@ -98,6 +133,8 @@ class KernelLog:
         """Every record since boot. Malformed records are logged and kept in `parse_errors`, not raised; a log
         with no record at all is a SourceError (a booted kernel always has something to say)."""
         records, errors = parse_kmsg_text(self.raw_text(), self.name)
+        if self.live:
+            records, errors = _unnumbered(records, errors)
         self.parse_errors = errors
         if self.after_seq is not None:
             # Records keep their sequence numbers; a record without one (not from /dev/kmsg) cannot be placed and
@@ -120,7 +157,9 @@ class KmsgFollower:
     ring buffer overwrote records we had not read yet: counted in `lost`). On a recorded node it follows the
     scenario's kmsg file as it grows, taking only complete lines, and starts over if the file shrinks. Either
     way records at or below the cursor's sequence number of the same boot are skipped, so a restart with the
-    persisted cursor neither repeats nor misses a record.
+    persisted cursor neither repeats nor misses a record. A cursor past the newest record the log holds once it has
+    been read from its start cannot be right (kmsg numbers a boot's records one by one): it is taken back to that
+    record, so the records that come next are read (`ahead` says from where to where).
     """
 
     def __init__(self, log: KernelLog, cursor: Cursor | None = None, keep: Callable[[str], object] | None = None):
@@ -138,6 +177,12 @@ class KmsgFollower:
         self._skipping = False  # inside an over-long line: dropped up to its newline
         self.more = False  # the last poll stopped at its byte budget: more is there to read now
         self._probe_memory = ProbeMemory()  # what the pieces read so far taught of the interest's probe bytes
+        # The recorded file's lines read before this poll's: a record's line is the file's own, whichever poll read
+        # it (live /dev/kmsg is no file: its records carry no line, their seq names them).
+        self._file_lines = 0
+        self._from_start = True  # reading the log from its oldest record (at open, and after a file shrank)
+        self._top: int | None = None  # the newest seq read since then
+        self.ahead: tuple[int, int] | None = None  # (cursor seq, newest seq) when a cursor ahead was taken back
 
     def close(self) -> None:
         if self._fd is not None:
@@ -174,6 +219,11 @@ class KmsgFollower:
             else:
                 records, errors, last = parse_kmsg_filtered(text, self.log.name, self.keep)
             first = _first_seq(text, last) if last is not None else None
+            if self.log.live:
+                records, errors = _unnumbered(records, errors)
+            else:
+                records, errors = _numbered_from(self._file_lines, records, errors)
+                self._file_lines += text.count("\n")
         if errors:
             self.malformed += len(errors)
             # Bounded: a daemon runs for months, and a corrupt log must not grow its memory.
@@ -184,7 +234,21 @@ class KmsgFollower:
             before = self.cursor.seq if self.cursor.seq >= 0 else (first if first is not None else last) - 1
             self.advanced += last - before
             self.cursor = Cursor(self.log.boot_id, last)
+        if last is not None and (self._top is None or last > self._top):
+            self._top = last
+        if self._from_start and not self.more:
+            self._caught_up()
         return fresh
+
+    def _caught_up(self) -> None:
+        """The log has been read from its start to its end: a cursor past its newest record is taken back to it."""
+        self._from_start = False
+        top = self._top
+        if top is not None and self.cursor.seq > top:
+            log.warning("kernel-log cursor is ahead of the kernel's newest record of this boot; reading on from that "
+                        "record", boot_id=self.log.boot_id, cursor_seq=self.cursor.seq, newest_seq=top)
+            self.ahead = (self.cursor.seq, top)
+            self.cursor = Cursor(self.log.boot_id, top)
 
     def _read_live(self) -> str:
         return self._read_live_bytes().decode(errors="replace")
@@ -192,8 +256,10 @@ class KmsgFollower:
     def _read_live_bytes(self) -> bytes:
         if self._fd is None:
             self._fd = _open_kmsg(self.log.path)
-        data, lost = _read_available_bytes(self._fd, self.log.path)
+        data, lost = _read_available_bytes(self._fd, self.log.path, _PIECE)
         self.lost += lost
+        # A piece a poll: a kernel that logs as fast as it is read must not grow one poll's records without end.
+        self.more = len(data) >= _PIECE
         return data
 
     def _scan_live(self) -> "tuple[KmsgBatch, int | None] | None":
@@ -201,7 +267,7 @@ class KmsgFollower:
         data = self._read_live_bytes()
         if not data:
             return None
-        scan = _Scan(self.log.name, self.keep, self._probe_memory)
+        scan = _Scan(self.log.name, self.keep, self._probe_memory, numbered=False)
         scan.feed(data, len(data))
         return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
@@ -211,7 +277,8 @@ class KmsgFollower:
             if size == self._offset:
                 return ""  # nothing new: the common case of an idle poll costs one stat
             if size < self._offset:  # truncated or replaced: read it again from the start
-                self._offset, self._pending = 0, b""
+                self._offset, self._pending, self._file_lines = 0, b"", 0
+                self._from_start, self._top = True, None
             with os.fdopen(confine.open_file(self.log.path, self.log.inside), "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
@@ -232,14 +299,15 @@ class KmsgFollower:
             if size == self._offset:
                 return None  # nothing new: the common case of an idle poll costs one stat
             if size < self._offset:  # truncated or replaced: read it again from the start
-                self._offset, self._pending, self._skipping = 0, b"", False
+                self._offset, self._pending, self._skipping, self._file_lines = 0, b"", False, 0
+                self._from_start, self._top = True, None
             fd = confine.open_file(self.log.path, self.log.inside)
         except OSError as exc:
             raise SourceError(f"{self.log.path}: cannot read kernel log: {exc.strerror or exc}") from None
-        scan = _Scan(self.log.name, self.keep, self._probe_memory)
+        scan = _Scan(self.log.name, self.keep, self._probe_memory, lines=self._file_lines)
         try:
             budget = _POLL_BYTES
-            while budget > 0:
+            while budget > 0 and len(scan.records) < _POLL_RECORDS:
                 try:
                     data = os.pread(fd, min(_PIECE, budget), self._offset)
                 except OSError as exc:
@@ -249,10 +317,11 @@ class KmsgFollower:
                 self._offset += len(data)
                 budget -= len(data)
                 self._piece(scan, data)
-            self.more = budget <= 0
+            self.more = budget <= 0 or len(scan.records) >= _POLL_RECORDS
         finally:
             os.close(fd)
-        if not scan.lines and not scan.errors:
+        read, self._file_lines = scan.lines - self._file_lines, scan.lines
+        if not read and not scan.errors:
             return None
         return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
@@ -284,15 +353,18 @@ class _Scan:
     """The kmsg records of complete lines, piece after piece, building only those a consumer reads: the lines that
     hold one of the interest's needles, found with bytes.find, and the lines whose header is not the usual shape
     (malformed, or well-formed past the fast pattern's bounds), found with one search; only those lines are decoded
-    and parsed, each exactly as parse_kmsg_filtered parses it. Line numbers count every line read in the poll."""
+    and parsed, each exactly as parse_kmsg_filtered parses it. Line numbers go on from `lines` (the file's lines
+    before these); `numbered` False (live /dev/kmsg, no file): records and errors carry no line."""
 
-    def __init__(self, source: str, keep: Interest, memory: ProbeMemory | None = None):
+    def __init__(self, source: str, keep: Interest, memory: ProbeMemory | None = None, lines: int = 0,
+                 numbered: bool = True):
         self.source, self.keep, self.probes, self.memory = source, keep, keep.probes or (), memory
+        self.numbered = numbered
         self.records: list[LogRecord] = []
         self.errors: list[ParseError] = []
         self.last: int | None = None
         self.first: int | None = None
-        self.lines = 0
+        self.lines = lines
 
     def feed(self, buf: bytes, end: int) -> None:
         """The complete lines buf[:end] (end just after a newline)."""
@@ -310,13 +382,13 @@ class _Scan:
         for start in sorted(starts):
             lines += buf.count(b"\n", prev, start)
             prev = start
-            record = self._line(buf[start:find(b"\n", start, end)], lines + 1)
+            record = self._line(buf[start:find(b"\n", start, end)], lines + 1 if self.numbered else None)
             if record is not None and self.keep(record.message):
                 self.records.append(record)
         self.lines = lines + buf.count(b"\n", prev, end)
         self._last_seq(buf, end)
 
-    def _line(self, raw: bytes, lineno: int) -> LogRecord | None:
+    def _line(self, raw: bytes, lineno: int | None) -> LogRecord | None:
         """The record of one line (decoded as the whole text would be); a malformed one is kept in `errors`."""
         prio, seq, usec, message = KMSG_ROW.match(raw.decode(errors="replace")).groups(default="")
         if prio:
@@ -350,7 +422,22 @@ class _Scan:
         self.lines += 1
         self.errors.append(ParseError(f"a line of more than {_MAX_LINE} bytes without a newline is not a kmsg "
                                       f"record; skipped: {head[:60].decode(errors='replace')!r}...",
-                                      self.source, self.lines))
+                                      self.source, self.lines if self.numbered else None))
+
+
+def _unnumbered(records: list[LogRecord], errors: list[ParseError]) -> tuple[list[LogRecord], list[ParseError]]:
+    """Live /dev/kmsg's records and errors with no line: a count of what one read returned is no file's line."""
+    return ([replace(r, line=None) for r in records],
+            [ParseError(e.what, e.source, None) for e in errors])
+
+
+def _numbered_from(before: int, records: list[LogRecord],
+                   errors: list[ParseError]) -> tuple[list[LogRecord], list[ParseError]]:
+    """Records and errors of a text that starts after the file's first `before` lines, numbered as the file's."""
+    if not before:
+        return records, errors
+    return ([replace(r, line=r.line + before) if r.line is not None else r for r in records],
+            [ParseError(e.what, e.source, e.line + before if e.line is not None else None) for e in errors])
 
 
 def _seq_of(buf: bytes) -> int | None:
@@ -374,14 +461,15 @@ def _open_kmsg(path: Path) -> int:
         raise SourceError(f"{path}: cannot open kernel log: {exc.strerror or exc}") from None
 
 
-def _read_available_bytes(fd: int, path: Path) -> tuple[bytes, int]:
-    """Every record /dev/kmsg has for this descriptor now, and how many overwrites (EPIPE) were met.
+def _read_available_bytes(fd: int, path: Path, limit: int | None = None) -> tuple[bytes, int]:
+    """Every record /dev/kmsg has for this descriptor now (at most about `limit` bytes: the next read goes on from
+    there), and how many overwrites (EPIPE) were met.
 
     /dev/kmsg returns one record per read() and EAGAIN when caught up (non-blocking); a regular file
     (tests, a scenario) returns data until EOF."""
     chunks: list[bytes] = []
-    lost = 0
-    while True:
+    lost = taken = 0
+    while limit is None or taken < limit:
         try:
             data = os.read(fd, 8192)
         except OSError as exc:
@@ -394,4 +482,5 @@ def _read_available_bytes(fd: int, path: Path) -> tuple[bytes, int]:
         if not data:
             break
         chunks.append(data if data.endswith(b"\n") else data + b"\n")
+        taken += len(data)
     return b"".join(chunks), lost
