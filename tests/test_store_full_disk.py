@@ -42,14 +42,20 @@ def small_disk(tmp_path):
 
 
 def fill(folder: Path) -> Path:
+    """A file that takes every block left (unbuffered writes until ENOSPC: nothing is left to flush at close, which
+    would fail the same way)."""
     filler = folder / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        block = b"\0" * 65536
+        while True:
+            try:
+                if os.write(fd, block) == 0:
+                    break
+            except OSError:
+                break
+    finally:
+        os.close(fd)
     return filler
 
 
