@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import traceback
@@ -33,6 +34,7 @@ PCI_FILES = ("vendor", "device", "class", "subsystem_vendor", "subsystem_device"
              "current_link_width", "max_link_speed", "max_link_width", "aer_dev_correctable", "aer_dev_fatal",
              "aer_dev_nonfatal", "numa_node")
 IB_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
+PCI_BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
 def record(node: Node, out: Path, cfg: Any = None, with_tools: bool = False,
@@ -231,17 +233,64 @@ def _copy_file(src: Sysfs, dst: Sysfs, path: str, problems: list[str]) -> None:
     target.write_text(text + "\n")
 
 
-def _copy_sys(src: Sysfs, dst: Sysfs) -> list[str]:
+def _copy_pci(src: Sysfs, dst: Sysfs) -> list[str]:
+    """The PCI functions the checks read, laid out as the node lays them out: ours (NVIDIA, Mellanox), every one with
+    AER statistics (pcie_aer reads them all), and the bridges above them, whose link pcie_link judges too. Where
+    bus/pci/devices/<bdf> links into devices/pci<domain>:<bus>/..., each function is written at its place in that tree
+    and linked the same way; a flat scenario stays flat. The folder is written even when nothing in it is ours: a
+    listing that found none is not a listing that could not be made (pcie_link's pcie-sysfs-missing, fabric's "PCI
+    device list could not be read")."""
+    from gpuwarden.checks.pcie_link import pci_path  # checks import agent: import at use
+
     problems: list[str] = []
-    for bdf in src.listdir(PCI_DEVICES):
+    if not src.exists(PCI_DEVICES):
+        return problems  # absent live too: the replay says so the same way
+    try:
+        bdfs = src.listdir(PCI_DEVICES)
+    except SourceError as exc:
+        return [f"{exc}; {PCI_DEVICES} not recorded"]
+    dst.path(PCI_DEVICES).mkdir(parents=True, exist_ok=True)
+    root = src.root.resolve()
+    for bdf in bdfs:
         base = f"{PCI_DEVICES}/{bdf}"
         try:
             vendor = src.read(f"{base}/vendor")
         except SourceError:
+            continue  # the checks pass over a function whose vendor cannot be read
+        if vendor not in RECORDED_VENDORS and not src.exists(f"{base}/aer_dev_fatal"):
             continue
-        if vendor in RECORDED_VENDORS:
-            for name in PCI_FILES:
-                _copy_file(src, dst, f"{base}/{name}", problems)
+        levels = [lv for lv in pci_path(src, bdf, root) if PCI_BDF.match(lv[0])] or [(bdf, base)]
+        for name, path in levels:
+            if path != f"{PCI_DEVICES}/{name}":
+                _link_pci_function(dst, name, path)
+            for attr in PCI_FILES:
+                _copy_file(src, dst, f"{path}/{attr}", problems)
+        _copy_physfn(src, dst, levels[-1][1])
+    return problems
+
+
+def _link_pci_function(dst: Sysfs, bdf: str, kernel_path: str) -> None:
+    """bus/pci/devices/<bdf> -> ../../../devices/pci.../<bdf>, the link text the kernel writes (pcie_aer reads it)."""
+    link = dst.path(f"{PCI_DEVICES}/{bdf}")
+    if link.is_symlink() or link.exists():
+        return
+    dst.path(kernel_path).mkdir(parents=True, exist_ok=True)
+    os.symlink(os.path.relpath(kernel_path, PCI_DEVICES), link)
+
+
+def _copy_physfn(src: Sysfs, dst: Sysfs, kernel_path: str) -> None:
+    """A virtual function's physfn link (to its physical function beside it): pcie_link passes over VFs by it."""
+    target = src.link_target_name(f"{kernel_path}/physfn")
+    if target is None or not PCI_BDF.match(target):
+        return
+    link = dst.path(f"{kernel_path}/physfn")
+    if not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(f"../{target}", link)
+
+
+def _copy_sys(src: Sysfs, dst: Sysfs) -> list[str]:
+    problems = _copy_pci(src, dst)
     for bdf in src.listdir(DRIVER_GPUS):
         _copy_file(src, dst, f"{DRIVER_GPUS}/{bdf}/information", problems)
     for hca in src.listdir(IB_CLASS):
