@@ -20,7 +20,7 @@ class EccReading:
     ecc_mode: Mapping[str, int]
     errors: Mapping[str, Mapping[str, int]]  # volatile/aggregate -> corrected/uncorrected
     remapped: Mapping[str, Any] | None  # None: the GPU has no row remapper (pre-Ampere)
-    histogram: Mapping[str, int] | None
+    histogram: Mapping[str, int] | None  # None with `remapped` set: NVML does not report it (headroom not known)
 
 
 def decide(entity: Entity, r: EccReading, policy: Mapping[str, Any]) -> list[Finding]:
@@ -57,7 +57,14 @@ def decide(entity: Entity, r: EccReading, policy: Mapping[str, Any]) -> list[Fin
             out.append(finding("row-remap-pending", Status.FAIL, Action.RESET_GPU,
                                "a row remap is pending: drain and reset the GPU to activate it", **rows))
 
-    if r.histogram is not None:
+    if r.histogram is None:
+        if r.remapped is not None:
+            # A note, not UNKNOWN: NOT_SUPPORTED is the board's fact and stays so on every pass; pending and failed
+            # remaps above come from the remapped-rows read and are judged all the same.
+            out.append(finding("row-remap-headroom-unknown", Status.OK, Action.NONE,
+                               "spare-row headroom not judged: NVML does not report the row-remapper histogram "
+                               "(NOT_SUPPORTED); pending and failed remaps are judged", histogram="NOT_SUPPORTED"))
+    else:
         h = dict(r.histogram)
         banks = sum(h.values())
         if h["none"] > policy["banks_without_spares_max"]:
@@ -72,7 +79,7 @@ def decide(entity: Entity, r: EccReading, policy: Mapping[str, Any]) -> list[Fin
 
 def read_gpu(node: Any, gpu: Any) -> EccReading:
     """One GPU's ECC mode, counts, remapped rows (one NVML field read) and histogram (the last two None before
-    Ampere)."""
+    Ampere; the histogram alone None where NVML does not report it)."""
     nvml = node.nvml
     counters = nvml.ecc_counters(gpu)
     remapped, histogram = counters["remapped_rows"], None
@@ -82,7 +89,7 @@ def read_gpu(node: Any, gpu: Any) -> EccReading:
         except NvmlError as err:
             if not err.not_supported:
                 raise
-            remapped = None
+            # Only the headroom needs the histogram: the pending and failure flags read above still stand.
     return EccReading(counters["ecc_mode"], counters["ecc_errors"], remapped, histogram)
 
 

@@ -8,7 +8,9 @@ GPU is in every failing pair the findings say so. Findings about a link are on E
 
 On a recorded node nvml.json is one snapshot, so the counters "after" the copies come from tools/nvlink-after.json
 ({"<GPU index>": [{"link": n, "state": 1, "errors": {...}}, ...]}, the shape of nvml.json's "nvlinks"); without
-that file the deltas are zero."""
+that file the deltas are zero. A counter NVML does not offer on a link (NOT_SUPPORTED: absent from "errors", before
+or after) is not judged there, and an OK note names those counters and links; one NVML failed to read ("unread") is
+not judged either, and is UNKNOWN."""
 from __future__ import annotations
 
 import json
@@ -108,10 +110,14 @@ def decide_bandwidth(bw: Bandwidth, entities: Mapping[int, Entity], floor: float
 
 
 def decide_nvlink(before: Mapping[int, list[dict[str, Any]]], after: Mapping[int, list[dict[str, Any]]],
-                  entities: Mapping[int, Entity], policy: Mapping[str, Any]) -> list[Finding]:
+                  entities: Mapping[int, Entity], policy: Mapping[str, Any], hostname: str = "") -> list[Finding]:
     """NVLink counter increases over the test, per link, against nvlink_<counter>_max; an active link that
-    went down during the test."""
+    went down during the test. Only counters read both before and after are compared; the others are named, on the
+    node (`hostname`): not offered (NOT_SUPPORTED) in an OK note, failed to read ("unread") as UNKNOWN."""
     out = []
+    # GPU index -> counter -> the links where it was not compared
+    unsupported: dict[int, dict[str, list[int]]] = {}
+    unread: dict[int, dict[str, list[int]]] = {}
     for idx, links in sorted(after.items()):
         if idx not in entities:
             continue
@@ -121,7 +127,12 @@ def decide_nvlink(before: Mapping[int, list[dict[str, Any]]], after: Mapping[int
             if n not in prior:
                 continue
             entity = Entity("nvlink", f"{gpu.id}/link{n}", idx, gpu.pci, link=n)
-            deltas = {c: max(0, int(link["errors"][c]) - int(prior[n]["errors"][c])) for c in COUNTERS}
+            now, then = link.get("errors", {}), prior[n].get("errors", {})
+            deltas = {c: max(0, int(now[c]) - int(then[c])) for c in COUNTERS if c in now and c in then}
+            failed = {**(prior[n].get("unread") or {}), **(link.get("unread") or {})}
+            for c in COUNTERS:
+                if c not in deltas:
+                    (unread if c in failed else unsupported).setdefault(idx, {}).setdefault(c, []).append(n)
             if int(prior[n]["state"]) == 1 and int(link["state"]) != 1:
                 out.append(Finding(CHECK_NAME, "nvlink-down-during-test", entity, Status.FAIL,
                                    f"{entity.label()} ({gpu.id}): went down during the peer copies", Action.DRAIN,
@@ -131,7 +142,31 @@ def decide_nvlink(before: Mapping[int, list[dict[str, Any]]], after: Mapping[int
                 out.append(Finding(CHECK_NAME, "nvlink-errors-during-test", entity, Status.FAIL,
                                    f"{entity.label()} ({gpu.id}): error counters rose during the peer copies: "
                                    + ", ".join(f"{c} +{d}" for c, d in over.items()), Action.DRAIN, deltas))
+    node = Entity.node(hostname)
+    if unread:
+        out.append(Finding(CHECK_NAME, "nvlink-counters-unread", node, Status.UNKNOWN,
+                           f"NVLink counters NVML failed to read, not judged: {_where(unread)}", Action.NONE,
+                           {"unread": {str(i): by for i, by in sorted(unread.items())}}))
+    if unsupported:
+        out.append(Finding(CHECK_NAME, "nvlink-counters-not-supported", node, Status.OK,
+                           f"NVLink counters NVML does not offer (NOT_SUPPORTED), not judged: {_where(unsupported)}",
+                           Action.NONE, {"not_supported": {str(i): by for i, by in sorted(unsupported.items())}}))
     return out
+
+
+def _where(by_gpu: Mapping[int, Mapping[str, list[int]]]) -> str:
+    """As 'GPU 0: crc_data on links 6-11; GPU 1: ...', the links as ranges."""
+    def ranges(links: list[int]) -> str:
+        runs: list[list[int]] = []
+        for n in sorted(links):
+            if runs and n == runs[-1][-1] + 1:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+    return "; ".join(f"GPU {i}: " + ", ".join(f"{c} on link{'s' if len(ns) > 1 else ''} {ranges(ns)}"
+                                              for c, ns in by.items()) for i, by in sorted(by_gpu.items()))
 
 
 def _nvbandwidth(node: Any, cfg: Mapping[str, Any]) -> Bandwidth:
@@ -186,8 +221,11 @@ def _after(node: Any, gpus: list[Any]) -> tuple[dict[int, list[dict[str, Any]]],
         return {}, []
     try:
         data = json.loads(confine.read_text(path, confine.scenario_prefix(node.root)))
+        # A counter absent from "errors" is one NVML did not offer, as in nvml.json: left out, not malformed.
         after = {int(k): [{"link": int(link["link"]), "state": int(link["state"]),
-                           "errors": {c: int(link["errors"][c]) for c in COUNTERS}} for link in v]
+                           "errors": {c: int(link["errors"][c]) for c in COUNTERS if c in link["errors"]},
+                           "unread": {c: str(e) for c, e in (link.get("unread") or {}).items()}}
+                          for link in v]
                  for k, v in data.items()}
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
         raise SourceError(f"{path}: not NVLink counters by GPU index: {type(exc).__name__}: {exc}") from None
@@ -251,7 +289,7 @@ def run(node: Any, cfg: Mapping[str, Any], gemm: Gemm | None = None) -> Iterable
                       f"NVLink error counters after the test could not be read: {exc}")
         return
     yield from after_problems
-    yield from decide_nvlink(before, after, entities, cfg)
+    yield from decide_nvlink(before, after, entities, cfg, node.hostname)
 
 
 CHECK = CheckSpec(

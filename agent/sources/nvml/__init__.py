@@ -71,6 +71,12 @@ TEMPERATURE_THRESHOLDS = {
     "mem_max": const("NVML_TEMPERATURE_THRESHOLD_MEM_MAX"),
 }
 SNAPSHOT_FORMAT = 1
+# A GPU listing no process while this much of its memory is in use is one whose processes NVML did not list (a PID
+# namespace that hides them, MIG instances, bindings that take a SUCCESS size answer for "none"): could not look.
+# nvmlDeviceGetMemoryInfo's "used" counts the driver's reserved memory too (a few hundred MiB on an idle H100 or
+# GB200) and an idle CUDA context holds about 0.5 GiB (CUDA 12, lazy loading): 2 GiB is well above both, and far
+# below what a job holds (each rank of the bundled gb200-nvl72-job: 67 GiB).
+MEMORY_USED_WITHOUT_PROCESSES_MAX = 2 << 30
 
 # Per-link NVLink fields (nvml.h NVML_FI_DEV_NVLINK_*, scopeId = the link), all in every supported nvidia-ml-py.
 # DL_CRC is the link's flow-control (FLIT) CRC count, the "CRC Errors" nvidia-smi nvlink -e prints; the data CRC count
@@ -251,6 +257,11 @@ class Nvml:
     # -- per-device reads (raise NvmlError) -------------------------------------------------
     def memory_total_bytes(self, gpu: Gpu) -> int:
         return int(self._dev(gpu, "nvmlDeviceGetMemoryInfo").total)
+
+    def memory_used_bytes(self, gpu: Gpu) -> int:
+        """Memory in use (the driver's reserve included): recorded so that a replay judges an empty process list as
+        the live read did (processes())."""
+        return int(self._dev(gpu, "nvmlDeviceGetMemoryInfo").used)
 
     def ecc_mode(self, gpu: Gpu) -> dict[str, int]:
         current, pending = self._dev(gpu, "nvmlDeviceGetEccMode")
@@ -468,7 +479,9 @@ class Nvml:
         """The processes NVML counts on the GPU: compute contexts (CUDA, MPS servers) and graphics contexts, each
         {"pid", "type": "compute" | "graphics", "used_memory_bytes": int | None}. Raises NvmlError when either list
         cannot be read (NOT_SUPPORTED included): a list that could not be read is not an empty one. It is not every
-        holder of the device: nvidia-persistenced, DCGM and monitoring agents keep it open without a context."""
+        holder of the device: nvidia-persistenced, DCGM and monitoring agents keep it open without a context.
+        Nor is an empty list from a GPU with more than MEMORY_USED_WITHOUT_PROCESSES_MAX of its memory in use an
+        idle GPU: that raises NvmlError too (code UNKNOWN, the memory in use in its message)."""
         out = []
         for kind, call in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
                            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
@@ -476,6 +489,17 @@ class Nvml:
                 used = getattr(proc, "usedGpuMemory", None)
                 out.append({"pid": int(proc.pid), "type": kind,
                             "used_memory_bytes": None if used is None else int(used)})
+        if not out:
+            try:
+                in_use = int(self._dev(gpu, "nvmlDeviceGetMemoryInfo").used)
+            except NvmlError as exc:
+                if not exc.not_supported:
+                    raise
+                in_use = 0  # no memory figure on this board: the empty list is all there is to go by
+            if in_use > MEMORY_USED_WITHOUT_PROCESSES_MAX:
+                raise NvmlError("nvmlDeviceGetComputeRunningProcesses", "UNKNOWN", gpu.index,
+                                f"no process listed while {in_use >> 20} MiB of the GPU's memory is in use: the "
+                                "processes could not be listed, not none")
         return out
 
     # -- events ---------------------------------------------------------------------------
@@ -486,7 +510,7 @@ class Nvml:
 
     # -- recording ------------------------------------------------------------------------
     PER_GPU_READS: tuple[str, ...] = (
-        "memory_total_bytes", "ecc_mode", "ecc_errors", "remapped_rows", "row_remapper_histogram",
+        "memory_total_bytes", "memory_used_bytes", "ecc_mode", "ecc_errors", "remapped_rows", "row_remapper_histogram",
         "clocks_event_reasons", "temperatures", "temperature_thresholds", "nvlinks", "fabric_info", "pcie_link",
         "p2p_matrix", "processes",
     )

@@ -218,8 +218,10 @@ class RecordedNvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         total = int(self._field(handle, "nvmlDeviceGetMemoryInfo", "memory_total_bytes"))
+        # "memory_used_bytes" (optional): absent, the 0 of a GPU nothing uses
+        used = int(self._gpu(handle, "nvmlDeviceGetMemoryInfo").get("memory_used_bytes", 0))
         mem = pynvml.c_nvmlMemory_t()
-        mem.total, mem.free, mem.used = total, total, 0
+        mem.total, mem.free, mem.used = total, max(0, total - used), used
         return mem
 
     def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
