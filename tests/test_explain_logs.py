@@ -176,6 +176,19 @@ def test_explain_with_the_node_unreachable_names_the_stalled_rank_and_says_so():
     assert x.evidence[0].source == "job.out" and x.evidence[0].line == 9
 
 
+def test_explain_says_it_saw_no_fault_only_on_a_node_whose_evidence_it_read():
+    # Logs alone: nothing was asked of node2, so its silence is not health.
+    alone = explain([read_text(STALL, "job.out")])
+    assert alone.culprit["host"] == "node2" and "saw no fault" not in alone.action
+    assert "findings on that node were not read" in alone.action
+    # Only node1's evidence read: still nothing known of node2.
+    other = explain([read_text(STALL, "job.out")], [NodeEvidence("node1", "http://node1:9456", True)])
+    assert "saw no fault" not in other.action and "not read" in other.action
+    # node2 read and clean: now it may say so.
+    read = explain([read_text(STALL, "job.out")], [NodeEvidence("node2", "http://node2:9456", True)])
+    assert "gpuwarden saw no fault there in the job's window" in read.action
+
+
 def test_explain_a_finding_on_another_node_than_the_stalled_rank_is_a_conflict():
     x = explain([read_text(STALL, "job.out")], [_xid_on("node1", "0000:18:00.0"), NodeEvidence("node2", "x", True)])
     assert x.exit_code == 2 and x.culprit["kind"] == "none"

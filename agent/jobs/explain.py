@@ -202,7 +202,7 @@ def explain(logs: Sequence[JobLog], nodes: Sequence[NodeEvidence] = (), job_node
     peers = _peers(events, t)
     first = _first_failure(events, t)
     mapping = tuple(_map_step(p) for p in sorted(t.places.values(), key=lambda p: p.rank)[:0])
-    ctx = _Ctx(t, unreachable, tuple(notes), events)
+    ctx = _Ctx(t, unreachable, tuple(notes), events, frozenset(short(n.host) for n in nodes if n.reachable))
 
     pointers = [p for p in (stall, peers, first) if p is not None]
     if hardware:
@@ -243,8 +243,10 @@ def explain(logs: Sequence[JobLog], nodes: Sequence[NodeEvidence] = (), job_node
 
 
 class _Ctx:
-    def __init__(self, t: _Tables, unreachable: tuple, notes: tuple[str, ...], events: Sequence[LogEvent]):
+    def __init__(self, t: _Tables, unreachable: tuple, notes: tuple[str, ...], events: Sequence[LogEvent],
+                 read: frozenset = frozenset()):
         self.t, self.unreachable, self.notes, self.events = t, unreachable, notes, events
+        self.read = read  # the hosts whose node evidence was read: only of those can gpuwarden say it saw no fault
 
     def _unreach_note(self) -> str:
         if not self.unreachable:
@@ -286,9 +288,15 @@ class _Ctx:
         if tb is not None:
             return f"read {who}'s own traceback at {tb.where()}"
         on = f" on {host}" if host and rank is not None else ""
-        seen = (" gpuwarden on that node could not be reached: run `gpuwarden preflight` there"
-                if host and any(short(u["host"]) == short(host) for u in self.unreachable)
-                else " gpuwarden saw no fault there in the job's window" if host and not self.unreachable else "")
+        if not host:
+            seen = ""
+        elif any(short(u["host"]) == short(host) for u in self.unreachable):
+            seen = " gpuwarden on that node could not be reached: run `gpuwarden preflight` there"
+        elif short(host) in self.read:
+            seen = " gpuwarden saw no fault there in the job's window"
+        else:  # not asked: silence is not health
+            seen = (" gpuwarden's findings on that node were not read: give --nodes, --evidence or --prometheus, or "
+                    "run `gpuwarden preflight` there")
         return f"read {who}'s own log{on} (stderr, the lines before its last collective);{seen}".rstrip(";")
 
     def undecided(self, why: str, steps: Iterable[Step], candidates: Sequence[str], cause: str | None
