@@ -36,6 +36,14 @@ def age(seconds: float) -> str:
     return f"{s}s"
 
 
+def seconds_text(value: object) -> str:
+    """A duration for a person: three figures ("30.1 s", not the float's 30.064771072000003), "never (infinite)",
+    or "not known" where there is no number."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "not known"
+    return "never (infinite)" if math.isinf(value) else f"{value:.3g} s"
+
+
 def when(t: float | None, now: float) -> str:
     """`2026-11-30T18:43:36Z (3m12s ago)`; a time ahead of `now` (a clock stepped back) says so, never a negative
     age; "-" where there is no readable time."""

@@ -367,14 +367,14 @@ def _jobs_view(checks: list[Any], intents: list[dict[str, Any]]) -> list[dict[st
 
 
 def _jobs_text(jobs: list[dict[str, Any]], now: float) -> str:
-    from .render import when
+    from .render import seconds_text, when
 
     if not jobs:
         return ""
     lines = ["\njobs on the node (the jobs check's last look) and what was done to them:"]
     for j in jobs:
         where = (f"GPUs {','.join(map(str, j['gpus'])) or '-'}, ranks {','.join(map(str, j['ranks'])) or '-'}, IB "
-                 f"timeout {j['effective_ib_timeout_s']} s" if j["on_node"] else "no longer on the node")
+                 f"timeout {seconds_text(j['effective_ib_timeout_s'])}" if j["on_node"] else "no longer on the node")
         lines.append(f"  {j['job']}: {where}")
         for a in j["actions"]:
             lines.append(f"    {when(a['created'], now)} doomed by {a['reason']}: {a['policy']} -> {a['outcome']}")

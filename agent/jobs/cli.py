@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..render import seconds_text
 from .model import JobOnNode, jobs_in
 
 HELP = "the jobs using this node's GPUs, their ranks, GPUs and IB ports, and how long a fault takes to end them"
@@ -107,28 +107,23 @@ def _span(values: tuple[int, ...]) -> str:
     return ",".join(map(str, values))
 
 
-def _seconds(value: Any) -> str:
-    if not isinstance(value, (int, float)):
-        return "not known"
-    return "never (infinite)" if math.isinf(value) else f"{value:.3g} s"
-
-
 def _job_lines(job: JobOnNode) -> list[str]:
     gpus = ",".join(str(g.index) for g in job.gpus) or "-"
     head = (f"{job.job.label()}: ranks {_span(job.ranks)}, GPUs {gpus}, ports {' '.join(job.ports) or '-'}; "
-            f"IB timeout {_seconds(job.effective_ib_timeout_s.value)}, watchdog {_seconds(job.watchdog_s.value)}")
+            f"IB timeout {seconds_text(job.effective_ib_timeout_s.value)}, "
+            f"watchdog {seconds_text(job.watchdog_s.value)}")
     rows = [
         ("job", f"{job.job.key}: {job.job.source}"),
         ("ranks", f"{_span(job.ranks)} (local {_span(job.local_ranks)}): {job.ranks_source}"),
         ("nodes", f"{job.nodes.value if job.nodes.value is not None else 'not known'}: {job.nodes.source}"),
         ("GPUs", f"{job.gpus_total.value} in all: {job.gpus_total.source}"),
         ("ports", f"{' '.join(job.ports) or 'none'}: {job.ports_source}"),
-        ("IB timeout", f"{_seconds(job.effective_ib_timeout_s.value)}: {job.effective_ib_timeout_s.source}"),
+        ("IB timeout", f"{seconds_text(job.effective_ib_timeout_s.value)}: {job.effective_ib_timeout_s.source}"),
         ("", f"NCCL_IB_TIMEOUT {job.ib_timeout.value}: {job.ib_timeout.source}"),
         ("", f"NCCL_IB_RETRY_CNT {job.ib_retry_cnt.value}: {job.ib_retry_cnt.source}"),
         ("NCCL", f"{job.nccl_version.value or 'not known'}: {job.nccl_version.source}"),
-        ("watchdog", f"{_seconds(job.watchdog_s.value)}: {job.watchdog_s.source}"),
-        ("heartbeat", f"{_seconds(job.heartbeat_s.value)}: {job.heartbeat_s.source}"),
+        ("watchdog", f"{seconds_text(job.watchdog_s.value)}: {job.watchdog_s.source}"),
+        ("heartbeat", f"{seconds_text(job.heartbeat_s.value)}: {job.heartbeat_s.source}"),
         ("async errors", f"TORCH_NCCL_ASYNC_ERROR_HANDLING {job.async_error_handling.value}: "
                          f"{job.async_error_handling.source}"),
     ]
