@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from . import logs
 from .adapters.base import SchedulerAdapter
+from .backoff import Backoff
 from .daemon_devices import DeviceLoop
 from .daemon_events import KMSG_CHECK, EventLoops
 from .daemon_socket import StatusSocket
@@ -479,10 +480,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
 
     # -- the writer: memory to SQLite, outside the lock --------------------------------------------------------------
     def _writer_loop(self) -> None:
-        backoff = self.opt.error_backoff_s  # the wait before the next retry of a failed write
+        backoff = Backoff(self.opt.error_backoff_s, self.opt.retry_max_s)  # the retries of a failed write
         while not self.stop_event.is_set():
             failing = self._store_error is not None
-            wait = backoff if failing else self.opt.store_check_s
+            wait = backoff.next_wait if failing else self.opt.store_check_s
             self._beat("writer", wait + 2 * _BUSY_S)
             if failing:
                 # The retry waits out its backoff however many observations come meanwhile: each is kept in memory
@@ -499,9 +500,9 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
                 self._fail_loop("writer", None, exc)
                 ok = False
             if ok:
-                backoff = self.opt.error_backoff_s
-            elif failing:
-                backoff = min(2 * backoff, self.opt.retry_max_s)
+                backoff.succeeded()
+            elif failing:  # the first failure is retried after `first`: it was not waited for
+                backoff.failed()
         self._beat_off("writer")
 
     def _write_once(self) -> bool:
@@ -601,7 +602,7 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
 
     # -- the action worker: the remediation engine, outside the lock ------------------------------------------------
     def _action_loop(self) -> None:
-        backoff = self.opt.error_backoff_s
+        backoff = Backoff(self.opt.error_backoff_s, self.opt.retry_max_s)
         while not self.stop_event.is_set():
             # Waiting on the scheduler is waiting on something outside the agent: a restart would not help, so a
             # call that hangs does not starve the watchdog (actions_pending and scheduler_reachable show it).
@@ -609,10 +610,10 @@ class Daemon(PollLoops, EventLoops, DeviceLoop):
             try:
                 self._refresh_holders()
                 wait = self.engine.step()
-                backoff = self.opt.error_backoff_s
+                backoff.succeeded()
             except Exception as exc:  # noqa: BLE001 - a bug in the engine must not end the worker
                 self._fail_loop("actions", None, exc)
-                wait, backoff = backoff, min(2 * backoff, self.opt.retry_max_s)
+                wait = backoff.failed()
             if wait <= 0:
                 continue
             wait = min(wait, self.opt.store_check_s)

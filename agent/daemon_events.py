@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from . import logs, memory
+from .backoff import Backoff
 from .errors import GpuwardenError, NvmlError
 from .model import Status
 from .passive import Judgement, KernelBatch, KernelConsumer, event_clock
@@ -27,7 +28,8 @@ class EventLoops:
     _beat(), _beat_off() and _fail_loop()."""
 
     def _kmsg_loop(self) -> None:
-        follower, next_idle, backoff, flooded = None, 0.0, 0.0, False
+        follower, next_idle, flooded = None, 0.0, False
+        backoff = Backoff(self.opt.error_backoff_s, self.opt.retry_max_s)
         while not self.stop_event.is_set():
             tick = self.opt.idle_tick_s
             self._beat("kmsg", tick)
@@ -60,13 +62,13 @@ class EventLoops:
                         wake_at = self._kmsg_wake_at
                     if wake_at is not None and (left := wake_at - self.opt.clock()) > 0:
                         next_idle = min(next_idle, now_mono + left + WAKE_AFTER_S)
-                backoff = 0.0
+                backoff.succeeded()
             except Exception as exc:  # noqa: BLE001 - no loop dies: the follower is UNKNOWN, tried again later
                 self._fail_loop("kmsg", KMSG_CHECK, exc)
                 self._kmsg_first.set()  # UNKNOWN is said: NVML's events need not wait for a log that cannot be read
-                backoff = min(max(2 * backoff, self.opt.error_backoff_s), self.opt.retry_max_s)
-                self._beat("kmsg", backoff)
-                self._sleep(backoff)
+                wait = backoff.failed()
+                self._beat("kmsg", wait)
+                self._sleep(wait)
                 continue
             if getattr(follower, "more", False):
                 flooded = True
@@ -163,8 +165,7 @@ class EventLoops:
         # The wait's timeout: idle, the thread wakes once per wait and never spins; short, because a wait inside
         # NVML cannot be interrupted and stop() waits for it.
         tick = min(self.opt.idle_tick_s, 2.0)
-        first_backoff, max_backoff = min(5 * tick, 5.0), min(60 * tick, 60.0)
-        events, backoff = None, first_backoff
+        events, backoff = None, Backoff(min(5 * tick, 5.0), min(60 * tick, 60.0))
         try:
             while not self.stop_event.is_set():
                 self._beat("nvml-xid", tick)
@@ -187,18 +188,18 @@ class EventLoops:
                                         gpus={i: str(e) for i, e in events.unsubscribed.items()})
                         feed([], None)
                     xids = events.wait(tick)
-                    backoff = first_backoff
+                    backoff.succeeded()
                     if xids:
                         feed(xids, None, events)
                 except Exception as exc:  # noqa: BLE001 - an NvmlError or a bug: say why, retry, never end
                     try:
-                        if self._recover_events(events, exc, backoff, feed):
+                        if self._recover_events(events, exc, backoff.next_wait, feed):
                             continue
                     except Exception as inner:  # noqa: BLE001 - handling the error must not end the loop either
                         self._fail_loop("nvml-xid", None, inner)
-                    self._beat("nvml-xid", backoff)
-                    self._sleep(backoff)
-                    backoff = min(2 * backoff, max_backoff)
+                    wait = backoff.failed()
+                    self._beat("nvml-xid", wait)
+                    self._sleep(wait)
         finally:
             self._beat_off("nvml-xid")
             if events is not None:

@@ -11,6 +11,7 @@ import time
 from typing import Any, Sequence
 
 from . import logs
+from .backoff import Backoff
 from .model import Status
 from .passive import PassiveSpec
 from . import memory
@@ -33,7 +34,7 @@ class PollLoops:
         interval = self.opt.intervals.get(spec.name, spec.interval_s)
         loop = f"poll-{spec.name}"
         probe = None
-        backoff = 0.0
+        backoff = Backoff(self.opt.error_backoff_s, self.opt.retry_max_s)
         # A device event (agent/daemon_devices.py) wakes this loop at once through this pipe.
         wake_r, wake_w = os.pipe()
         for fd in (wake_r, wake_w):
@@ -64,11 +65,10 @@ class PollLoops:
                     # driver loads late, rather than at the check's own pace.
                     skipped = record is not None and record.status is Status.SKIPPED
                     wait = max(interval, self.opt.skipped_retry_s) if skipped else interval
-                    backoff = 0.0
+                    backoff.succeeded()
                 except Exception as exc:  # noqa: BLE001 - no loop dies: the check is UNKNOWN, asked again later
                     self._fail_loop(loop, spec.name, exc)
-                    backoff = min(max(2 * backoff, self.opt.error_backoff_s), self.opt.retry_max_s)
-                    wait = max(interval, backoff)
+                    wait = max(interval, backoff.failed())
                     if probe is not None:
                         probe.close()
                         probe = None  # a probe that failed is built again

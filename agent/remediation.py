@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from . import logs
+from .backoff import doubling_delay
 from . import recovery as recovery_steps
 from . import spares as spare_policy
 from .adapters.base import REASON_PREFIX, Busy, Refused, SchedulerAdapter, Service, Transient
@@ -262,7 +263,7 @@ class Engine:
                    for later in list(self._queue)[1:])
 
     def _retry(self, item: _Item, now: float, error: str, busy: bool = False) -> float:
-        delay = min(self.settings.retry_min_s * 2 ** item.attempts, self.settings.retry_max_s)
+        delay = doubling_delay(self.settings.retry_min_s, self.settings.retry_max_s, item.attempts)
         item.attempts += 1
         item.not_before = now + delay
         if busy:
