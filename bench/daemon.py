@@ -28,14 +28,13 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.state import NodeState
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 from rows import write_rows
 

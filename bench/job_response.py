@@ -22,16 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.jobs import discover
-from gpuwarden.agent.jobs.model import JobRef
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.remediation import Settings
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.act.remediation import Settings
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.job import JobRef
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+from gpuwarden.checks import job_discovery as discover
 from rows import write_rows
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gpuwarden.agent.kernel_log import parse_kmsg_filtered, parse_kmsg_text
+from gpuwarden.agent.core.kernel_log import parse_kmsg_filtered, parse_kmsg_text
 from gpuwarden.checks.xid import collect
 
 ROOT = Path(__file__).resolve().parent.parent

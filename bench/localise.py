@@ -1,5 +1,5 @@
-"""Rounds and tests the sweep's localisation (agent/localise.py) takes to find k bad nodes among N, on simulated
-outcomes, against the information-theoretic lower bound ceil(log2 C(N, k)) and against naive pairwise testing.
+"""Rounds and tests the sweep's localisation (agent/fleet/sweep/localise.py) takes to find k bad nodes among N, on
+simulated outcomes, against the information-theoretic lower bound ceil(log2 C(N, k)) and against naive pairwise testing.
 
 A round is one step of wall-clock time: disjoint collectives at once, no node (padding included) in two. A test
 is one collective, one bit. One group of N nodes is known to fail (the sweep's first round, not counted), two
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpuwarden.agent.localise import Localiser  # noqa: E402
+from gpuwarden.agent.fleet.sweep.localise import Localiser  # noqa: E402
 
 SIZES = (16, 72, 144, 288, 576, 1152)  # 16 racks x 72 GPUs' nodes at the top
 GOOD = ("good-0", "good-1")

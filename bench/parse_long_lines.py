@@ -15,9 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from gpuwarden.agent.core.errors import ParseError  # noqa: E402
 from test_fuzz_parsers import SEEDS, TARGETS  # noqa: E402  (the parsers and the real outputs the fuzzing uses)
-
-from gpuwarden.agent.errors import ParseError  # noqa: E402
 
 
 def shapes(size: int) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Wall time of the fleet simulator (agent/sim_fleet.py, `gpuwarden plan simulate`) and how it grows with nodes
-and simulated days.
+"""Wall time of the fleet simulator (agent/fleet/plan/sim_fleet.py, `gpuwarden plan simulate`) and how it grows with
+nodes and simulated days.
 
 Targets: 128 racks x 18 nodes (2,304) for 30 days, and 556 racks x 18 (10,008) for 30 days, each under a minute, for
 both policies of the comparison (2 spares per rack with 16-node slices; no spares with 18-node slices). Each target
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpuwarden.agent.sim_fleet import Policy, SimConfig, simulate  # noqa: E402
+from gpuwarden.agent.fleet.plan.sim_fleet import Policy, SimConfig, simulate  # noqa: E402
 
 PER_RACK = 18
 POLICY = Policy(2, 16)

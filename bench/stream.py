@@ -25,14 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuwarden.agent import config, logs
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.kernel_log import parse_kmsg_text
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config, logs
+from gpuwarden.agent.core.kernel_log import parse_kmsg_text
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.kmsg import Cursor
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, all_specs
 from rows import write_rows
 

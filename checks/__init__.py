@@ -14,15 +14,16 @@ import importlib
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gpuwarden.agent.check import CheckSpec
-    from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
+    from gpuwarden.agent.core.check import CheckSpec
+    from gpuwarden.agent.core.passive import KernelConsumer, PassiveSpec
 
 # Every concern in the order of the report: its name (its [checks.<name>] table), the level of its preflight form
 # (None: the daemon's only), and the modules holding its forms, the preflight form's first (a CHECK, else the
 # daemon's SPEC judged in one look).
 CONCERNS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     # quick: reads only, seconds. nvlink_lanes, fabric and pcie_aer are the daemon's checks, judged in one look
-    # (agent/passive.py one_look), so a health check built on preflight sees what the daemon would at its first poll.
+    # (agent/core/passive.py one_look), so a health check built on preflight sees what the daemon would at its first
+    # poll.
     ("xid", "quick", ("xid",)),
     ("nvswitch_sxid", "quick", ("nvswitch_sxid",)),
     ("ecc", "quick", ("ecc", "ecc_watch")),
@@ -71,7 +72,7 @@ def preflight_form(name: str) -> CheckSpec:
         if hasattr(module, "CHECK"):
             spec = module.CHECK
         else:
-            from gpuwarden.agent.passive import one_look
+            from gpuwarden.agent.core.passive import one_look
 
             spec = one_look(module.SPEC)
         if spec.name != name or name not in PREFLIGHT_NAMES:
@@ -117,7 +118,7 @@ def forms(names: Iterable[str]) -> list[CheckSpec | PassiveSpec | KernelConsumer
 
 def all_specs() -> tuple[CheckSpec | PassiveSpec | KernelConsumer, ...]:
     """Every form of every check. A concern's forms share its name and so its one [checks.<name>] table: the
-    preflight `xid`, the daemon's `xid` kernel-log consumer and `analyze` read the same keys (agent/config.py)."""
+    preflight `xid`, the daemon's `xid` kernel-log consumer and `analyze` read the same keys (agent/core/config.py)."""
     return (*_table("ALL"), *_table("PASSIVE"), *_table("KERNEL_CONSUMERS"))
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.thresholds import sku_table, threshold
+from gpuwarden.agent.sources.gemm import DTYPES, Gemm, GemmResult
 from gpuwarden.checks.dcgm_diag import slug
 from gpuwarden.checks.parse_dcgmi_diag import TestResult, parse_dcgmi_diag_json
-from gpuwarden.agent.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.sources.gemm import DTYPES, Gemm, GemmResult
-from gpuwarden.agent.thresholds import sku_table, threshold
-from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "burnin"
 HALF_DTYPES = ("bfloat16", "float16")  # the SKU table's floors are for these (same Tensor Core peak)

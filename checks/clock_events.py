@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
 
 CHECK_NAME = "clock_events"
 

@@ -6,12 +6,18 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from gpuwarden.agent.check import Analyzer, CheckSpec
-from gpuwarden.agent.errors import ConfigError, ParseError, SourceError, ToolError
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-
-from .parse_dcgmi_diag import (DiagRun, TestResult, diag_from_json, looks_like_dcgmi_diag_json,
-                               looks_like_dcgmi_diag_text, parse_dcgmi_diag_json, parse_dcgmi_diag_text)
+from gpuwarden.agent.core.check import Analyzer, CheckSpec
+from gpuwarden.agent.core.errors import ConfigError, ParseError, SourceError, ToolError
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.checks.parse_dcgmi_diag import (
+    DiagRun,
+    TestResult,
+    diag_from_json,
+    looks_like_dcgmi_diag_json,
+    looks_like_dcgmi_diag_text,
+    parse_dcgmi_diag_json,
+    parse_dcgmi_diag_text,
+)
 
 CHECK_NAME = "dcgm_diag"
 

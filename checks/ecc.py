@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
 
 CHECK_NAME = "ecc"
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import ParseError, SourceError, ToolError
-from gpuwarden.agent.model import Action, Finding, Status
-
-from .dcgm_diag import ERROR_ACTIONS, describe, error_ids, evidence, gpu_entity, require_ran, slug, targets
-from .parse_dcgmi_diag import DiagRun, TestResult, parse_dcgmi_diag_json
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import ParseError, SourceError, ToolError
+from gpuwarden.agent.core.model import Action, Finding, Status
+from gpuwarden.checks.dcgm_diag import (
+    ERROR_ACTIONS,
+    describe,
+    error_ids,
+    evidence,
+    gpu_entity,
+    require_ran,
+    slug,
+    targets,
+)
+from gpuwarden.checks.parse_dcgmi_diag import DiagRun, TestResult, parse_dcgmi_diag_json
 
 CHECK_NAME = "ecc_memtest"
 TOOL = "dcgmi-diag-memory"

@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from gpuwarden.agent.model import Entity, Finding
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.records import dataclass
-
-from . import ecc
+from gpuwarden.agent.core.model import Entity, Finding
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks import ecc
 
 CHECK_NAME = "ecc"  # the daemon form of the ecc concern: one name, one config table
 INTERVAL_S = 60.0  # the counts move rarely; an uncorrectable error also raises an XID (48, 63, 94, 95) at once

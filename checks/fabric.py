@@ -25,15 +25,22 @@ import weakref
 from collections import Counter
 from typing import Any, Mapping
 
-from gpuwarden.agent.errors import NotApplicable
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.per_gpu import read_each_gpu
+from gpuwarden.agent.core.errors import NotApplicable
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.sources.nvml import ERROR_NAMES
-from gpuwarden.agent.records import dataclass
-
-from .fabric_manager import (MODES, FmReading, FmScope, check_mode, judge_fabric_manager, nvswitches_on_bus,
-                             read_fabric_manager, scope)
+from gpuwarden.checks.fabric_manager import (
+    MODES,
+    FmReading,
+    FmScope,
+    check_mode,
+    judge_fabric_manager,
+    nvswitches_on_bus,
+    read_fabric_manager,
+    scope,
+)
 
 CHECK_NAME = "fabric"
 COMPLETED = 3

@@ -46,11 +46,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from gpuwarden.agent.errors import ConfigError, SourceError, ToolError
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import MetricSample
+from gpuwarden.agent.core.errors import ConfigError, SourceError, ToolError
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import MetricSample
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources.pci import NVIDIA_VENDOR
 from gpuwarden.agent.sources.procs import find_processes, still_running
-from gpuwarden.agent.records import dataclass
 
 MODES = ("auto", "required", "off")
 FM_SKUS = ("H100-SXM-HGX", "H200-SXM-HGX", "B200-HGX")  # NVSwitch HGX baseboards: FM runs on the node
@@ -58,7 +59,7 @@ FM_TOOL = "systemctl-fabricmanager"  # the recorded tool's name (tools/systemctl
 FM_ARGV = ("systemctl", "is-active", "nvidia-fabricmanager")
 FM_PROCESS = "nv-fabricmanager"
 PCI_DEVICES = "/sys/bus/pci/devices"
-NVIDIA_VENDOR = "0x10de"
+
 NVSWITCH_CLASS = "0x0680"  # PCI base class 06 (bridge), subclass 80 (other): how NVSwitches enumerate
 FM_TRANSITIONAL = ("activating", "reloading", "deactivating")
 UP_HELP = ("1 if Fabric Manager runs: the nvidia-fabricmanager unit is active or an nv-fabricmanager process runs on "

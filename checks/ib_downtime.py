@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from gpuwarden.agent.errors import NotApplicable
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.errors import NotApplicable
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.sources.sysfs import FileSetProbe
 from gpuwarden.checks.ib_port import IB_CLASS, PortReading, downtime_files, read_ports
-from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "ib_port"  # the daemon form of the ib_port concern: one name, one config table
 INTERVAL_S = 1.0

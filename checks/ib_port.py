@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import NotApplicable, SourceError
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import NotApplicable, SourceError
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.records import dataclass
 
 CHECK_NAME = "ib_port"
 IB_CLASS = "/sys/class/infiniband"

@@ -1,10 +1,10 @@
 """The jobs on this node, and whether their NCCL settings ride out this node's InfiniBand outages.
 
-- The daemon polls which job uses which GPU and IB port (agent/jobs/discover.py) and keeps them in its state, so the
+- The daemon polls which job uses which GPU and IB port (checks/job_discovery.py) and keeps them in its state, so the
   doom rules (agent/jobs/doom.py) know whose collectives a fault ends, also once the faulty GPU can no longer be read
   (a GPU that fell off the bus lists no processes; the job it ran stays known while its processes live).
 - Its findings: a job whose effective IB timeout is shorter than the outages of the ports it uses (the daemon's port
-  history) is a WARN (agent/jobs/settings.py); a GPU whose processes NVML could not list is UNKNOWN for the jobs
+  history) is a WARN (checks/job_settings.py); a GPU whose processes NVML could not list is UNKNOWN for the jobs
   (could not look is not "no job").
 - preflight judges the same in one look, with the port history of the daemon's store when one runs on the node.
 """
@@ -14,14 +14,16 @@ import time
 from dataclasses import replace
 from typing import Any, Mapping
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import NotApplicable, SourceError
-from gpuwarden.agent.jobs import discover, outages, settings
-from gpuwarden.agent.jobs.model import GpuUse, JobOnNode, jobs_in
-from gpuwarden.agent.model import Finding
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.per_gpu import device_error_finding
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import NotApplicable, SourceError
+from gpuwarden.agent.core.job import GpuUse, JobOnNode, jobs_in
+from gpuwarden.agent.core.model import Finding
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.per_gpu import device_error_finding
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.state import outages
+from gpuwarden.checks import job_discovery as discover
+from gpuwarden.checks import job_settings as settings
 from gpuwarden.checks.ib_port import read_ports
 
 CHECK_NAME = "jobs"
@@ -84,7 +86,7 @@ def judge(state: Mapping[str, Any], s: JobsSample, cfg: Mapping[str, Any], now: 
             continue
         jobs[key] = old  # its GPUs cannot be read and its processes live: still this job's
         listed[key] = at
-    # A GPU whose processes NVML cannot list is judged as every NVML check judges one (agent/per_gpu.py): lost is
+    # A GPU whose processes NVML cannot list is judged as every NVML check judges one (agent/core/per_gpu.py): lost is
     # FAIL gpu-lost (its jobs stay known from the last look), any other error UNKNOWN; NOT_SUPPORTED (a board that
     # lists no processes) is no finding, and `gpuwarden jobs` says the GPU was not looked at.
     findings = [device_error_finding(CHECK_NAME, gpu.entity, err) for gpu, err in s.found.errors

@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import Analyzer, CheckSpec
-from gpuwarden.agent.errors import NotApplicable, ParseError
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.sku import sku_from_gpu_name
-from gpuwarden.agent.thresholds import threshold
-from gpuwarden.agent.records import dataclass
-
-from .parse_nccl_tests import Line, NcclTestsRun, parse_nccl_tests
+from gpuwarden.agent.core.check import Analyzer, CheckSpec
+from gpuwarden.agent.core.errors import NotApplicable, ParseError
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.sku import sku_from_gpu_name
+from gpuwarden.agent.core.thresholds import threshold
+from gpuwarden.checks.parse_nccl_tests import Line, NcclTestsRun, parse_nccl_tests
 
 CHECK_NAME = "nccl_allreduce"
 TOOL = "all_reduce_perf"

@@ -1,5 +1,5 @@
-"""The node's side of a multi-node sweep (`gpuwarden sweep`, agent/sweep.py): the sweep's latest verdict on this
-node, `<results_dir>/nodes/<node>.json`, turned into findings that go through this node's state machine,
+"""The node's side of a multi-node sweep (`gpuwarden sweep`, agent/fleet/sweep/sweep.py): the sweep's latest verdict on
+this node, `<results_dir>/nodes/<node>.json`, turned into findings that go through this node's state machine,
 circuit breaker and remediation like any other.
 
 The file is written by another machine, often on a shared filesystem: it is read as hostile input. Bounded in size,
@@ -20,9 +20,9 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.sweep_names import CHECK_NAME, FORMAT, valid_name
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.sweep_names import CHECK_NAME, FORMAT, valid_name
 
 MAX_BYTES = 1 << 20
 MAX_FINDINGS = 64

@@ -39,11 +39,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Mapping
 
-from gpuwarden.agent.errors import ConfigError, NotApplicable
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.errors import ConfigError, NotApplicable
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
 
 CHECK_NAME = "nvlink_lanes"
 COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")  # nvml.json / Nvml.nvlinks() names

@@ -14,14 +14,13 @@ import json
 import re
 from typing import Any, Iterable, Iterator, Mapping
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelConsumer, MetricSample, boot_batch
-from gpuwarden.agent.records import dataclass
-
-from . import unread_lines
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.kernel_log import LogRecord, parse_log_text
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, KernelConsumer, MetricSample, boot_batch
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks import unread_lines
 
 SXID_CHECK_NAME = "nvswitch_sxid"
 

@@ -24,10 +24,9 @@ import re
 from dataclasses import field, replace
 from typing import Any, Iterable
 
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.records import dataclass
-
-from .parse_limits import MAX_DIGITS, bounded_int, check_size, is_decimal, text_lines
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks.parse_limits import MAX_DIGITS, bounded_int, check_size, is_decimal, text_lines
 
 ROOT_3X = "DCGM GPU Diagnostic"
 ROOT_4X = "DCGM Diagnostic"

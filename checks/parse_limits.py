@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from gpuwarden.agent.errors import ParseError
+from gpuwarden.agent.core.errors import ParseError
 
 MAX_TEXT = 64 << 20  # characters of one tool output: far past anything these tools print on one node
 MAX_DIGITS = 18  # an integer field: enough for any byte count or id these tools print, always under 2**63

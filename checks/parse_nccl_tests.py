@@ -7,10 +7,9 @@ import math
 import re
 from dataclasses import field
 
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.records import dataclass
-
-from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks.parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
 
 # Every pattern is linear in the length of a line: quantifiers are possessive (*+, ++) or bounded wherever what
 # follows could fail, so a long damaged line is read in one pass instead of being retried from every split point.

@@ -20,10 +20,9 @@ from __future__ import annotations
 import re
 from dataclasses import field, replace
 
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.records import dataclass
-
-from .parse_limits import bounded_int, check_size, finite_float, text_lines
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks.parse_limits import bounded_int, check_size, finite_float, text_lines
 
 # Linear in the length of a line: possessive quantifiers (*+, ++) where what follows could fail; the lazy testcase
 # name tries a one-character tail at each step. Numbers are ASCII digits, then bounded and finite (parse_limits).

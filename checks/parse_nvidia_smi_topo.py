@@ -10,10 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import field
 
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.records import dataclass
-
-from .parse_limits import check_size, text_lines
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks.parse_limits import check_size, text_lines
 
 # Closeness of a PCIe path, best first (NCCL's PATH_PIX < PATH_PXB < PATH_PHB < PATH_NODE(SYS) order).
 PCIE_DISTANCE = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4, "SOC": 4}

@@ -9,10 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import field
 
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.records import dataclass
-
-from .parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks.parse_limits import MAX_MESSAGE, bounded_int, check_size, text_lines
 
 _MB_PER_SEC_IN_GBPS = 0x100000 * 8 / 1e9  # one perftest "MB/sec" in Gb/s
 

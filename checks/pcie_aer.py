@@ -7,13 +7,13 @@ import os
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.errors import NotApplicable, ParseError, SourceError
-from gpuwarden.agent.kernel_log import LogRecord
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.node import driver_gpu_uuid, nvidia_pci_gpus
-from gpuwarden.agent.passive import KernelConsumer, Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.errors import NotApplicable, ParseError, SourceError
+from gpuwarden.agent.core.kernel_log import LogRecord
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, KernelConsumer, MetricSample, PassiveSpec
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources.pci import driver_gpu_uuid, nvidia_pci_gpus
 from gpuwarden.agent.sources.sysfs import FileSetProbe
-from gpuwarden.agent.records import dataclass
 
 CHECK_NAME = "pcie_aer"
 PCI = "/sys/bus/pci/devices"

@@ -7,16 +7,22 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import (ConfigError, NotApplicable, NvmlError, ParseError, SourceError, ToolError,
-                                    ToolMissing)
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.node import nvidia_pci_gpus
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.thresholds import sku_table
-from gpuwarden.agent.records import dataclass
-
-from .parse_nvidia_smi_topo import DISTANCE_NAMES, PCIE_DISTANCE, TopoMatrix, parse_topo_matrix
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import (
+    ConfigError,
+    NotApplicable,
+    NvmlError,
+    ParseError,
+    SourceError,
+    ToolError,
+    ToolMissing,
+)
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.thresholds import sku_table
+from gpuwarden.agent.sources.pci import nvidia_pci_gpus
+from gpuwarden.checks.parse_nvidia_smi_topo import DISTANCE_NAMES, PCIE_DISTANCE, TopoMatrix, parse_topo_matrix
 
 CHECK_NAME = "pcie_link"
 PCI_DEVICES = "/sys/bus/pci/devices"

@@ -18,17 +18,23 @@ from dataclasses import replace
 from itertools import permutations
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import (ConfigError, NotApplicable, NvmlError, ParseError, SourceError, ToolError,
-                                    ToolMissing)
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.per_gpu import device_error_finding, read_each_gpu
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import (
+    ConfigError,
+    NotApplicable,
+    NvmlError,
+    ParseError,
+    SourceError,
+    ToolError,
+    ToolMissing,
+)
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.per_gpu import device_error_finding, read_each_gpu
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.thresholds import threshold
 from gpuwarden.agent.sources import confine
 from gpuwarden.agent.sources.gemm import CopyMismatch, Gemm
-from gpuwarden.agent.thresholds import threshold
-from gpuwarden.agent.records import dataclass
-
-from .parse_nvbandwidth import parse_nvbandwidth
+from gpuwarden.checks.parse_nvbandwidth import parse_nvbandwidth
 
 CHECK_NAME = "peer_p2p"
 NVLINK_SKUS = ("H100-SXM-HGX", "H200-SXM-HGX", "B200-HGX", "GB200-NVL72", "GB300-NVL72")  # every GPU on NVLink

@@ -6,14 +6,13 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.check import Analyzer, CheckSpec
-from gpuwarden.agent.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
-from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.check import Analyzer, CheckSpec
+from gpuwarden.agent.core.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.sources.perftest import loopback_pair
-
-from .ib_port import read_ports
-from .parse_perftest import PerftestRun, last_error_line, parse_perftest
-from .pcie_link import pci_path
+from gpuwarden.checks.ib_port import read_ports
+from gpuwarden.checks.parse_perftest import PerftestRun, last_error_line, parse_perftest
+from gpuwarden.checks.pcie_link import pci_path
 
 CHECK_NAME = "rdma_loopback"
 _SETUP_S = 30  # per port on top of duration_s: server start, device open, connection exchange, teardown

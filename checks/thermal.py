@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any, Mapping
 
-from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, MetricSample, PassiveSpec
-from gpuwarden.agent.per_gpu import read_each_gpu
-from gpuwarden.agent.thresholds import threshold
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
+from gpuwarden.agent.core.per_gpu import read_each_gpu
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.thresholds import threshold
 
 CHECK_NAME = "thermal"
 LIMIT_KEYS = ("gpu_max_c", "memory_max_c")  # checks/data/thresholds/thermal.toml, or [checks.thermal]

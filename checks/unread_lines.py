@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping
 
-from gpuwarden.agent.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 
 MAX_KEPT = 10  # lines kept as evidence; the count goes on
 

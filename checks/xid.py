@@ -21,16 +21,23 @@ import json
 import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import ParseError, SourceError
-from gpuwarden.agent.kernel_log import LogRecord, parse_log_text
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, boot_batch
-from gpuwarden.agent.records import dataclass
-
-from . import unread_lines
-from .xid_catalog import XidInfo, load_catalog, recovery_action
-from .xid_log import LoggedGpu, XidEvent, collect, collect_runs, entity_lookup, parse_gpu_preamble, parse_xid
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import ParseError, SourceError
+from gpuwarden.agent.core.kernel_log import LogRecord, parse_log_text
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, boot_batch
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.checks import unread_lines
+from gpuwarden.checks.xid_catalog import XidInfo, load_catalog, recovery_action
+from gpuwarden.checks.xid_log import (
+    LoggedGpu,
+    XidEvent,
+    collect,
+    collect_runs,
+    entity_lookup,
+    parse_gpu_preamble,
+    parse_xid,
+)
 
 __all__ = ["CHECK", "CONSUMER", "analyze_text", "collect", "decide", "judge", "judge_records",
            "parse_gpu_preamble", "parse_xid", "run"]

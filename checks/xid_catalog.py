@@ -8,8 +8,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from gpuwarden.agent.model import Action
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.model import Action
+from gpuwarden.agent.core.records import dataclass
 
 CATALOG_FILE = "data/xid_catalog.csv"
 

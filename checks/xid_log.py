@@ -14,9 +14,9 @@ import re
 from dataclasses import fields, make_dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
-from gpuwarden.agent.kernel_log import LogRecord
-from gpuwarden.agent.model import Entity
-from gpuwarden.agent.records import dataclass
+from gpuwarden.agent.core.kernel_log import LogRecord
+from gpuwarden.agent.core.model import Entity
+from gpuwarden.agent.core.records import dataclass
 
 _PCI = r"PCI:([0-9a-fA-F]{1,8}+):([0-9a-fA-F]{2}+):([0-9a-fA-F]{2}+)(?:\.([0-7]))?+"
 # Every quantifier is bounded or possessive and the prefix is a literal: a search is linear in the line.
@@ -142,8 +142,8 @@ def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[Logge
     runs: dict[str, XidRun] = {}
     logged: dict[str, LoggedGpu] = {}
     unread: list[LogRecord] = []
-    # A saved log's reader hands its records' messages apart (agent/kernel_scan.py RowRecords): a record is then made
-    # only for the first line of each text, not for every line of a flood.
+    # A saved log's reader hands its records' messages apart (agent/node/kernel_scan.py RowRecords): a record is then
+    # made only for the first line of each text, not for every line of a flood.
     messages = getattr(records, "messages", None)
     named: dict[str, LoggedGpu] = {}  # preamble lines read in this batch: the same line again names the same GPU
     for i, message in enumerate(messages if messages is not None else [r.message for r in records]):

@@ -71,7 +71,7 @@ step env-host 20 - bash -c 'uname -a; python3 --version; nvidia-smi -L; df -h .;
 # `pip download -d wheelhouse setuptools wheel nvidia-ml-py psutil prometheus-client pyudev`, and copy
 # it to the node); with neither, nothing is installed, the steps that need gpuwarden fail, and nvidia-smi still runs.
 WHEELHOUSE=${WHEELHOUSE:-$PWD/wheelhouse}
-venv_ok() { "$PY" -c 'import gpuwarden.agent.cli' > /dev/null 2>&1; }
+venv_ok() { "$PY" -c 'import gpuwarden.agent.cli.main' > /dev/null 2>&1; }
 torch_ok() { "$PY" -c 'import torch' > /dev/null 2>&1; }
 pip_from=(--retries 1 --timeout 15)
 if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \

@@ -50,8 +50,8 @@ def record_tool(root: Path, tool: str, output: str | None = None, rc: int | None
 
 def run_spec(node, spec, check_timeout_s: float = 0.0, **overrides):
     """One check through the real runner, with config overrides for that check and an optional timeout."""
-    from gpuwarden.agent import config
-    from gpuwarden.agent.runner import run_checks
+    from gpuwarden.agent.core import config
+    from gpuwarden.agent.node.runner import run_checks
     from gpuwarden.checks import all_specs
 
     cfg = config.defaults(all_specs())  # every table: a check may read a key of another concern's (shared_keys)
@@ -65,9 +65,8 @@ def run_spec(node, spec, check_timeout_s: float = 0.0, **overrides):
 def exposition(samples) -> str:
     """Passive-check metric samples rendered as /metrics would serve them (through agent/metrics.families),
     after checking each name keeps one label set (families() would otherwise drop the odd sample)."""
+    from gpuwarden.agent.daemon.metrics import families
     from prometheus_client import CollectorRegistry, generate_latest
-
-    from gpuwarden.agent.metrics import families
 
     samples = list(samples)
     labels: dict[str, list[str]] = {}
@@ -90,7 +89,7 @@ class PassiveClock:
     def __init__(self, spec, root: Path, cfg: dict, start: float, interval_s: float):
         import json
 
-        from gpuwarden.agent.node import Node
+        from gpuwarden.agent.node.host import Node
 
         self._json = json
         self.spec, self.root, self.cfg, self.state, self.t = spec, root, cfg, {}, start
@@ -98,7 +97,7 @@ class PassiveClock:
         self.node = Node.recorded_at(root)
 
     def tick(self, seconds: float | None = None):
-        from gpuwarden.agent.passive import step
+        from gpuwarden.agent.core.passive import step
 
         self.t += self.interval_s if seconds is None else seconds
         j = step(self.spec, self.node, self.cfg, self.state, self.t)

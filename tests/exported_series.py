@@ -49,16 +49,15 @@ def exposition(node: str) -> str:
 def scrape(node: str) -> str:
     """The daemon's exposition on a copy of a recorded node, once every check has looked (and the XIDs of the
     node's kernel log are counted)."""
-    from prometheus_client import generate_latest
-
-    from gpuwarden.agent import config
-    from gpuwarden.agent.adapters.local import LocalAdapter
-    from gpuwarden.agent.daemon import Daemon, DaemonOptions
-    from gpuwarden.agent.metrics import DaemonCollector, registry_for
-    from gpuwarden.agent.node import Node
-    from gpuwarden.agent.run import node_domain
-    from gpuwarden.agent.store import Store
+    from gpuwarden.agent.act.adapters.local import LocalAdapter
+    from gpuwarden.agent.cli.run import node_domain
+    from gpuwarden.agent.core import config
+    from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+    from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+    from gpuwarden.agent.node.host import Node
+    from gpuwarden.agent.state.store import Store
     from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+    from prometheus_client import generate_latest
 
     work = Path(tempfile.mkdtemp(prefix="gpuwarden-series-"))
     try:

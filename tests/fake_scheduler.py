@@ -1,4 +1,4 @@
-"""A scheduler for the remediation engine's tests: the SchedulerAdapter protocol (agent/adapters/base.py) over a
+"""A scheduler for the remediation engine's tests: the SchedulerAdapter protocol (agent/core/scheduler.py) over a
 dict in memory, whose faults a test sets at will (the embedded local adapter stands for a scheduler that outlives
 the agent's process). It keeps its own record of every call that changed something (`changes`), which is what the
 tests count: an intent done twice shows as two changes.
@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from gpuwarden.agent.adapters.base import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
+from gpuwarden.agent.core.scheduler import REASON_PREFIX, SPARE_REASON, NodeView, Refused, Service, Transient
 
 
 class DictScheduler:

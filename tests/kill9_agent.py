@@ -1,7 +1,7 @@
 """`gpuwarden run` as the kill -9 tests start it: the real agent, its scheduler slowed so that a kill lands in the
 middle of remediation. Usage: kill9_agent.py DELAY_S [--only CALL,CALL...] -- <gpuwarden arguments>.
 
-The scheduler is the adapter `gpuwarden run` builds from its config (the local adapter, agent/adapters/local.py, in
+The scheduler is the adapter `gpuwarden run` builds from its config (the local adapter, agent/act/adapters/local.py, in
 the remediation test; the real Slurm adapter in the job test). Each of its calls waits DELAY_S first; with --only,
 only the calls named (e.g. `--only mark_job,signal_job,requeue_job,cancel_job`: the job's action is held back, while
 the reads and the node's own cordon and quarantine go as usual)."""
@@ -45,8 +45,8 @@ def parse(argv: list[str]) -> tuple[float, frozenset[str] | None, list[str]]:
 
 def main() -> int:
     delay_s, only, rest = parse(sys.argv[1:])
-    import gpuwarden.agent.adapters as adapters
-    from gpuwarden.agent.cli import main as cli
+    import gpuwarden.agent.act.adapters as adapters
+    from gpuwarden.agent.cli.main import main as cli
 
     # `gpuwarden run` imports adapters.build when it builds its scheduler: the slowed one is what it finds.
     build = adapters.build

@@ -8,11 +8,10 @@ import sys
 import threading
 
 import pytest
-
 from conftest import ROOT
 from fake_kube_api import FakeKubeApi
-from gpuwarden.agent.adapters import kubernetes as k8s  # the client comes with the [test] extra: never skipped
-from gpuwarden.agent.adapters.base import SPARE_REASON, Busy, Refused, Service, Transient
+from gpuwarden.agent.act.adapters import kubernetes as k8s  # the client comes with the [test] extra: never skipped
+from gpuwarden.agent.core.scheduler import SPARE_REASON, Busy, Refused, Service, Transient
 
 REASON = "gpuwarden: xid 79 GPU3 0000:1b:00.0"
 DOMAIN = "c9d0e4f2-1a2b-4c3d-8e9f-001122334455.7"
@@ -496,7 +495,7 @@ def test_kubernetes_adapter_without_the_client_names_the_extra():
     code = (
         "import sys\n"
         "sys.modules['lightkube'] = None\n"  # as if it were not installed
-        "import gpuwarden.agent.cli, gpuwarden.agent.adapters.kubernetes as k\n"
+        "import gpuwarden.agent.cli.main, gpuwarden.agent.act.adapters.kubernetes as k\n"
         "try:\n"
         "    k.KubernetesAdapter(timeout_s=1)\n"
         "except ImportError as e:\n"
@@ -506,7 +505,7 @@ def test_kubernetes_adapter_without_the_client_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "pip install 'gpuwarden[kubernetes]'" in out.stdout
-    plain = subprocess.run([sys.executable, "-c", "import sys, gpuwarden.agent.cli, gpuwarden.agent.daemon; "
+    plain = subprocess.run([sys.executable, "-c", "import sys, gpuwarden.agent.cli.main, gpuwarden.agent.daemon.loop; "
                             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightkube', 'httpx2')))"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert plain.returncode == 0, plain.stderr
@@ -584,8 +583,7 @@ def rbac_of(request: dict) -> tuple[str, str]:
 
 def test_shipped_rbac_grants_what_the_adapter_asks_for(api, make):
     import yaml
-
-    from gpuwarden.agent.jobs.model import JobRef
+    from gpuwarden.agent.core.job import JobRef
 
     # the roles of packaging/kubernetes/ (tests/test_k8s_manifests.py checks scopes)
     docs = yaml.safe_load_all((ROOT / "packaging" / "kubernetes" / "10-rbac.yaml").read_text())

@@ -8,12 +8,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.adapters.base import SPARE_REASON, Refused, SchedulerAdapter, Service, Transient
-from gpuwarden.agent.adapters.local import LocalAdapter, LocalDatabaseError
-from gpuwarden.agent.breaker import BreakerPolicy, judge
-from gpuwarden.agent.spares import SparePolicy, plan_swap, wants_back_in_pool
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter, LocalDatabaseError
+from gpuwarden.agent.act.breaker import BreakerPolicy, judge
+from gpuwarden.agent.act.spares import SparePolicy, plan_swap, wants_back_in_pool
+from gpuwarden.agent.core.scheduler import SPARE_REASON, Refused, SchedulerAdapter, Service, Transient
+from gpuwarden.agent.state.store import Store
 
 
 class Clock:

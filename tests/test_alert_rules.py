@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
 from exported_series import PROMETHEUS_OWN, TARGET_LABELS, exported, references
 from exported_series import exposition as node_exposition
@@ -39,18 +38,17 @@ _after_jobs_texts: list[str] = []
 
 def after_job_actions() -> dict[str, list[frozenset]]:
     """The series that appear only once the agent has acted on a doomed job, as `exported()` gives series: the real
-    engine (agent/remediation.py) quarantines a node and carries out one job intent per [jobs] on_doomed policy
+    engine (agent/act/remediation.py) quarantines a node and carries out one job intent per [jobs] on_doomed policy
     and doom rule through the local scheduler, then one more engine does the same in dry-run; the daemon's
     collector renders what they export. Kept: the series it did not export before the job intents."""
     if not _after_jobs:
+        from gpuwarden.agent.act.adapters.local import LocalAdapter
+        from gpuwarden.agent.act.remediation import Engine, Hooks, Settings
+        from gpuwarden.agent.core.job import JobRef
+        from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+        from gpuwarden.agent.jobs import doom, respond
         from prometheus_client import generate_latest
         from prometheus_client.parser import text_string_to_metric_families
-
-        from gpuwarden.agent.adapters.local import LocalAdapter
-        from gpuwarden.agent.jobs import doom, respond
-        from gpuwarden.agent.jobs.model import JobRef
-        from gpuwarden.agent.metrics import DaemonCollector, registry_for
-        from gpuwarden.agent.remediation import Engine, Hooks, Settings
 
         node = "gb200-rack07-tray11"
         with tempfile.TemporaryDirectory(prefix="gpuwarden-jobs-") as tmp:
@@ -300,9 +298,8 @@ def test_the_agents_own_series_on_a_recorded_node():
 
 
 def test_start_time_is_the_collectors_and_survives_each_scrape():
+    from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
     from prometheus_client import generate_latest
-
-    from gpuwarden.agent.metrics import DaemonCollector, registry_for
 
     registry = registry_for(DaemonCollector(started=1796000000.5))
     for _ in range(2):
@@ -312,10 +309,9 @@ def test_start_time_is_the_collectors_and_survives_each_scrape():
 
 def test_live_samples_are_read_at_each_scrape():
     """What the collector reads at the scrape (the stalled loops) changes without a new snapshot."""
+    from gpuwarden.agent.core.passive import MetricSample
+    from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
     from prometheus_client import generate_latest
-
-    from gpuwarden.agent.metrics import DaemonCollector, registry_for
-    from gpuwarden.agent.passive import MetricSample
 
     stalled = []
     collector = DaemonCollector()

@@ -17,10 +17,9 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
-from gpuwarden.agent import analyze as analyze_mod
-from gpuwarden.agent.model import Status
+from gpuwarden.agent.cli import analyze as analyze_mod
+from gpuwarden.agent.core.model import Status
 
 INSTALLED = Path(sys.executable).parent / "gpuwarden"
 COMMAND = [str(INSTALLED)] if INSTALLED.exists() else [sys.executable, "-m", "gpuwarden.agent.cli"]

@@ -1,4 +1,4 @@
-"""`gpuwarden analyze` streams a kernel log (agent/kernel_scan.py): the findings, notes and format are those of a
+"""`gpuwarden analyze` streams a kernel log (agent/node/kernel_scan.py): the findings, notes and format are those of a
 parse of the whole file, on every recorded log and on generated ones (CRLF, invalid UTF-8, lines across chunk
 boundaries, long lines, no newline at the end, empty files), read in chunks of many sizes."""
 from __future__ import annotations
@@ -10,15 +10,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import NODES, ROOT
 from deadline import MIB, deadline
-from gpuwarden.agent import analyze as analyze_mod
-from gpuwarden.agent import kernel_scan
-from gpuwarden.agent.analyze import analyze_file
-from gpuwarden.agent.kernel_log import detect_format, parse_log_text
-from gpuwarden.agent.kernel_scan import read_head, scan
-from gpuwarden.agent.model import Status
+from gpuwarden.agent.cli import analyze as analyze_mod
+from gpuwarden.agent.cli.analyze import analyze_file
+from gpuwarden.agent.core.kernel_log import detect_format, parse_log_text
+from gpuwarden.agent.core.model import Status
+from gpuwarden.agent.node import kernel_scan
+from gpuwarden.agent.node.kernel_scan import read_head, scan
 from gpuwarden.checks import nvswitch_sxid, xid
 
 KERNEL = ROOT / "fixtures" / "logs" / "kernel"
@@ -226,7 +225,7 @@ def test_a_kernel_log_quoting_a_tool_line_is_read_as_a_kernel_log(tmp_path):
 
 
 def test_analyze_of_a_kernel_log_imports_only_the_kernel_log_checks():
-    code = ("import sys, json; from pathlib import Path; from gpuwarden.agent.analyze import analyze_file; "
+    code = ("import sys, json; from pathlib import Path; from gpuwarden.agent.cli.analyze import analyze_file; "
             f"r = analyze_file(Path({str(NODES / 'gb200-nvl72-faulty' / 'kmsg')!r})); "
             "print(json.dumps([len(r.findings), sorted(m for m in sys.modules if m.startswith('gpuwarden.checks'))]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -508,7 +507,7 @@ def test_the_head_read_in_two_steps_is_the_head(tmp_path, monkeypatch, content):
 
 
 def detect_votes(text):
-    from gpuwarden.agent.kernel_log import format_votes
+    from gpuwarden.agent.core.kernel_log import format_votes
 
     return format_votes(text)
 
@@ -562,7 +561,7 @@ def test_a_command_line_the_cli_refuses_ends_the_readers_started_ahead(tmp_path,
     import os
     import sys
 
-    from gpuwarden.agent import command
+    from gpuwarden.agent.cli import command
 
     monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
     monkeypatch.setattr(kernel_scan, "PART", 4096)

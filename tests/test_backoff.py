@@ -1,5 +1,5 @@
-"""The one doubling backoff (agent/backoff.py) every retry of the agent waits by."""
-from gpuwarden.agent.backoff import Backoff, doubling_delay
+"""The one doubling backoff (agent/core/backoff.py) every retry of the agent waits by."""
+from gpuwarden.agent.core.backoff import Backoff, doubling_delay
 
 
 def test_waits_double_from_first_up_to_most_and_start_over_after_a_success():

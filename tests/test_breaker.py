@@ -6,11 +6,10 @@ import random
 from dataclasses import replace
 
 import pytest
+from gpuwarden.agent.act.breaker import BreakerPolicy, judge, limit
+from gpuwarden.agent.core.scheduler import SPARE_REASON, NodeView, Service
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gpuwarden.agent.adapters.base import SPARE_REASON, NodeView, Service
-from gpuwarden.agent.breaker import BreakerPolicy, judge, limit
 
 NOW = 1_700_000_000.0
 POLICY = BreakerPolicy()

@@ -5,14 +5,12 @@ import functools
 import json
 
 import pytest
-
-from gpuwarden.agent.errors import SourceError
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
+from conftest import ROOT, run_spec
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.gemm import Gemm, GemmResult, run_gemm, torch_available
 from gpuwarden.checks import burnin
-
-from conftest import ROOT, run_spec
 
 needs_torch = pytest.mark.skipif(not torch_available(), reason="PyTorch not installed (the [burnin] extra)")
 TINY = {"device": "cpu", "matrix_size": 48, "seconds": 0.02, "tflops_floor": 1e-12}
@@ -241,7 +239,7 @@ def test_real_dcgm_capture_without_targeted_stress_is_a_parse_error():
 
 
 def test_thresholds_table_has_every_nvlink_sku():
-    from gpuwarden.agent.thresholds import sku_table
+    from gpuwarden.agent.core.thresholds import sku_table
 
     table = sku_table("burnin")
     assert set(table) == {"H100-SXM-HGX", "H200-SXM-HGX", "B200-HGX", "GB200-NVL72", "GB300-NVL72"}

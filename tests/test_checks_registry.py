@@ -7,14 +7,13 @@ import pkgutil
 import subprocess
 import sys
 
+import gpuwarden.checks as checks
 import pytest
 from conftest import NODES, ROOT
-
-import gpuwarden.checks as checks
-from gpuwarden.agent import config
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import ConfigError
-from gpuwarden.agent.passive import KernelConsumer, PassiveSpec
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.core.passive import KernelConsumer, PassiveSpec
 
 
 def scanned() -> dict[str, dict[str, list]]:
@@ -98,7 +97,7 @@ def checks_in(stderr: str) -> set[str]:
 
 
 def test_a_quick_preflight_imports_only_the_checks_it_runs(tmp_path):
-    code = ("import sys\nfrom gpuwarden.agent.cli import main\n"
+    code = ("import sys\nfrom gpuwarden.agent.cli.main import main\n"
             "rc = main(sys.argv[1:])\n"
             "print('CHECKS', *sorted(m for m in sys.modules if m.startswith('gpuwarden.checks.')), file=sys.stderr)\n"
             "sys.exit(rc)\n")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import NODES, ROOT
 from gpuwarden.checks import ALL
 
@@ -191,11 +190,11 @@ def test_analyze_on_an_unreadable_format_is_undecided(tmp_path):
 
 
 def test_checks_lists_preflight_passive_and_kernel_log_checks_with_their_tables():
-    from gpuwarden.agent.cli import main
-    from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE
-
     import contextlib
     import io
+
+    from gpuwarden.agent.cli.main import main
+    from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

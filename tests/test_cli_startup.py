@@ -9,35 +9,36 @@ import tomllib
 
 import pytest
 from conftest import NODES, ROOT
-
-from gpuwarden.agent import cli
-from gpuwarden.agent.version import VERSION
+from gpuwarden.agent.cli import main as cli
+from gpuwarden.agent.core.version import VERSION
 
 # Modules a quick command has no use for: the daemon's HTTP/metrics stack, the store, the sweeps, fleet planning,
 # the scheduler adapters, YAML, and what structlog and importlib.metadata pulled in.
 HEAVY = ("structlog", "prometheus_client", "sqlite3", "yaml", "asyncio", "email", "importlib.metadata",
          "importlib.resources", "zipfile", "concurrent.futures",
-         "gpuwarden.agent.daemon", "gpuwarden.agent.metrics", "gpuwarden.agent.http_endpoint", "gpuwarden.agent.store",
-         "gpuwarden.agent.run", "gpuwarden.agent.sweep_command", "gpuwarden.agent.sweep_launch",
-         "gpuwarden.agent.plan_command", "gpuwarden.agent.plan_capacity", "gpuwarden.agent.plan_risk",
-         "gpuwarden.agent.plan_simulate", "gpuwarden.agent.plan_defrag", "gpuwarden.agent.sim_fleet",
-         "gpuwarden.agent.topology", "gpuwarden.agent.slurm_healthcheck", "gpuwarden.agent.adapters.slurm",
-         "gpuwarden.agent.adapters.local", "gpuwarden.agent.adapters.kubernetes", "gpuwarden.agent.remediation",
-         "socket")
+         "gpuwarden.agent.daemon.loop", "gpuwarden.agent.daemon.metrics", "gpuwarden.agent.daemon.http_endpoint",
+         "gpuwarden.agent.state.store", "gpuwarden.agent.cli.run", "gpuwarden.agent.fleet.sweep.command",
+         "gpuwarden.agent.fleet.sweep.launch", "gpuwarden.agent.fleet.plan.command",
+         "gpuwarden.agent.fleet.plan.capacity", "gpuwarden.agent.fleet.plan.risk",
+         "gpuwarden.agent.fleet.plan.simulate", "gpuwarden.agent.fleet.plan.defrag",
+         "gpuwarden.agent.fleet.plan.sim_fleet", "gpuwarden.agent.node.topology",
+         "gpuwarden.agent.cli.slurm_healthcheck", "gpuwarden.agent.act.adapters.slurm",
+         "gpuwarden.agent.act.adapters.local", "gpuwarden.agent.act.adapters.kubernetes",
+         "gpuwarden.agent.act.remediation", "socket")
 # What only the full checks and the daemon's own checks use: a quick preflight runs none of them.
 FULL_ONLY = ("gpuwarden.checks.burnin", "gpuwarden.checks.peer_p2p", "gpuwarden.checks.nccl_allreduce",
              "gpuwarden.checks.rdma_loopback", "gpuwarden.checks.dcgm_diag", "gpuwarden.checks.ecc_memtest",
              "gpuwarden.checks.clock_events", "gpuwarden.checks.thermal", "gpuwarden.checks.nccl_sweep",
              "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_nccl_tests",
              "gpuwarden.checks.parse_perftest", "gpuwarden.checks.parse_nvbandwidth", "gpuwarden.agent.sources.gemm",
-             "gpuwarden.agent.sources.perftest", "gpuwarden.agent.sweep", "gpuwarden.agent.adapters.base",
-             "gpuwarden.agent.sweep_criteria", "gpuwarden.agent.sweep_history", "statistics")
+             "gpuwarden.agent.sources.perftest", "gpuwarden.agent.fleet.sweep.sweep", "gpuwarden.agent.core.scheduler",
+             "gpuwarden.agent.fleet.sweep.criteria", "gpuwarden.agent.fleet.sweep.history", "statistics")
 
 
 def loaded_by(*argv: str) -> tuple[set[str], subprocess.CompletedProcess]:
     """The modules in sys.modules when `gpuwarden ARGV` ends (a fresh interpreter; SystemExit from argparse too)."""
     code = ("import json, sys\n"
-            "from gpuwarden.agent.cli import main\n"
+            "from gpuwarden.agent.cli.main import main\n"
             "try:\n"
             "    rc = main(sys.argv[1:])\n"
             "except SystemExit as exc:\n"
@@ -56,8 +57,8 @@ def test_version_is_pyprojects_and_loads_nothing_of_the_agent():
     modules, proc = loaded_by("--version")
     assert proc.returncode == 0 and proc.stdout == f"gpuwarden {VERSION}\n"
     assert sorted(m for m in modules if m.startswith("gpuwarden.")) == [
-        "gpuwarden.agent", "gpuwarden.agent.cli", "gpuwarden.agent.errors", "gpuwarden.agent.logs",
-        "gpuwarden.agent.version"]
+        "gpuwarden.agent", "gpuwarden.agent.cli", "gpuwarden.agent.cli.main", "gpuwarden.agent.core",
+        "gpuwarden.agent.core.errors", "gpuwarden.agent.core.logs", "gpuwarden.agent.core.version"]
     assert not modules & set(HEAVY)
 
 
@@ -66,7 +67,7 @@ def test_help_loads_no_check_and_nothing_heavy(argv):
     modules, proc = loaded_by(*argv)
     assert proc.returncode == 0 and "usage: gpuwarden" in proc.stdout
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
-    assert "gpuwarden.checks" not in modules and "gpuwarden.agent.config" not in modules
+    assert "gpuwarden.checks" not in modules and "gpuwarden.agent.core.config" not in modules
 
 
 @pytest.mark.parametrize("config", [(), ("--config", str(ROOT / "packaging" / "gpuwarden.toml"))],
@@ -81,9 +82,9 @@ def test_preflight_on_a_recorded_node_loads_nothing_heavy(config):
 def test_plan_part_loads_only_its_own_module():
     modules, proc = loaded_by("plan", "capacity", "--help")
     assert proc.returncode == 0 and "usage: gpuwarden plan capacity" in proc.stdout
-    assert "gpuwarden.agent.plan_capacity" in modules
-    assert not modules & {"gpuwarden.agent.plan_risk", "gpuwarden.agent.plan_simulate",
-                          "gpuwarden.agent.plan_defrag", "gpuwarden.agent.sim_fleet"}
+    assert "gpuwarden.agent.fleet.plan.capacity" in modules
+    assert not modules & {"gpuwarden.agent.fleet.plan.risk", "gpuwarden.agent.fleet.plan.simulate",
+                          "gpuwarden.agent.fleet.plan.defrag", "gpuwarden.agent.fleet.plan.sim_fleet"}
 
 
 def _help_lines(parser) -> dict[str, str]:

@@ -7,10 +7,9 @@ import re
 
 import pynvml
 import pytest
-from conftest import PassiveClock, edit_nvml, ROOT
-
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
+from conftest import ROOT, PassiveClock, edit_nvml
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import clock_events
 from gpuwarden.checks.clock_events import REASONS, SPEC
 
@@ -238,10 +237,10 @@ def test_a_quiet_gpu_window_is_credited_through_the_daemons_skipped_samples(scen
     import time
     from dataclasses import replace
 
-    from test_daemon_idle import one_check_daemon
     from conftest import wait_for
-    from gpuwarden.agent import config
+    from gpuwarden.agent.core import config
     from gpuwarden.checks import all_specs
+    from test_daemon_idle import one_check_daemon
 
     scale = 0.05
     cfg = config.defaults(all_specs())

@@ -1,9 +1,8 @@
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent import config
-from gpuwarden.agent.errors import ConfigError
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.checks import ALL, all_specs
 
 ALL_SPECS = all_specs()
@@ -51,7 +50,6 @@ def test_missing_explicit_file_is_an_error_but_missing_default_is_not(tmp_path, 
 
 def test_every_config_key_is_documented():
     from conftest import ROOT
-
     from gpuwarden.checks import all_specs
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
@@ -157,7 +155,7 @@ def test_unreadable_config_files_are_errors_naming_the_file(tmp_path, raw, needl
     (b"hostname = " + b"9" * 5000 + b"\n", "invalid TOML"),
 ])
 def test_unreadable_node_toml_is_an_error_naming_the_file(tmp_path, raw, needle):
-    from gpuwarden.agent.node import NodeInfo
+    from gpuwarden.agent.node.host import NodeInfo
 
     (tmp_path / "node.toml").write_bytes(raw)
     with pytest.raises(ConfigError) as exc:
@@ -179,8 +177,8 @@ BAD_CONFIGS = {
 
 
 def one_line_error(capsys, argv) -> str:
-    from gpuwarden.agent import logs
-    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.cli.main import main
+    from gpuwarden.agent.core import logs
 
     with logs.preserved():  # main sets logging up; the next test starts from the defaults
         assert main(argv) == 2
@@ -244,7 +242,7 @@ def test_the_real_command_on_a_bad_config_prints_no_traceback(tmp_path):
 
 def test_the_ladder_table_sets_the_state_machines_timings(tmp_path):
     """[remediation.ladder] keys that are the state machine's (settle times, the retest's wait) reach its policy."""
-    from gpuwarden.agent.run import policy_of
+    from gpuwarden.agent.cli.run import policy_of
 
     path = tmp_path / "gpuwarden.toml"
     path.write_text("[remediation.ladder]\nretest_after_s = 5.0\nstep_after_s = 2.0\n")

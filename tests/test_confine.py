@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from gpuwarden.agent.errors import SourceError
+from gpuwarden.agent.core.errors import SourceError
 from gpuwarden.agent.sources import confine
 from gpuwarden.agent.sources.sysfs import Sysfs
 

@@ -12,19 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
-
 from conftest import ROOT, append_kmsg, edit_nvml, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
-from gpuwarden.agent.model import Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.retest import run_retest
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import Status
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.retest import run_retest
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+from prometheus_client import generate_latest
 
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
@@ -186,7 +185,7 @@ def test_a_reload_names_what_only_a_restart_applies_and_the_agent_keeps_acting(s
 
 
 def test_restart_needed_names_each_key_only_a_restart_applies():
-    from gpuwarden.agent.run import restart_needed
+    from gpuwarden.agent.cli.run import restart_needed
 
     base = config.defaults(all_specs())
     fresh = config.defaults(all_specs())
@@ -264,7 +263,7 @@ def test_nvml_change_nvlink_down_quarantines(fast_daemon):
 def test_a_hung_sample_is_unknown_and_blocks_nothing(scenario_copy, tmp_path):
     import threading
 
-    from gpuwarden.agent.passive import Judgement, PassiveSpec
+    from gpuwarden.agent.core.passive import Judgement, PassiveSpec
 
     release = threading.Event()
     hung = PassiveSpec("hung", "never returns", sample=lambda n, c, s: release.wait(30),
@@ -456,7 +455,7 @@ def test_the_daemon_and_preflight_judge_the_boots_log_alike(scenario_copy, tmp_p
     """The same decision in both modes: the daemon reads the boot's kernel log at start as a backlog, each record at
     the time it was logged (not as news), so its XID and SXid findings are preflight's: the tray's XID 63 logged ten
     days before its XID 79 has aged out in both, the 79 and the fatal SXids stand in both."""
-    from gpuwarden.agent.runner import run_checks
+    from gpuwarden.agent.node.runner import run_checks
     from gpuwarden.checks import ALL
 
     root = scenario_copy("gb200-nvl72-faulty")
@@ -524,7 +523,7 @@ def test_act_mode_drains_with_our_reason_swaps_a_spare_and_climbs_the_ladder(sce
     from types import SimpleNamespace
 
     from fake_scheduler import DictScheduler
-    from gpuwarden.agent.remediation import Settings
+    from gpuwarden.agent.act.remediation import Settings
 
     root, state = scenario_copy("gb200-nvl72-healthy"), tmp_path / "state"
     sched = DictScheduler({HOST: {"domain": "rack07"}, "tray04": {"domain": "rack07"},

@@ -15,18 +15,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
-
 from conftest import ROOT, append_kmsg, wait_for
 from fake_scheduler import DictScheduler
-from gpuwarden.agent import config
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import Judgement, PassiveSpec
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import LOCK_NAME, Store
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.passive import Judgement, PassiveSpec
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import LOCK_NAME, Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, ib_downtime
+from prometheus_client import generate_latest
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -132,7 +131,7 @@ def test_a_check_whose_code_raises_is_unknown_retried_and_recovers(scenario_copy
 
 
 def test_a_stuck_loop_is_named_and_the_watchdog_is_not_fed(scenario_copy, tmp_path, running, monkeypatch):
-    from gpuwarden.agent.run import _feed_watchdog
+    from gpuwarden.agent.cli.run import _feed_watchdog
 
     release = threading.Event()
     hung = PassiveSpec("hung", "never returns", sample=lambda n, c, s: release.wait(60),
@@ -162,14 +161,14 @@ HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname: the scheduler's 
 
 
 def allow(nodes, node, domain, now, policy, reset_at=None):
-    """A circuit-breaker verdict that lets the cordon through (agent/breaker.py's own tests judge the fleet)."""
+    """A circuit-breaker verdict that lets the cordon through (agent/act/breaker.py's own tests judge the fleet)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(allow=True, reason="allowed", cluster=(1, len(nodes)), domain=None)
 
 
 def acting(**options) -> dict:
-    from gpuwarden.agent.remediation import Settings
+    from gpuwarden.agent.act.remediation import Settings
 
     return dict(remediation=Settings(mode="act", node_name=HOST, retry_min_s=0.05, retry_max_s=0.2), judge=allow,
                 **options)
@@ -446,8 +445,8 @@ def _answers(port: int) -> bool:
 def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp_path):
     """A state database from a version that named the daemon's XID check `xid_watch`: its last FAIL must not hold the
     node's state (or show in `status`) for ever once the check goes by another name."""
-    from gpuwarden.agent.model import Action, Entity, Finding, Status
-    from gpuwarden.agent.store import CheckRecord
+    from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+    from gpuwarden.agent.state.store import CheckRecord
 
     state = tmp_path / "state"
     old = Store(state / "state.db")
@@ -472,8 +471,8 @@ def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp
 def test_a_commit_whose_check_hook_raises_changes_nothing(scenario_copy, tmp_path):
     """A check's quiet (or durable) hook that raises while its record is committed leaves memory as it was: no record
     that /metrics was never told of (the check's loop then reports it UNKNOWN, as the test above shows)."""
-    from gpuwarden.agent.model import Status
-    from gpuwarden.agent.store import CheckRecord
+    from gpuwarden.agent.core.model import Status
+    from gpuwarden.agent.state.store import CheckRecord
 
     def quiet(state):
         raise KeyError("ports")

@@ -9,17 +9,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import Judgement, PassiveSpec
+from conftest import wait_for
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.passive import Judgement, PassiveSpec
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.kmsg import KernelLog, KmsgFollower
 from gpuwarden.agent.sources.sysfs import FileSetProbe, Sysfs
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import all_specs, ib_downtime
-from conftest import wait_for
 
 RECORD = "6,{seq},{usec},-;gpuwarden test line {seq}\n"
 
@@ -237,7 +237,7 @@ def test_slow_files_are_looked_at_every_nth_look(tmp_path):
 
 
 def test_a_check_that_does_not_apply_is_asked_again_only_now_and_then(scenario_copy, tmp_path):
-    from gpuwarden.agent.errors import NotApplicable
+    from gpuwarden.agent.core.errors import NotApplicable
 
     asked = []
 
@@ -273,9 +273,8 @@ def test_idle_ticks_leave_quiet_kernel_consumers_alone_and_an_xid_still_lands(sc
     """The kernel log's idle tick (an empty batch, so time-based rules advance) is skipped while every consumer's
     state is quiet (nothing held, no event in a window); a new XID is judged at once, and from then on the idle
     ticks judge again (its incident holds and ends by time)."""
-    from gpuwarden.checks import KERNEL_CONSUMERS
-
     from conftest import append_kmsg
+    from gpuwarden.checks import KERNEL_CONSUMERS
 
     root = scenario_copy("h100-hgx-healthy")
     calls: dict[str, int] = {}
@@ -314,8 +313,8 @@ def test_a_quiet_kernel_consumer_judges_an_empty_batch_the_same_later(scenario_c
     """What the idle tick's skip relies on (KernelConsumer.quiet): on every bundled node, a consumer whose state is
     quiet and whose judgement of the node's whole kernel log holds no finding judges an empty batch a day later the
     same: no finding, a state still quiet. A node with an XID incident or an AER event is not quiet."""
-    from gpuwarden.agent.passive import KernelBatch
-    from gpuwarden.agent.kernel_log import parse_kmsg_text
+    from gpuwarden.agent.core.kernel_log import parse_kmsg_text
+    from gpuwarden.agent.core.passive import KernelBatch
     from gpuwarden.checks import KERNEL_CONSUMERS, pcie_aer, xid
 
     cfgs = config.defaults(all_specs())

@@ -13,19 +13,18 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import NODES
 from gpuwarden import checks
-from gpuwarden.agent.errors import ConfigError
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.retest import run_retest
-from gpuwarden.agent.run import daemon_forms, load_config
+from gpuwarden.agent.cli.run import daemon_forms, load_config
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.retest import run_retest
 
 # Runs in the daemon's own process: the daemon in the main thread (it sets signal handlers), a probe thread that
 # scrapes it over a plain socket (nothing the daemon itself would not load), prints the modules loaded, and stops it.
 PROBE = r"""
 import json, os, signal, socket, sys, threading, time
-from gpuwarden.agent.cli import main
+from gpuwarden.agent.cli.main import main
 
 root, state, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -64,7 +63,7 @@ sys.exit(main(["run", "--root", root, "--state-dir", state, "--listen", f"127.0.
 # Loaded only where something needs them: a collector registered from outside, a web config, a sweep, a preflight.
 NOT_LOADED = {"prometheus_client", "http.server", "http.client", "email", "urllib.request", "importlib.metadata",
               "zipfile", "ssl", "_ssl", "hashlib", "_hashlib", "bcrypt", "yaml", "logging", "concurrent.futures",
-              "gpuwarden.agent.sweep", "gpuwarden.agent.sources.gemm", "gpuwarden.agent.sources.perftest",
+              "gpuwarden.agent.fleet.sweep.sweep", "gpuwarden.agent.sources.gemm", "gpuwarden.agent.sources.perftest",
               "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_nccl_tests",
               "gpuwarden.checks.parse_perftest", "gpuwarden.checks.parse_nvbandwidth",
               "gpuwarden.checks.parse_nvidia_smi_topo", "gpuwarden.checks.pcie_link"}
@@ -102,7 +101,8 @@ def test_daemon_served_its_page_in_both_formats(loaded):
 def test_daemon_loads_what_it_runs(loaded):
     modules = set(loaded["modules"])
     # What it runs is there: the daemon, the endpoint, every passive check and kernel-log consumer.
-    assert {"gpuwarden.agent.daemon", "gpuwarden.agent.http_endpoint", "gpuwarden.agent.metrics"} <= modules
+    assert {"gpuwarden.agent.daemon.loop", "gpuwarden.agent.daemon.http_endpoint",
+            "gpuwarden.agent.daemon.metrics"} <= modules
     assert {f"gpuwarden.checks.{m}" for m, _ in checks._PASSIVE + checks._KERNEL_CONSUMERS} <= modules
 
 

@@ -16,7 +16,6 @@ import urllib.request
 
 import pytest
 import yaml
-
 from conftest import ROOT, end_processes, wait_for
 from exported_series import TARGET_LABELS, references
 from test_alert_rules import ENUM_LABELS, RULES, after_job_actions, known, labels_of, recorded, values_of
@@ -108,7 +107,7 @@ def test_every_query_reads_what_the_agent_exports_or_the_rules_record():
 
 
 def test_each_node_state_and_the_spares_have_their_place():
-    from gpuwarden.agent.state import NodeState
+    from gpuwarden.agent.state.transitions import NodeState
 
     titles = {p["title"].lower() for p in panels()}
     table = next(p for p in panels() if p["title"] == "Per NVLink domain")

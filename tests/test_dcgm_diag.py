@@ -5,19 +5,31 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import gpuwarden.checks
-from conftest import NODES, record_tool, run_spec
-from conftest import ROOT
-from gpuwarden.agent.analyze import analyze_file
-from gpuwarden.agent.errors import ToolError
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
+import pytest
+from conftest import NODES, ROOT, record_tool, run_spec
+from gpuwarden.agent.cli.analyze import analyze_file
+from gpuwarden.agent.core.errors import ToolError
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import dcgm_diag
 from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_json, parse_dcgmi_diag_text
-from test_parse_dcgmi_diag import (EMPTY_CATEGORIES, FOOTER, FRAG_MEMORY, FRAG_REMAP, HEADER, MALFORMED, R1_PASS_T4,
-                                   R2_PASS_T4, band, message_rows, row, v3_doc, v4_doc, warning)
+from test_parse_dcgmi_diag import (
+    EMPTY_CATEGORIES,
+    FOOTER,
+    FRAG_MEMORY,
+    FRAG_REMAP,
+    HEADER,
+    MALFORMED,
+    R1_PASS_T4,
+    R2_PASS_T4,
+    band,
+    message_rows,
+    row,
+    v3_doc,
+    v4_doc,
+    warning,
+)
 
 POLICY = dict(dcgm_diag.CHECK.defaults)
 H100 = Node.recorded_at(NODES / "h100-hgx-healthy").gpus()  # 8 GPUs

@@ -14,7 +14,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT, end_processes, host_etc_gpuwarden
 
 pytestmark = pytest.mark.slow
@@ -113,7 +112,7 @@ def test_the_installed_program_runs(installed, tmp_path):
                cwd=tmp_path, check=True).stdout
     assert where.startswith(str(VENV / "lib")), where  # the package's own copy, with the kubernetes extra
     assert Path(os.readlink(VENV / "bin" / "python3")).is_relative_to("/usr/bin")  # Debian's interpreter
-    assert list((VENV / "lib").glob("python3*/site-packages/gpuwarden/agent/__pycache__/cli.*.pyc"))  # postinst
+    assert list((VENV / "lib").glob("python3*/site-packages/gpuwarden/agent/cli/__pycache__/main.*.pyc"))  # postinst
 
 
 def test_installed_preflight_on_recorded_nodes(installed, tmp_path):

@@ -1,7 +1,6 @@
 """ecc decisions on readings shaped like NVML's (values from real nvidia-smi -q captures where noted)."""
 import pytest
-
-from gpuwarden.agent.model import Action, Entity, Status
+from gpuwarden.agent.core.model import Action, Entity, Status
 from gpuwarden.checks import ecc
 
 GPU = Entity("gpu", "GPU-1", 1, "0009:01:00.0")

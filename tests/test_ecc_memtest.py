@@ -3,10 +3,9 @@ scenarios (pass, memory fault, setup error, dcgmi missing, hang, garbage, dcgmi 
 import json
 
 import pytest
-
 from conftest import NODES
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import ecc_memtest
 from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_text
 from test_dcgm_diag import codes, node_with, run_check

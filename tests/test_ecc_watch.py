@@ -5,8 +5,7 @@ import shutil
 
 import pytest
 from conftest import PassiveClock, edit_nvml, exposition, promtool_lint
-
-from gpuwarden.agent.model import Action, Status
+from gpuwarden.agent.core.model import Action, Status
 from gpuwarden.checks import PASSIVE, ecc_watch
 from gpuwarden.checks.ecc_watch import SPEC
 

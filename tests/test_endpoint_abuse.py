@@ -23,7 +23,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, wait_for
 
 FD_LIMIT = 256  # the daemon's: 1,000 idle connections are four times what it may open

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 from gpuwarden.agent.jobs.explain import explain
 from gpuwarden.agent.jobs.joblog import read_job_log, read_text

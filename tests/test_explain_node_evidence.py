@@ -23,14 +23,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT, append_kmsg, end_processes, wait_for
-from test_daemon import XID79, free_port
-from test_http_endpoint import certs, hashed  # noqa: F401 - certs is a fixture used here
-from gpuwarden.agent.http_endpoint import MetricsEndpoint
+from gpuwarden.agent.daemon.http_endpoint import MetricsEndpoint
 from gpuwarden.agent.jobs import evidence_window
 from gpuwarden.agent.jobs.node_evidence import DocumentError, fetch_nodes, from_document, read_dirs
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.state.store import Store
+from test_daemon import XID79, free_port
+from test_http_endpoint import certs, hashed  # noqa: F401 - certs is a fixture used here
 
 SCENARIO = "gb200-nvl72-job"
 GPU0_PCI = "0008:01:00.0"  # the GPU of the XID79 line (PCI:0008:01:00), NVML index 0 on this tray
@@ -404,7 +403,7 @@ def test_explain_read_dirs_on_the_stopped_daemons_store(daemon, tmp_path):
 def test_explain_window_is_bounded_newest_kept(tmp_path):
     """A store written by the store's own commit: more transitions in the window than the limit keeps the newest,
     in time order, and says it cut."""
-    from gpuwarden.agent.state import NodeState, Transition
+    from gpuwarden.agent.state.transitions import NodeState, Transition
 
     store = Store(tmp_path / "state.db")
     try:
@@ -423,8 +422,8 @@ def test_explain_an_ib_port_outage_is_timed_by_the_ports_own_history(scenario_co
     """The ib_port check's real judgement on the tray, a port down from T0 + 10: its finding spans the outage (the
     port's down_since to its last look), so a window before the outage does not hold it and one across it does."""
     from conftest import PassiveClock
-    from gpuwarden.agent.model import fold_status
-    from gpuwarden.agent.store import CheckRecord
+    from gpuwarden.agent.core.model import fold_status
+    from gpuwarden.agent.state.store import CheckRecord
     from gpuwarden.checks import ib_downtime
 
     root = scenario_copy(SCENARIO)

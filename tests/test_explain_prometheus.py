@@ -17,10 +17,8 @@ import time
 
 import pytest
 import yaml
-
 from conftest import ROOT, append_kmsg, end_processes, wait_for
-from gpuwarden.agent.jobs.prometheus_evidence import (MAX_POINTS, NO_SERIES, Target, matches, plan_step,
-                                                      query_prometheus)
+from gpuwarden.agent.jobs.prometheus_evidence import MAX_POINTS, NO_SERIES, Target, matches, plan_step, query_prometheus
 from test_daemon import XID79, free_port, start
 from test_http_endpoint import certs, hashed  # noqa: F401 - certs is a fixture
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from conftest import ROOT
 from slurm_cluster import SlurmCluster, poll
 from test_slurm_e2e import DEADLINE_S, Agent

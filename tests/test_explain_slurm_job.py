@@ -1,5 +1,5 @@
-"""`gpuwarden explain --job ID`'s window of a Slurm job (agent/jobs/slurm_job.py): its nodes, start and end, exit
-code, steps and output files from `sacct -j ID --json` and `scontrol show job ID`.
+"""`gpuwarden explain --job ID`'s window of a Slurm job (agent/act/adapters/slurm_job.py): its nodes, start and end,
+exit code, steps and output files from `sacct -j ID --json` and `scontrol show job ID`.
 
 Pure tests read the outputs of Slurm 22.05.8 recorded from a real failing two-node job (fixtures/slurm/*-22.05-job-*,
 each with its source), through the real tool runner: the recorded answers are replayed by small stand-in programs in
@@ -18,12 +18,21 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
-from gpuwarden.agent.errors import GpuwardenError, ParseError
-from gpuwarden.agent.jobs.slurm_job import (JobWindow, SlurmJobError, SlurmJobUnknown, locate_outputs, merge,
-                                            output_files, parse_sacct_exit_codes, parse_sacct_json,
-                                            parse_scontrol_job, slurm_job, slurm_runner)
+from gpuwarden.agent.act.adapters.slurm_job import (
+    JobWindow,
+    SlurmJobError,
+    SlurmJobUnknown,
+    locate_outputs,
+    merge,
+    output_files,
+    parse_sacct_exit_codes,
+    parse_sacct_json,
+    parse_scontrol_job,
+    slurm_job,
+    slurm_runner,
+)
+from gpuwarden.agent.core.errors import GpuwardenError, ParseError
 from slurm_cluster import poll, slurm_cluster  # noqa: F401  (the fixture)
 
 FIX = ROOT / "fixtures" / "slurm"

@@ -6,11 +6,10 @@ import shutil
 import pynvml
 import pytest
 from conftest import edit_nvml, exposition, promtool_lint, record_tool
-
-from gpuwarden.agent.errors import ConfigError, NotApplicable, SourceError
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
+from gpuwarden.agent.core.errors import ConfigError, NotApplicable, SourceError
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.passive import step
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.procs import find_processes
 from gpuwarden.agent.sources.sysfs import Sysfs
 from gpuwarden.checks import fabric

@@ -9,16 +9,15 @@ import re
 import shutil
 from pathlib import Path
 
+from conftest import NODES, ROOT
 from deadline import deadline as alarm
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.errors import GpuwardenError
+from gpuwarden.agent.node.host import Node, NodeInfo
+from gpuwarden.agent.node.runner import run_checks
+from gpuwarden.checks import ALL, all_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import NODES, ROOT
-from gpuwarden.agent import config
-from gpuwarden.agent.errors import GpuwardenError
-from gpuwarden.agent.node import Node, NodeInfo
-from gpuwarden.agent.runner import run_checks
-from gpuwarden.checks import ALL, all_specs
 
 EXAMPLES = int(os.environ.get("GPUWARDEN_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

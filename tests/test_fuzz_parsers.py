@@ -17,17 +17,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from deadline import MIB, deadline
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.kernel_log import parse_kmsg_text, parse_log_text
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.kernel_log import parse_kmsg_text, parse_log_text
 from gpuwarden.checks.parse_dcgmi_diag import parse_dcgmi_diag_json, parse_dcgmi_diag_text
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 from gpuwarden.checks.parse_nvbandwidth import parse_nvbandwidth
 from gpuwarden.checks.parse_nvidia_smi_topo import parse_topo_matrix
 from gpuwarden.checks.parse_perftest import last_error_line, parse_perftest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 _LONG_RUN = os.environ.get("GPUWARDEN_FUZZ_EXAMPLES")

@@ -9,17 +9,16 @@ import subprocess
 import sys
 
 import pytest
-from prometheus_client import generate_latest
-
 from conftest import ROOT, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import ALL, KERNEL_CONSUMERS, PASSIVE, all_specs
+from prometheus_client import generate_latest
 
 VM = "fixtures/nodes/h200-vm-1gpu"
 QUICK = {

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import bcrypt
 import pytest
+from conftest import ROOT, wait_for
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.daemon.http_endpoint import Limits, MetricsEndpoint
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-
-from conftest import ROOT, wait_for
-from gpuwarden.agent.errors import ConfigError
-from gpuwarden.agent.http_endpoint import Limits, MetricsEndpoint
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
 
 FAST = Limits(max_connections=4, head_timeout_s=0.5, idle_timeout_s=0.5, write_timeout_s=2.0, max_head_bytes=1024)
 
@@ -346,11 +345,12 @@ def test_at_the_cap_a_head_still_being_sent_gives_way_to_a_new_connection(endpoi
 @pytest.fixture
 def certs(tmp_path):
     """A self-signed certificate for 127.0.0.1 and localhost, made with the cryptography package."""
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuwarden-test")])

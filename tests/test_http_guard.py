@@ -1,12 +1,11 @@
-"""Which connection gives way when the metrics endpoint is at a cap (agent/http_guard.py), and the pace of accept():
-pure decisions, tested on their own; the endpoint under real clients is tests/test_endpoint_abuse.py."""
+"""Which connection gives way when the metrics endpoint is at a cap (agent/daemon/http_guard.py), and the pace of
+accept(): pure decisions, tested on their own; the endpoint under real clients is tests/test_endpoint_abuse.py."""
 from __future__ import annotations
 
 import socket
 
 import pytest
-
-from gpuwarden.agent.http_guard import AcceptPace, Admission, client_key
+from gpuwarden.agent.daemon.http_guard import AcceptPace, Admission, client_key
 
 
 class Conn:

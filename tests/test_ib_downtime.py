@@ -5,11 +5,10 @@ import re
 import shutil
 
 import pytest
-
-from gpuwarden.agent.errors import NotApplicable
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
+from gpuwarden.agent.core.errors import NotApplicable
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.passive import step
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import ib_downtime
 
 SPEC = ib_downtime.SPEC

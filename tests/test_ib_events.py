@@ -7,11 +7,10 @@ import os
 import time
 
 import pytest
-
-from gpuwarden.agent import logs
-from gpuwarden.agent.daemon_polls import Sleeper
-from gpuwarden.agent.errors import SourceError
-from gpuwarden.agent.node import Node
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.daemon.polls import Sleeper
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources import ib_events
 from gpuwarden.agent.sources import sysfs as sysfs_mod
 from gpuwarden.agent.sources.sysfs import FileSetProbe

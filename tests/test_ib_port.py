@@ -3,9 +3,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.errors import NotApplicable
-from gpuwarden.agent.model import Action, Status
+from gpuwarden.agent.core.errors import NotApplicable
+from gpuwarden.agent.core.model import Action, Status
 from gpuwarden.agent.sources.sysfs import Sysfs
 from gpuwarden.checks import ib_port
 

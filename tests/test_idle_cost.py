@@ -1,12 +1,12 @@
-"""What keeps the idle daemon small and cheap, beside tests/test_daemon_idle.py: its malloc settings (agent/memory.py)
-take on this glibc host, it imports nothing that only one-shot commands use (each module is resident memory for the
-agent's whole life), and an idle GPU does not keep the clock-event poll judging and writing."""
+"""What keeps the idle daemon small and cheap, beside tests/test_daemon_idle.py: its malloc settings
+(agent/core/memory.py) take on this glibc host, it imports nothing that only one-shot commands use (each module is
+resident memory for the agent's whole life), and an idle GPU does not keep the clock-event poll judging and writing."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from gpuwarden.agent import memory
+from gpuwarden.agent.core import memory
 
 
 def test_arena_limit_and_trim_take_on_glibc():
@@ -18,8 +18,8 @@ def test_arena_limit_and_trim_take_on_glibc():
 
 
 def test_the_daemons_modules_leave_out_what_it_does_not_use():
-    code = ("import sys; import gpuwarden.agent.daemon, gpuwarden.checks, gpuwarden.agent.sources.nvml, "
-            "gpuwarden.agent.topology; "
+    code = ("import sys; import gpuwarden.agent.daemon.loop, gpuwarden.checks, gpuwarden.agent.sources.nvml, "
+            "gpuwarden.agent.node.topology; "
             "print(' '.join(m for m in ('statistics', 'fractions', 'decimal', 'yaml') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == []
@@ -47,15 +47,13 @@ def test_a_quiet_state_judges_the_same_sample_the_same_later(scenario_copy, tmp_
     the same sample judged again up to its quiet_rejudge_s later (a fabric registration in progress, timed, is not
     quiet)."""
     import json
-
-    from gpuwarden.agent import config
-    from gpuwarden.agent.errors import GpuwardenError
-    from gpuwarden.agent.node import Node
-    from gpuwarden.checks import PASSIVE, all_specs
-
     import shutil
 
     from conftest import NODES, edit_nvml
+    from gpuwarden.agent.core import config
+    from gpuwarden.agent.core.errors import GpuwardenError
+    from gpuwarden.agent.node.host import Node
+    from gpuwarden.checks import PASSIVE, all_specs
 
     def registering(data):  # one GPU's fabric registration still in progress: timed, so never quiet
         data["gpus"][0]["fabric"]["state"] = 2

@@ -10,19 +10,18 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, append_kmsg, edit_nvml, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.jobs import discover
-from gpuwarden.agent.jobs.model import JobRef
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.remediation import Settings
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.act.remediation import Settings
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.job import JobRef
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+from gpuwarden.checks import job_discovery as discover
 
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 JOB = JobRef("slurm", "4242", 0)

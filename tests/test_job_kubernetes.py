@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from fake_kube_api import FakeKubeApi
-from gpuwarden.agent.adapters import kubernetes as k8s
-from gpuwarden.agent.adapters.base import Refused, Transient
-from gpuwarden.agent.jobs.model import JobRef
+from gpuwarden.agent.act.adapters import kubernetes as k8s
+from gpuwarden.agent.act.remediation import Engine, Hooks, Settings
+from gpuwarden.agent.core.job import JobRef
+from gpuwarden.agent.core.scheduler import Refused, Transient
 from gpuwarden.agent.jobs.respond import carry_out
-from gpuwarden.agent.remediation import Engine, Hooks, Settings
 
 REASON = "xid 79 GPU2 0018:01:00.0 (its GPU 2)"
 

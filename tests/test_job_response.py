@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.adapters.base import JobView
-from gpuwarden.agent.adapters.local import LocalAdapter
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.act.remediation import STATUS_KEY, Engine, Hooks, Settings
+from gpuwarden.agent.core.job import JobRef
+from gpuwarden.agent.core.scheduler import JobView
 from gpuwarden.agent.jobs import respond
-from gpuwarden.agent.jobs.model import JobRef
-from gpuwarden.agent.remediation import STATUS_KEY, Engine, Hooks, Settings
 
 REF = JobRef("slurm", "4242", 0, "cgroup")
 REASON = "xid 79 GPU0 0008:01:00.0 (its GPU 0)"

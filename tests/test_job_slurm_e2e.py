@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT, edit_nvml
 from slurm_cluster import poll, slurm_cluster  # noqa: F401  (the fixture)
 from test_slurm_e2e import DEADLINE_S, XID79, Agent, sinfo

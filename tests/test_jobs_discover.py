@@ -1,4 +1,4 @@
-"""Which job uses what (agent/jobs/discover.py), read by the real code from a recorded node: the bundled tray running
+"""Which job uses what (checks/job_discovery.py), read by the real code from a recorded node: the bundled tray running
 Slurm job 4242 (fixtures/nodes/gb200-nvl72-job, a capture of real processes), and copies of it edited the way other
 nodes differ (cgroup layouts, a job without a Slurm cgroup, NCCL found other ways, what the agent may not read)."""
 from __future__ import annotations
@@ -8,10 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, record_tool
-from gpuwarden.agent.jobs import discover
-from gpuwarden.agent.node import Node
+from gpuwarden.agent.node.host import Node
+from gpuwarden.checks import job_discovery as discover
 
 PIDS = (12596, 12597, 12598, 12599)
 BANNER = ROOT / "fixtures" / "jobs" / "libnccl.so.2-2.32.3-banner.bin"
@@ -251,7 +250,7 @@ def test_a_job_whose_every_gpu_is_lost_stays_while_its_processes_live(scenario_c
 
 
 def test_a_recording_replays_the_jobs_the_node_showed(scenario_copy, tmp_path):
-    from gpuwarden.agent.record import record
+    from gpuwarden.agent.node.record import record
 
     root = scenario_copy("gb200-nvl72-job")
     (root / "proc" / "12596" / "cgroup").write_text("0::/\n")  # this one named by scontrol pidinfo alone

@@ -7,15 +7,15 @@ import tomllib
 from dataclasses import replace
 
 import pytest
-
 from conftest import NODES
-from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.jobs import discover, doom
-from gpuwarden.agent.jobs.model import Figure
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.per_gpu import device_error_finding
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.job import Figure
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.core.per_gpu import device_error_finding
+from gpuwarden.agent.jobs import doom
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import ib_downtime, xid
+from gpuwarden.checks import job_discovery as discover
 from gpuwarden.checks.xid_catalog import load_catalog
 
 BOOT = "8d2f4b61-0c3e-4a97-b5d8-2e61f09a7c14"

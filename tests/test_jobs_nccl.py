@@ -1,12 +1,12 @@
-"""NCCL's settings as the job response reads them (agent/jobs/nccl.py): the effective IB timeout by NCCL version (the
-NCCL user guide's figures), NCCL_IB_HCA's matching (NCCL's parseStringList / matchIfList rules), NCCL's config files."""
+"""NCCL's settings as the job response reads them (agent/core/nccl_env.py): the effective IB timeout by NCCL version
+(the NCCL user guide's figures), NCCL_IB_HCA's matching (NCCL's parseStringList / matchIfList rules), NCCL's config
+files."""
 from __future__ import annotations
 
 import math
 
 import pytest
-
-from gpuwarden.agent.jobs import nccl
+from gpuwarden.agent.core import nccl_env as nccl
 
 ENV = "environment of pid 1"
 

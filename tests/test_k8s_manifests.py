@@ -26,17 +26,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, end_processes, wait_for
 from fake_kube_api import FakeKubeApi, request_attributes
 
 pytest.importorskip("lightkube")
 
-from gpuwarden.agent import cli, config  # noqa: E402
-from gpuwarden.agent.adapters import build as build_adapter  # noqa: E402
-from gpuwarden.agent.adapters import kubernetes as k8s  # noqa: E402
-from gpuwarden.agent.adapters.base import REASON_PREFIX, SchedulerAdapter  # noqa: E402
-from gpuwarden.agent.errors import ConfigError  # noqa: E402
+from gpuwarden.agent.act.adapters import build as build_adapter  # noqa: E402
+from gpuwarden.agent.act.adapters import kubernetes as k8s  # noqa: E402
+from gpuwarden.agent.cli import main as cli
+from gpuwarden.agent.core import config  # noqa: E402
+from gpuwarden.agent.core.errors import ConfigError  # noqa: E402
+from gpuwarden.agent.core.scheduler import REASON_PREFIX, SchedulerAdapter  # noqa: E402
 from gpuwarden.checks import all_specs  # noqa: E402
 
 KUBE = ROOT / "packaging" / "kubernetes"
@@ -194,7 +194,7 @@ def run_every_operation(api: FakeKubeApi, tmp_path: Path, table: dict) -> dict[s
     bad (its domain published, a spare put in the pool and taken in its place, cordon, the doomed jobs' pods marked
     and ended, drain, quarantine, resume); one write meets a conflict and is read again. Returns the taints each node
     carried along the way."""
-    from gpuwarden.agent.jobs.model import JobRef
+    from gpuwarden.agent.core.job import JobRef
 
     for name in ("gpu-a", "gpu-s1", "gpu-s2"):
         api.add_node(name, labels={"nvidia.com/gpu.clique": DOMAIN})

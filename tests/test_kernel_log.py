@@ -6,11 +6,10 @@ import gc
 from pathlib import Path
 
 import pytest
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.kernel_log import LogRecord, detect_format, parse_kmsg_text, parse_log_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.kernel_log import LogRecord, detect_format, parse_kmsg_text, parse_log_text
 
 KERNEL = Path(__file__).resolve().parent.parent / "fixtures" / "logs" / "kernel"
 

@@ -15,9 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-from gpuwarden.agent.store import Store, StoreError
-
 from conftest import ROOT, wait_for
+from gpuwarden.agent.state.store import Store, StoreError
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID31 = "3,{seq},{usec},-;NVRM: Xid (PCI:000a:01:00): 31, pid=7, name=python3, MMU Fault"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, append_kmsg, wait_for
-from gpuwarden.agent.adapters.local import LocalAdapter
+from gpuwarden.agent.act.adapters.local import LocalAdapter
 
 HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."

@@ -17,10 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, append_kmsg, end_processes, wait_for
 from fake_kube_api import FakeKubeApi
-from gpuwarden.agent.adapters import kubernetes as k8s
+from gpuwarden.agent.act.adapters import kubernetes as k8s
 
 HOST = "gb200-rack07-tray03"  # gb200-nvl72-healthy's hostname: the agent's node at the API server
 DOMAIN = "62c4efc6-d460-488d-b7d7-69de49edd641.32766"  # the recorded tray's NVML fabric clusterUuid.cliqueId

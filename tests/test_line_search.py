@@ -1,11 +1,10 @@
-"""agent/line_search.py: the lines of a buffer that hold one of a few texts, found by a rare byte of each and, where
-that byte is common, by the texts themselves: the same lines as a plain search of every line, whichever way."""
+"""agent/core/line_search.py: the lines of a buffer that hold one of a few texts, found by a rare byte of each and,
+where that byte is common, by the texts themselves: the same lines as a plain search of every line, whichever way."""
 from __future__ import annotations
 
+from gpuwarden.agent.core.line_search import FORGET_AFTER, RUN_MIN, ProbeMemory, lines_holding, probes_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gpuwarden.agent.line_search import FORGET_AFTER, RUN_MIN, ProbeMemory, lines_holding, probes_for
 
 TEXTS = (b"NVRM: ", b"SXid", b"NVSwitch", b"AER", b"PCIe Bus Error", b"[Hardware Error]:")
 # Pieces of lines: the texts, their rare bytes alone and in near misses (so a probe byte is common or rare), noise.

@@ -9,8 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent import logs
+from gpuwarden.agent.core import logs
 
 log = logs.get_logger("gpuwarden.test")
 

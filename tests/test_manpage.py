@@ -1,4 +1,4 @@
-"""gpuwarden(1) as agent/manpage.py writes it from the argparse parser: every subcommand and option is in it, the
+"""gpuwarden(1) as agent/cli/manpage.py writes it from the argparse parser: every subcommand and option is in it, the
 roff is escaped (hyphens, backslashes, leading dots), groff renders it without a warning, and its exit codes are the
 README's. Also the --help texts it is made from: a description per command, the exit codes where they matter."""
 from __future__ import annotations
@@ -9,10 +9,9 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import ROOT
-
-from gpuwarden.agent import cli, manpage
+from gpuwarden.agent.cli import main as cli
+from gpuwarden.agent.cli import manpage
 
 # Every flag as it was when the page was first written from the parser: help texts may change, flags may not.
 FLAGS = {

@@ -1,16 +1,15 @@
 """The endpoint serves the daemon's page without importing prometheus-client: its content negotiation, gzip test and
-float formatting are copied (agent/http_endpoint.py _negotiate, agent/metrics.py _go_float). Each copy must answer
-exactly as the installed prometheus-client does, or not at all (None: prometheus-client answers)."""
+float formatting are copied (agent/daemon/http_endpoint.py _negotiate, agent/daemon/metrics.py _go_float). Each copy
+must answer exactly as the installed prometheus-client does, or not at all (None: prometheus-client answers)."""
 from __future__ import annotations
 
 import math
 
 import pytest
+from gpuwarden.agent.daemon import metrics
+from gpuwarden.agent.daemon.http_endpoint import _gzip_accepted, _negotiate, _page_format
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.utils import floatToGoString
-
-from gpuwarden.agent import metrics
-from gpuwarden.agent.http_endpoint import _gzip_accepted, _negotiate, _page_format
 
 PROMETHEUS_3 = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;"
                 "version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;"

@@ -1,5 +1,5 @@
-"""The /metrics page the daemon's collector renders itself (agent/metrics.py DaemonCollector.page) and the endpoint
-serves: byte for byte what prometheus-client writes for the same families, in each format and name escaping a
+"""The /metrics page the daemon's collector renders itself (agent/daemon/metrics.py DaemonCollector.page) and the
+endpoint serves: byte for byte what prometheus-client writes for the same families, in each format and name escaping a
 scraper negotiates, with and without gzip; a change shows on the next scrape; an unchanged page is the same bytes.
 
 The families come from the real daemon run on a copy of a recorded node (a faulty GB200 tray: findings, an XID,
@@ -14,20 +14,19 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import NODES, wait_for
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import CheckResult, Status
+from gpuwarden.agent.core.passive import MetricSample
+from gpuwarden.agent.daemon.http_endpoint import MetricsEndpoint
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, Snapshot, registry_for
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
+from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import choose_encoder
-
-from conftest import NODES, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.http_endpoint import MetricsEndpoint
-from gpuwarden.agent.metrics import DaemonCollector, Snapshot, registry_for
-from gpuwarden.agent.model import CheckResult, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import MetricSample
-from gpuwarden.agent.store import Store
-from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 
 PROMETHEUS = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
 PROMETHEUS_3 = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"

@@ -8,15 +8,14 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-
 from conftest import edit_nvml, promtool_lint, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.http_endpoint import MetricsEndpoint
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.daemon.http_endpoint import MetricsEndpoint
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 
 MAX_PAGE = 48 * 1024
@@ -116,7 +115,7 @@ def test_the_faulty_tray_names_each_nvswitch_and_port(served):
 
 def test_per_gpu_series_name_the_gpu_by_index_and_gpu_info_maps_it_to_the_uuid():
     from conftest import exposition
-    from gpuwarden.agent.passive import MetricSample
+    from gpuwarden.agent.core.passive import MetricSample
 
     def temp(gpu: str, uuid: str, value: float) -> MetricSample:
         return MetricSample("gpuwarden_gpu_temperature_celsius", "T.", {"gpu": gpu, "uuid": uuid, "sensor": "gpu"},

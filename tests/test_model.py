@@ -1,10 +1,17 @@
 import json
 
+from gpuwarden.agent.core.model import (
+    Action,
+    CheckResult,
+    Entity,
+    Finding,
+    Report,
+    Status,
+    fold_status,
+    verdict_exit_code,
+)
 from hypothesis import given
 from hypothesis import strategies as st
-
-from gpuwarden.agent.model import (Action, CheckResult, Entity, Finding, Report, Status, fold_status,
-                                   verdict_exit_code)
 
 entities = st.builds(Entity, kind=st.sampled_from(["gpu", "ib_port", "pcie", "nvlink", "node"]),
                      id=st.text(min_size=1), index=st.none() | st.integers(0, 71), pci=st.none() | st.text(),

@@ -5,15 +5,14 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import record_tool
-from gpuwarden.agent import config
-from gpuwarden.agent.analyze import analyze_file
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_checks
-from gpuwarden.agent.thresholds import sku_table
+from gpuwarden.agent.cli.analyze import analyze_file
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.core.thresholds import sku_table
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.checks import nccl_allreduce
 from gpuwarden.checks.nccl_allreduce import CHECK, Floor, analyze, argv, decide, detect, floor_for
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
@@ -251,7 +250,7 @@ def test_scenario_gb200_tray_uses_its_floor(scenario_copy):
 
 
 def test_findings_survive_the_json_contract(scenario_copy):
-    from gpuwarden.agent.model import Finding
+    from gpuwarden.agent.core.model import Finding
 
     for text in (with_wrong_values(), with_low_busbw(), crashed(), PASS_TEXT):
         for floor in (H100, Floor(None, "none")):

@@ -6,13 +6,12 @@ import re
 from pathlib import Path
 
 import pytest
-
-from conftest import edit_nvml, exposition as render, promtool_lint
-
-from gpuwarden.agent.errors import NotApplicable
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
+from conftest import edit_nvml, promtool_lint
+from conftest import exposition as render
+from gpuwarden.agent.core.errors import NotApplicable
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.passive import step
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import nvlink_lanes
 from gpuwarden.checks.nvlink_lanes import SPEC as CHECK
 
@@ -286,7 +285,7 @@ def test_a_single_gpu_that_had_links_is_not_skipped(scenario_copy):
 
 
 def test_expect_nvlink_is_checked():
-    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.agent.core.errors import ConfigError
     with pytest.raises(ConfigError, match="expect_nvlink must be auto, yes or no"):
         CHECK.sample(Node.recorded_at(Path(__file__).resolve().parent.parent / "fixtures/nodes/h100-hgx-healthy"),
                      {**CFG, "expect_nvlink": "maybe"}, {})

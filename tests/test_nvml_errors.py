@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from gpuwarden.agent import config
-from gpuwarden.agent.model import Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
-from gpuwarden.agent.runner import run_checks
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import Status
+from gpuwarden.agent.core.passive import step
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 from gpuwarden.checks import ALL, PASSIVE
 

@@ -8,12 +8,16 @@ import json
 import pynvml
 import pytest
 from conftest import NODES, PassiveClock, edit_nvml
-
-from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.model import Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.sources.nvml import (ECC_FIELDS, NVLINK_COUNTER_FIELDS, NVLINK_COUNTERS, NVLINK_CRC_DATA_FIELDS,
-                                          Nvml)
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.model import Status
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.sources.nvml import (
+    ECC_FIELDS,
+    NVLINK_COUNTER_FIELDS,
+    NVLINK_COUNTERS,
+    NVLINK_CRC_DATA_FIELDS,
+    Nvml,
+)
 from gpuwarden.agent.sources.nvml.bindings import const
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 from gpuwarden.checks import nvlink_lanes

@@ -6,16 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent import config, recovery
-from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.jobs import discover
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_checks
-from gpuwarden.checks import ecc, peer_p2p
-
 from conftest import ROOT
+from gpuwarden.agent.act import recovery
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_checks
+from gpuwarden.checks import ecc, peer_p2p
+from gpuwarden.checks import job_discovery as discover
 
 NO_CRC_DATA = range(6, 12)  # NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L6..L11: fields 102-107
 
@@ -187,7 +186,7 @@ def test_memory_info_that_fails_leaves_the_empty_list_unconfirmed(scenario_copy)
 
 
 def test_a_recording_keeps_the_memory_in_use_so_its_replay_cannot_look_either(scenario_copy, tmp_path):
-    from gpuwarden.agent.record import record
+    from gpuwarden.agent.node.record import record
 
     root = scenario_copy("gb200-nvl72-job")
 

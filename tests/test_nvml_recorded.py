@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
-
-from gpuwarden.agent.errors import NvmlError
+from gpuwarden.agent.core.errors import NvmlError
 from gpuwarden.agent.sources.nvml import P2P_CAPS, Nvml, canonical_bdf
 from gpuwarden.agent.sources.nvml.bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
@@ -168,7 +167,6 @@ def test_a_handle_stays_valid_when_the_recording_is_read_again():
     """A recorded node re-reads nvml.json into a new backend while other threads hold the last one's handles
     (a poll mid-sample when a test edits the file): those handles still name the same GPU, as live ones do."""
     from conftest import ROOT
-
     from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 
     path = ROOT / "fixtures/nodes/h100-hgx-healthy/nvml.json"

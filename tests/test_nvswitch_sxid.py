@@ -5,17 +5,16 @@ from pathlib import Path
 
 import pytest
 from conftest import exposition, promtool_lint
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from gpuwarden import checks
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.agent.kernel_log import parse_log_text
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import KernelBatch
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.agent.core.kernel_log import parse_log_text
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.passive import KernelBatch
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import nvswitch_sxid
 from gpuwarden.checks.nvswitch_sxid import SXID_CONSUMER
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = ROOT / "fixtures" / "logs" / "kernel"
@@ -184,9 +183,9 @@ def _codes(findings):
 
 
 def test_preflight_analyze_and_the_daemon_give_the_same_sxid_verdict():
-    from gpuwarden.agent import analyze
-    from gpuwarden.agent.runner import run_checks
-    from gpuwarden.agent import config
+    from gpuwarden.agent.cli import analyze
+    from gpuwarden.agent.core import config
+    from gpuwarden.agent.node.runner import run_checks
 
     node = Node.recorded_at(ROOT / "fixtures" / "nodes" / "gb200-nvl72-faulty")
     cfg = config.defaults(checks.all_specs())

@@ -23,15 +23,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT, append_kmsg, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.http_endpoint import MetricsEndpoint
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.daemon.http_endpoint import MetricsEndpoint
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 
 GOLDEN = ROOT / "tests" / "golden" / "outputs"

@@ -8,7 +8,6 @@ import venv
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT
 
 pytestmark = pytest.mark.slow

@@ -5,16 +5,20 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import ROOT
 from deadline import MIB, deadline
-from gpuwarden.agent.analyze import analyze_file
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.checks.parse_dcgmi_diag import (DiagError, diag_from_json, looks_like_dcgmi_diag_json,
-                                               looks_like_dcgmi_diag_text, parse_dcgmi_diag_json,
-                                               parse_dcgmi_diag_text)
+from gpuwarden.agent.cli.analyze import analyze_file
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.checks.parse_dcgmi_diag import (
+    DiagError,
+    diag_from_json,
+    looks_like_dcgmi_diag_json,
+    looks_like_dcgmi_diag_text,
+    parse_dcgmi_diag_json,
+    parse_dcgmi_diag_text,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 DCGMI = ROOT / "fixtures" / "tools" / "dcgmi"
 SCHEMA_3 = DCGMI / "dcgm__dcgm_diag_schema__DCGM-3.3.1.json"

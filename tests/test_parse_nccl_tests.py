@@ -3,12 +3,11 @@ edge cases, and under fuzzing: nothing but ParseError may escape."""
 from pathlib import Path
 
 import pytest
+from deadline import MIB, deadline
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deadline import MIB, deadline
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 
 NCCL = Path(__file__).resolve().parent.parent / "fixtures" / "tools" / "nccl"
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "nccl"

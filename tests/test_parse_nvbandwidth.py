@@ -3,12 +3,11 @@ text (only ParseError may escape)."""
 from pathlib import Path
 
 import pytest
+from deadline import MIB, deadline
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.checks.parse_nvbandwidth import parse_nvbandwidth
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deadline import MIB, deadline
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.checks.parse_nvbandwidth import parse_nvbandwidth
 
 CAPTURES = Path(__file__).resolve().parent.parent / "fixtures" / "tools" / "nvbandwidth"
 H100 = CAPTURES / "unattributed__d2d-read-write-ce-latency-h2d-d2h__8xH100-SXM__v0.10.0.txt"

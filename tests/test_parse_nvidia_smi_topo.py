@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from deadline import MIB, deadline
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.checks.parse_nvidia_smi_topo import parse_cpu_list, parse_topo_matrix
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deadline import MIB, deadline
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.checks.parse_nvidia_smi_topo import parse_cpu_list, parse_topo_matrix
 
 SMI = Path(__file__).resolve().parent.parent / "fixtures" / "tools" / "nvidia-smi"
 TOPO_FILES = sorted(p for p in SMI.glob("*topo-m*") if not p.name.endswith(".source.txt"))

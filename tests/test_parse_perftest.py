@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from deadline import MIB, deadline
+from gpuwarden.agent.core.errors import ParseError
+from gpuwarden.checks.parse_perftest import last_error_line, parse_perftest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from deadline import MIB, deadline
-from gpuwarden.agent.errors import ParseError
-from gpuwarden.checks.parse_perftest import last_error_line, parse_perftest
 
 PERFTEST = Path(__file__).resolve().parent.parent / "fixtures" / "tools" / "perftest"
 FILES = sorted(p for p in PERFTEST.iterdir() if not p.name.endswith(".source.txt"))

@@ -7,12 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.errors import NotApplicable, ParseError
-from gpuwarden.agent.kernel_log import LogRecord, parse_kmsg_text, parse_log_text
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import step
+from gpuwarden.agent.core.errors import NotApplicable, ParseError
+from gpuwarden.agent.core.kernel_log import LogRecord, parse_kmsg_text, parse_log_text
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.passive import step
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import pcie_aer
 
 SPEC = pcie_aer.SPEC
@@ -360,7 +359,7 @@ def test_kernel_part_first_batch_is_history_then_news_is_a_fail(clock):
 def test_a_backlog_read_after_a_restart_counts_from_when_it_was_logged():
     """After a restart the daemon reads what the kernel logged while it was down: an uncorrectable error logged two
     hours ago (past uncorrectable_hold_s) is history, not a FAIL as if it had happened now."""
-    from gpuwarden.agent.passive import KernelBatch, event_clock
+    from gpuwarden.agent.core.passive import KernelBatch, event_clock
 
     cfg = dict(pcie_aer.SPEC.defaults)
     line = "3,{seq},{usec},-;pcieport 0000:18:01.0: AER: Uncorrected (Fatal) error received: 0000:19:00.0\n"

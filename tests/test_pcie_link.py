@@ -9,10 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_one
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_one
 from gpuwarden.checks import pcie_link
 from gpuwarden.checks.pcie_link import Link, decide_link, parse_speed
 from test_parse_nvidia_smi_topo import nic_matrix, pix_pairs
@@ -325,9 +324,9 @@ def test_every_gpu_lost_with_no_device_of_ours_in_sysfs_is_a_fail_not_skipped(sc
 
 
 def test_findings_yielded_before_not_applicable_decide_the_status():
-    from gpuwarden.agent.check import CheckSpec
-    from gpuwarden.agent.errors import NotApplicable
-    from gpuwarden.agent.model import Finding
+    from gpuwarden.agent.core.check import CheckSpec
+    from gpuwarden.agent.core.errors import NotApplicable
+    from gpuwarden.agent.core.model import Finding
 
     def run(node, cfg):
         yield Finding("odd", "odd-warn", Entity.node("n"), Status.WARN, "a warning", Action.MONITOR)

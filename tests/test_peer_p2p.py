@@ -7,15 +7,13 @@ import json
 import re
 
 import pytest
-
-from gpuwarden.agent import config
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_checks
+from conftest import ROOT
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.agent.sources.gemm import Gemm, copy_bandwidth, torch_available
 from gpuwarden.checks import peer_p2p
-
-from conftest import ROOT
 
 CAPTURES = ROOT / "fixtures" / "tools" / "nvbandwidth"
 H100_CAPTURE = CAPTURES / "unattributed__d2d-read-write-ce-latency-h2d-d2h__8xH100-SXM__v0.10.0.txt"
@@ -273,7 +271,7 @@ def test_torch_copies_on_cpu(make):
 
 
 def test_thresholds_table_is_seventy_percent_of_the_link():
-    from gpuwarden.agent.thresholds import sku_table
+    from gpuwarden.agent.core.thresholds import sku_table
 
     for sku, row in sku_table("peer_p2p").items():
         assert row["bandwidth_floor_gbps"] == pytest.approx(0.7 * row["nvlink_gbps_per_direction"]), sku

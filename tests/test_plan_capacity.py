@@ -11,11 +11,10 @@ from fractions import Fraction
 from math import comb
 
 import pytest
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.fleet.plan import capacity as cap
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gpuwarden.agent import plan_capacity as cap
-from gpuwarden.agent.errors import ConfigError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -11,13 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from gpuwarden.agent.act.adapters import slurm
+from gpuwarden.agent.act.adapters.slurm import SlurmAdapter
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.core.scheduler import Service
+from gpuwarden.agent.fleet.plan import defrag as pd
 from slurm_cluster import SlurmCluster, poll
-
-from gpuwarden.agent import plan_defrag as pd
-from gpuwarden.agent.adapters.base import Service
-from gpuwarden.agent.adapters import slurm
-from gpuwarden.agent.adapters.slurm import SlurmAdapter
-from gpuwarden.agent.errors import ConfigError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "slurm"
 SQUEUE = FIXTURES / "squeue-22.05-defrag.json"

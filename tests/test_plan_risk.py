@@ -8,9 +8,8 @@ import math
 import random
 
 import pytest
-
-from gpuwarden.agent import plan_risk as risk
-from gpuwarden.agent.errors import ConfigError
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.fleet.plan import risk
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -6,13 +6,12 @@ import argparse
 import json
 
 import pytest
-
-from gpuwarden.agent import plan_simulate
-from gpuwarden.agent.adapters.base import Service
-from gpuwarden.agent.errors import ConfigError
-from gpuwarden.agent.jobs.model import JobRef
-from gpuwarden.agent.sim_fleet import HOUR, Burst, Fleet, Policy, SimConfig, simulate
-from gpuwarden.agent.state import NodeState
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.core.job import JobRef
+from gpuwarden.agent.core.scheduler import Service
+from gpuwarden.agent.fleet.plan import simulate as plan_simulate
+from gpuwarden.agent.fleet.plan.sim_fleet import HOUR, Burst, Fleet, Policy, SimConfig, simulate
+from gpuwarden.agent.state.transitions import NodeState
 
 # Small fleets, short node MTBI: many failures in a fraction of a second.
 BUSY = SimConfig(racks=4, nodes_per_rack=18, days=30, mtbi_days=60, seed=7)
@@ -365,7 +364,7 @@ def test_waiting_for_the_watchdog_holds_the_slice_and_costs_what_the_fast_run_ch
 @pytest.mark.parametrize("argv", [("--watchdog-minutes", "-1"), ("--checkpoint-minutes", "0"),
                                   ("--gpus-per-node", "0"), ("--abort-seconds", "nan"), ("--job-response", "wait")])
 def test_bad_job_flags_exit_2_naming_the_flag(argv, capsys):
-    from gpuwarden.agent import cli
+    from gpuwarden.agent.cli import main as cli
 
     assert cli.main(["plan", "simulate", "--racks", "1", "--days", "1", *argv]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,6 @@ import subprocess
 import urllib.request
 
 import pytest
-
 from conftest import append_kmsg, wait_for
 from test_daemon import XID79, free_port, start
 

@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.errors import ToolError, ToolMissing
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_one
+from gpuwarden.agent.core.errors import ToolError, ToolMissing
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_one
 from gpuwarden.agent.sources.perftest import loopback_pair, tool_name
 from gpuwarden.agent.sources.sysfs import Sysfs
 from gpuwarden.agent.sources.tools import ToolRunner
@@ -252,7 +251,7 @@ def test_analyzer_detects_perftest_outputs_and_reports_the_same_findings():
 
 
 def test_gpuwarden_analyze_reads_a_perftest_file(tmp_path):
-    from gpuwarden.agent.analyze import analyze_file
+    from gpuwarden.agent.cli.analyze import analyze_file
     from gpuwarden.checks import by_name
 
     assert "rdma_loopback" in by_name()

@@ -11,19 +11,18 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import NODES, ROOT, edit_nvml
-from gpuwarden.agent import config
-from gpuwarden.agent.errors import ConfigError, NvmlError, SourceError
-from gpuwarden.agent.model import Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.record import record
-from gpuwarden.agent.record_tools import _nvlink_after, capture_full
-from gpuwarden.agent.runner import run_checks
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.errors import ConfigError, NvmlError, SourceError
+from gpuwarden.agent.core.model import Status
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.record import record
+from gpuwarden.agent.node.record_tools import _nvlink_after, capture_full
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.agent.sources.dcgm import Dcgm
 from gpuwarden.agent.sources.gemm import Gemm, GemmResult
 from gpuwarden.agent.sources.tools import ToolRunner
 from gpuwarden.checks import ALL, all_specs, burnin, pcie_link
 from gpuwarden.checks.fabric_manager import read_fabric_manager
-
 
 QUICK = [spec for spec in ALL if spec.level == "quick"]  # full-level checks replay tools/, which record leaves out
 
@@ -56,7 +55,7 @@ def test_record_of_a_scenario_replays_to_the_same_verdict(tmp_path):
 
 
 def test_record_via_cli_writes_a_scenario_preflight_accepts(tmp_path):
-    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.cli.main import main
 
     out = tmp_path / "bundle"
     assert main(["record", "--root", str(NODES / "h100-hgx-healthy"), "--out", str(out)]) == 0
@@ -68,7 +67,7 @@ def test_live_record_and_preflight_on_this_machine(tmp_path):
     error is recorded and replays as the same UNKNOWN; never as healthy."""
     import os
 
-    from gpuwarden.agent.model import Status
+    from gpuwarden.agent.core.model import Status
     from gpuwarden.agent.sources.kmsg import DEV_KMSG
 
     live = Node.live()
@@ -157,7 +156,7 @@ def test_rerecording_with_tools_replays_every_check_the_same(scenario_copy, tmp_
 
 
 def test_record_cli_with_tools_gives_the_same_full_preflight_exit(tmp_path):
-    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.cli.main import main
 
     def preflight_full(root, code):
         with contextlib.redirect_stdout(io.StringIO()) as stdout:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from conftest import NODES
-from gpuwarden.agent import config
-from gpuwarden.agent.cli import main
-from gpuwarden.agent.model import Action, Status, verdict_exit_code
-from gpuwarden.agent.node import Node, NodeInfo
-from gpuwarden.agent.record import record
-from gpuwarden.agent.runner import run_checks
-from gpuwarden.agent.sku import sku_from_gpu_name
+from gpuwarden.agent.cli.main import main
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import Action, Status, verdict_exit_code
+from gpuwarden.agent.core.sku import sku_from_gpu_name
+from gpuwarden.agent.node.host import Node, NodeInfo
+from gpuwarden.agent.node.record import record
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.agent.sources.kmsg import KernelLog
 from gpuwarden.agent.sources.nvml import Nvml
 from gpuwarden.agent.sources.sysfs import Sysfs

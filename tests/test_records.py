@@ -9,8 +9,7 @@ import pickle
 from typing import Any
 
 import pytest
-
-from gpuwarden.agent import records
+from gpuwarden.agent.core import records
 
 
 def _both(frozen: bool, slots: bool = False) -> tuple[type, type]:

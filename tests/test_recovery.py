@@ -1,4 +1,4 @@
-"""The quarantine ladder's actions (agent/recovery.py) through the node's real sources: NVML of a recorded node for
+"""The quarantine ladder's actions (agent/act/recovery.py) through the node's real sources: NVML of a recorded node for
 the processes holding a GPU, the real tool runner for nvidia-smi (a stand-in on PATH that prints nvidia-smi's real
 recorded answers, fixtures/tools/nvidia-smi/*gpu-reset*; or a recorded node's tools/), real commands for the reboot
 and the ticket hook. Refused while held, refused when the holders could not be read, done per GPU as nvidia-smi
@@ -13,11 +13,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, record_tool
-from gpuwarden.agent import recovery
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.recovery import HoldersUnknown, StepOutcome, gpu_holders, open_ticket, reboot, reset_gpus
+from gpuwarden.agent.act import recovery
+from gpuwarden.agent.act.recovery import HoldersUnknown, StepOutcome, gpu_holders, open_ticket, reboot, reset_gpus
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.nvml import Nvml
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 from gpuwarden.agent.sources.tools import ToolRunner

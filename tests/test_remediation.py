@@ -9,13 +9,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from fake_scheduler import DictScheduler
-from gpuwarden.agent import breaker
-from gpuwarden.agent.adapters.base import Busy, Transient
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.remediation import (RESET_AT_KEY, STATUS_KEY, Engine, Hooks, Settings, _reason, finding_text,
-                                         read_actions)
+from gpuwarden.agent.act import breaker
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.act.remediation import (
+    RESET_AT_KEY,
+    STATUS_KEY,
+    Engine,
+    Hooks,
+    Settings,
+    _reason,
+    finding_text,
+    read_actions,
+)
+from gpuwarden.agent.core.scheduler import Busy, Transient
 
 ME = "tray03"
 
@@ -155,8 +162,8 @@ def test_a_scheduler_that_answers_later_is_reachable_and_status_says_what_the_in
 
 
 def test_status_says_what_an_intent_waits_for(tmp_path, capsys):
-    from gpuwarden.agent.cli import main
-    from gpuwarden.agent.store import Store
+    from gpuwarden.agent.cli.main import main
+    from gpuwarden.agent.state.store import Store
 
     clock, journal = Clock(), Journal()
     sched = DictScheduler(fleet(service="cordoned", ours=True, jobs=3), clock=clock)
@@ -245,7 +252,7 @@ def test_a_call_that_timed_out_after_taking_effect_is_not_repeated(tmp_path):
 
     def drain(node, reason):  # the scheduler did it, the answer never came
         real(node, reason)
-        from gpuwarden.agent.adapters.base import Transient
+        from gpuwarden.agent.core.scheduler import Transient
         raise Transient("timed out after 5 s")
 
     sched.drain = drain
@@ -256,7 +263,8 @@ def test_a_call_that_timed_out_after_taking_effect_is_not_repeated(tmp_path):
     assert journal.outcomes() == ["already so at the scheduler (drained, ours)"]
 
 
-# -- the circuit breaker's gate (the verdict as agent/breaker.py gives it) -------------------------------------------
+# -- the circuit breaker's gate (the verdict as agent/act/breaker.py gives it)
+# -------------------------------------------
 def test_the_breaker_latches_until_reset_and_nothing_is_lost(tmp_path):
     clock, journal = Clock(), Journal()
     sched = DictScheduler(fleet(), clock=clock)
@@ -398,7 +406,8 @@ def test_node_spare_follows_the_schedulers_view_of_this_node(tmp_path):
     assert sched.state(ME)["spare"] and sample(e, "gpuwarden_node_spare") == 1.0
 
 
-# -- with the policy modules (agent/breaker.py, agent/spares.py) -------------------------------------------------------
+# -- with the policy modules (agent/act/breaker.py, agent/act/spares.py)
+# -------------------------------------------------------
 def test_the_real_breaker_holds_when_half_the_domain_is_drained(tmp_path):
     clock, journal = Clock(), Journal()
     nodes = fleet(8)
@@ -484,7 +493,7 @@ def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
 
 
 def quarantine_intents(at: float = 1000.0) -> list:
-    """The intents of HEALTHY -> QUARANTINED in a known domain, as the daemon journals them (agent/daemon.py)."""
+    """The intents of HEALTHY -> QUARANTINED in a known domain, as the daemon journals them (agent/daemon/loop.py)."""
     base = {"at": at, "from": "healthy", "to": "quarantined", "reason": "xid/79 on GPU0"}
     return [(f"{at:.6f}:healthy->quarantined:{a}", a, {**base, **extra})
             for a, extra in (("cordon", {}), ("drain", {}), ("take_spare", {"domain": "rack07"}))]
@@ -600,9 +609,9 @@ def test_a_stale_mark_of_ours_on_a_node_in_service_does_not_let_it_past_the_gate
 
 # -- `gpuwarden breaker reset` and `gpuwarden status` ---------------------------------------------------------------
 def test_breaker_reset_is_recorded_for_the_daemon_and_status_says_why_it_held(tmp_path, capsys):
-    from gpuwarden.agent.cli import main
-    from gpuwarden.agent.state import NodeRecord, NodeState
-    from gpuwarden.agent.store import Store
+    from gpuwarden.agent.cli.main import main
+    from gpuwarden.agent.state.store import Store
+    from gpuwarden.agent.state.transitions import NodeRecord, NodeState
 
     state = tmp_path / "state"
     store = Store(state / "state.db", lock=True)  # the daemon holds the folder meanwhile
@@ -629,8 +638,8 @@ def test_breaker_reset_is_recorded_for_the_daemon_and_status_says_why_it_held(tm
 # -- the [remediation] table -----------------------------------------------------------------------------------------
 def test_remediation_config_is_checked_and_documented(tmp_path):
     from conftest import ROOT
-    from gpuwarden.agent import config
-    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.agent.core import config
+    from gpuwarden.agent.core.errors import ConfigError
     from gpuwarden.checks import all_specs
 
     specs = all_specs()
@@ -666,8 +675,8 @@ def test_remediation_config_is_checked_and_documented(tmp_path):
 
 
 def test_an_adapter_is_built_by_name_and_a_bad_table_names_itself(tmp_path):
-    from gpuwarden.agent.adapters import build
-    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.agent.act.adapters import build
+    from gpuwarden.agent.core.errors import ConfigError
 
     assert build("local", {}, tmp_path).path == tmp_path / "actions.jsonl"
     with pytest.raises(ConfigError, match=r"\[remediation\.local\]"):

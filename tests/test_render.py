@@ -1,7 +1,7 @@
 import io
 
-from gpuwarden.agent.model import Action, CheckResult, Entity, Finding, Report, Status
-from gpuwarden.agent.render import Progress, table
+from gpuwarden.agent.core.model import Action, CheckResult, Entity, Finding, Report, Status
+from gpuwarden.agent.core.render import Progress, table
 
 
 class FakeTty(io.StringIO):

@@ -1,20 +1,19 @@
 """The retest of a quarantined node, driven through time on a recorded node with the daemon's real retest (the quick
-preflight on the kernel log after the recovery, agent/retest.py): a reset-class XID quarantines the node at its
+preflight on the kernel log after the recovery, agent/node/retest.py): a reset-class XID quarantines the node at its
 first observation, a recovery lets the retest pass and the node return, and an XID that comes back after the
 recovery fails the retest."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import append_kmsg, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.retest import run_retest
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.retest import run_retest
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
 
 GPU1 = "0009:01:00"  # GPU 1 of the GB200 tray
@@ -37,7 +36,7 @@ def node_daemon(scenario_copy, tmp_path):
         d = Daemon(node, list(PASSIVE), list(KERNEL_CONSUMERS), cfg, store,
                    LocalAdapter(tmp_path / "state" / "actions.jsonl"), DaemonCollector(),
                    DaemonOptions(kmsg_tick_s=0.01, idle_tick_s=0.05, policy=policy,
-                                 # what `gpuwarden run` gives the daemon (agent/run.py)
+                                 # what `gpuwarden run` gives the daemon (agent/cli/run.py)
                                  retest=lambda since: run_retest(node, d.config, since)[0]))
         d.start()
         made.append((d, store))

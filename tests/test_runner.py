@@ -1,10 +1,10 @@
 import threading
 
-from gpuwarden.agent import config
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import NotApplicable, SourceError, ToolMissing
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.runner import run_checks
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import NotApplicable, SourceError, ToolMissing
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.node.runner import run_checks
 
 GPU = Entity("gpu", "GPU-1", 0, "0000:18:00.0")
 

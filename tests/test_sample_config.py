@@ -6,10 +6,9 @@ import re
 import tomllib
 
 import pytest
-
 from conftest import ROOT
-
-from gpuwarden.agent import config, sample_config
+from gpuwarden.agent.cli import sample_config
+from gpuwarden.agent.core import config
 from gpuwarden.checks import all_specs
 
 SAMPLE = ROOT / "packaging" / "gpuwarden.toml"
@@ -83,7 +82,7 @@ def test_the_file_is_what_the_code_writes_now():
     expected = sample_config.render(ROOT / "docs" / "configuration.md")
     if SAMPLE.read_text() != expected:
         pytest.fail("packaging/gpuwarden.toml is out of step with the code's defaults: regenerate it with\n"
-                    "  python -m gpuwarden.agent.sample_config docs/configuration.md > packaging/gpuwarden.toml")
+                    "  python -m gpuwarden.agent.cli.sample_config docs/configuration.md > packaging/gpuwarden.toml")
 
 
 def test_toml_values_round_trip():

@@ -2,10 +2,10 @@
 could not."""
 import json
 
-from gpuwarden.agent import config
-from gpuwarden.agent.model import Status, verdict_exit_code
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.runner import run_checks
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import Status, verdict_exit_code
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.checks import ALL
 
 
@@ -59,8 +59,7 @@ def test_nvml_unusable_makes_nvml_checks_unknown(scenario_copy):
 
 def test_malformed_node_toml_names_the_key(scenario_copy):
     import pytest
-
-    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.agent.core.errors import ConfigError
 
     root = scenario_copy("gb200-nvl72-healthy")
     toml = root / "node.toml"
@@ -86,8 +85,7 @@ def test_malformed_kmsg_lines_do_not_stop_the_check(scenario_copy):
 
 def test_node_toml_types_are_checked(scenario_copy):
     import pytest
-
-    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.agent.core.errors import ConfigError
 
     root = scenario_copy("gb200-nvl72-healthy")
     toml = root / "node.toml"
@@ -102,7 +100,7 @@ def test_node_toml_types_are_checked(scenario_copy):
 
 def test_daemon_only_faults_fail_preflight_too(scenario_copy):
     """A health check built on preflight must see what the daemon sees at its first poll: an NVLink down and an
-    unhealthy fabric route are judged in one look by the daemon's own decision (agent/passive.py one_look)."""
+    unhealthy fabric route are judged in one look by the daemon's own decision (agent/core/passive.py one_look)."""
     from conftest import edit_nvml
 
     root = scenario_copy("gb200-nvl72-healthy")
@@ -135,7 +133,7 @@ def cli_preflight(root, *args):
     import contextlib
     import io
 
-    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -18,9 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT, append_kmsg
-from gpuwarden.agent.adapters.slurm import SlurmAdapter
+from gpuwarden.agent.act.adapters.slurm import SlurmAdapter
 from slurm_cluster import free_port, poll, slurm_cluster  # noqa: F401  (the fixture)
 
 LIVE = ("n1", "n2", "n3", "n4", "n5", "n6")

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import NODES, ROOT
 from slurm_cluster import SlurmCluster, poll
 
@@ -259,7 +258,7 @@ def test_slurm_epilog_on_a_failing_node_drains_it(slurm):
 def test_slurm_conf_example_names_the_shipped_scripts_with_timeouts_that_fit():
     """packaging/slurm/slurm.conf.example: each program is a shipped script (installed in /usr/lib/gpuwarden/), and
     its time limits leave the program's own budget room (slurmd's fixed 60 s for the health check)."""
-    from gpuwarden.agent.slurm_healthcheck import BUDGET_S, SCONTROL_TIMEOUT_S
+    from gpuwarden.agent.cli.slurm_healthcheck import BUDGET_S, SCONTROL_TIMEOUT_S
 
     conf = example_conf()
     for key, mode in (("HealthCheckProgram", "healthcheck"), ("Prolog", "prolog"), ("Epilog", "epilog")):
@@ -277,7 +276,7 @@ def test_slurm_conf_example_names_the_shipped_scripts_with_timeouts_that_fit():
 
 # -- without a cluster: the name, the reason ------------------------------------------------------------------------
 def _config(tmp_path: Path, text: str = ""):
-    from gpuwarden.agent import config as config_mod
+    from gpuwarden.agent.core import config as config_mod
     from gpuwarden.checks import all_specs
 
     path = tmp_path / "gw.toml"
@@ -288,8 +287,8 @@ def _config(tmp_path: Path, text: str = ""):
 def test_slurm_node_name_is_the_flag_then_slurmd_s_then_the_config_then_the_hostname(tmp_path):
     import socket
 
-    from gpuwarden.agent.errors import GpuwardenError
-    from gpuwarden.agent.slurm_healthcheck import node_name
+    from gpuwarden.agent.cli.slurm_healthcheck import node_name
+    from gpuwarden.agent.core.errors import GpuwardenError
 
     named = _config(tmp_path, '[remediation]\nnode_name = "gb200-r07-t03"\n')
     assert node_name("n1", named, {"SLURMD_NODENAME": "n2"}) == "n1"
@@ -303,10 +302,10 @@ def test_slurm_node_name_is_the_flag_then_slurmd_s_then_the_config_then_the_host
 
 
 def test_slurm_reason_is_the_worst_finding_readable_and_bounded(tmp_path):
-    from gpuwarden.agent.cli import _node
-    from gpuwarden.agent.model import Action, CheckResult, Entity, Finding, Report, Status
-    from gpuwarden.agent.runner import run_checks
-    from gpuwarden.agent.slurm_healthcheck import reason_for, unknown_reason
+    from gpuwarden.agent.cli.main import _node
+    from gpuwarden.agent.cli.slurm_healthcheck import reason_for, unknown_reason
+    from gpuwarden.agent.core.model import Action, CheckResult, Entity, Finding, Report, Status
+    from gpuwarden.agent.node.runner import run_checks
     from gpuwarden.checks import ALL
 
     quick = [s for s in ALL if s.level == "quick"]

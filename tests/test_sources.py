@@ -8,9 +8,8 @@ import sys
 import uuid
 
 import pytest
-
 from conftest import ROOT
-from gpuwarden.agent.errors import ParseError, SourceError, ToolError, ToolMissing
+from gpuwarden.agent.core.errors import ParseError, SourceError, ToolError, ToolMissing
 from gpuwarden.agent.sources.dcgm import Dcgm
 from gpuwarden.agent.sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
 from gpuwarden.agent.sources.sysfs import Sysfs

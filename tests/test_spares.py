@@ -5,11 +5,17 @@ import random
 from dataclasses import replace
 
 import pytest
+from gpuwarden.agent.act.spares import (
+    SparePolicy,
+    healthy_spares,
+    name_order,
+    plan_swap,
+    slice_size,
+    wants_back_in_pool,
+)
+from gpuwarden.agent.core.scheduler import SPARE_REASON, NodeView, Service
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gpuwarden.agent.adapters.base import SPARE_REASON, NodeView, Service
-from gpuwarden.agent.spares import SparePolicy, healthy_spares, name_order, plan_swap, slice_size, wants_back_in_pool
 
 POLICY = SparePolicy()
 PROPS = settings(max_examples=300, deadline=None, derandomize=True, database=None)

@@ -1,6 +1,6 @@
 """The node state machine, driven through time as a pure function."""
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeRecord, NodeState, next_state, wants_retest
 
 GPU = Entity("gpu", "GPU-1", 1, "0009:01:00.0")
 FAIL_DRAIN = Finding("ib_port", "ib-port-down", Entity("ib_port", "mlx5_2/1"), Status.FAIL, "down", Action.DRAIN)

@@ -1,8 +1,8 @@
 import sqlite3
 
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.state import NodeRecord, NodeState, Transition
-from gpuwarden.agent.store import CheckRecord, Store
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.state.store import CheckRecord, Store
+from gpuwarden.agent.state.transitions import NodeRecord, NodeState, Transition
 
 F = Finding("xid", "79", Entity("gpu", "GPU-1", 2, "0018:01:00.0"), Status.FAIL, "off the bus", Action.REBOOT,
             {"count": 1})

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import append_kmsg, end_processes, wait_for
 from test_store_damage import GPU13, SEEN_S, XID13, Agent
 

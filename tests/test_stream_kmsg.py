@@ -8,20 +8,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.daemon_events import _keep
-from gpuwarden.agent.kernel_log import parse_kmsg_filtered
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.node import Node
+from conftest import wait_for
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.kernel_log import parse_kmsg_filtered
+from gpuwarden.agent.daemon.events import _keep
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources import kmsg as kmsg_source
 from gpuwarden.agent.sources.kmsg import Cursor, Interest, KernelLog, KmsgFollower
-from gpuwarden.agent.store import Store
+from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, all_specs
-
-from conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ROOT / "fixtures" / "nodes"

@@ -8,9 +8,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.model import Action, Entity, Finding, Status
-from gpuwarden.agent.store import JOURNAL_LIMIT_BYTES, CheckRecord, Store
+from gpuwarden.agent.core.model import Action, Entity, Finding, Status
+from gpuwarden.agent.state.store import JOURNAL_LIMIT_BYTES, CheckRecord, Store
 
 
 def incident(pci: str, xid: int, count: int) -> dict:

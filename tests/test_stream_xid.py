@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import json
 
-from gpuwarden.agent.kernel_log import parse_kmsg_text
-from gpuwarden.agent.passive import KernelBatch
+from gpuwarden.agent.core.kernel_log import parse_kmsg_text
+from gpuwarden.agent.core.passive import KernelBatch
 from gpuwarden.checks import xid
 
 LINE = "3,{seq},{usec},-;NVRM: Xid (PCI:{pci}): {xid}, pid={pid}, name=proc{pid}, detail {seq}\n"

@@ -8,22 +8,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.errors import ConfigError
-from gpuwarden.agent.sweep_criteria import (
-    CRITERIA_DEFAULTS,
-    TABLE_SOURCE,
-    Baseline,
-    Figure,
-    baseline_for,
-    bundled_baselines,
-    check_policy,
-    judge,
-    p95,
-    parse_baselines,
-)
-from gpuwarden.agent.sweep_history import SweepHistory
-from gpuwarden.agent.sweep_model import GroupRun, Outcome
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.core.sweep_policy import CRITERIA_DEFAULTS, TABLE_SOURCE, check_policy, parse_baselines
+from gpuwarden.agent.fleet.sweep.criteria import Baseline, Figure, baseline_for, bundled_baselines, judge, p95
+from gpuwarden.agent.fleet.sweep.history import SweepHistory
+from gpuwarden.agent.fleet.sweep.model import GroupRun, Outcome
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 
 ROOT = Path(__file__).resolve().parent.parent

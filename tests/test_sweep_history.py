@@ -5,10 +5,9 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-
-from gpuwarden.agent.sweep_criteria import Judged
-from gpuwarden.agent.sweep_history import Learned, SweepHistory, SweepHistoryError
-from gpuwarden.agent.sweep_model import Outcome
+from gpuwarden.agent.fleet.sweep.criteria import Judged
+from gpuwarden.agent.fleet.sweep.history import Learned, SweepHistory, SweepHistoryError
+from gpuwarden.agent.fleet.sweep.model import Outcome
 
 
 def judged(outcome=Outcome.PASS, latency=70.0, busbw=440.0):

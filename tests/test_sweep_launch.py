@@ -13,11 +13,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, poll
-
-from gpuwarden.agent.sweep_launch import MpirunLauncher, SrunLauncher, classify_srun
-from gpuwarden.agent.sweep_model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT
+from gpuwarden.agent.fleet.sweep.launch import MpirunLauncher, SrunLauncher, classify_srun
+from gpuwarden.agent.fleet.sweep.model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
+from slurm_cluster import SlurmCluster, poll
 
 STANDIN = Path(__file__).resolve().parent / "standin_all_reduce_perf.py"
 SIZES = ["-b", "8", "-e", "128M", "-f", "4", "-g", "1"]

@@ -1,6 +1,6 @@
-"""The sweep's localisation (agent/localise.py): which node or link made a group fail, by further collectives on
-disjoint sets of nodes, every round checked disjoint (padding included); and the bench's rounds criterion for
-fleets up to 144 nodes (bench/localise.py)."""
+"""The sweep's localisation (agent/fleet/sweep/localise.py): which node or link made a group fail, by further
+collectives on disjoint sets of nodes, every round checked disjoint (padding included); and the bench's rounds criterion
+for fleets up to 144 nodes (bench/localise.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,11 +8,10 @@ import math
 import sys
 
 import pytest
+from conftest import ROOT
+from gpuwarden.agent.fleet.sweep.localise import Culprits, Localiser
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import ROOT
-from gpuwarden.agent.localise import Culprits, Localiser
 
 GOOD = ("good-a", "good-b")
 

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
-from gpuwarden.agent.adapters.slurm import SlurmAdapter
+from gpuwarden.agent.act.adapters.slurm import SlurmAdapter
 from slurm_cluster import SlurmCluster, poll
 
 LIVE = ("n1", "n2", "n3", "n4", "n5", "n6")

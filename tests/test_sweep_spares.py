@@ -4,9 +4,9 @@ sweep releases them or the hold expires. (On Slurm a spare is a drained node, wh
 idle_nodes never offers one: tests/test_sweep_slurm_e2e.py.)"""
 from __future__ import annotations
 
-from gpuwarden.agent.adapters.base import Service
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.sweep import idle_nodes
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core.scheduler import Service
+from gpuwarden.agent.fleet.sweep.sweep import idle_nodes
 
 
 class Clock:

@@ -8,19 +8,18 @@ import os
 import time
 
 import pytest
-
 from conftest import wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.base import NodeView, Service
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.metrics import DaemonCollector
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import Store
-from gpuwarden.agent.sweep import Collective, Report, findings_for, idle_nodes, plan_phases, write_results
-from gpuwarden.agent.sweep_model import Outcome
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.scheduler import NodeView, Service
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector
+from gpuwarden.agent.fleet.sweep.model import Outcome
+from gpuwarden.agent.fleet.sweep.sweep import Collective, Report, findings_for, idle_nodes, plan_phases, write_results
+from gpuwarden.agent.node.host import Node
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, nccl_sweep
 
 IDLE = dict(service=Service.IN_SERVICE, jobs=0)
@@ -201,7 +200,7 @@ def test_sweep_verdict_drains_the_node_through_its_own_daemon_and_a_passing_swee
     ("launcher = \"ssh\"", "sweep.launcher"),
 ])
 def test_sweep_config_out_of_range_is_an_error_naming_the_key_and_file(tmp_path, line, needle):
-    from gpuwarden.agent.errors import ConfigError
+    from gpuwarden.agent.core.errors import ConfigError
 
     path = tmp_path / "g.toml"
     path.write_text(f"[sweep]\n{line}\n")

@@ -8,10 +8,8 @@ import socket
 import subprocess
 
 import pytest
-
 from conftest import ROOT
-from gpuwarden.agent import systemd
-
+from gpuwarden.agent.sources import systemd
 
 UNITS = ("gpuwarden.service", "gpuwarden-preflight.service", "gpuwarden.slice", "gpuwarden-sweep.service",
          "gpuwarden-sweep.timer")

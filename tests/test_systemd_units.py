@@ -17,10 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT, host_etc_gpuwarden
 import systemd_harness
-from gpuwarden.agent.adapters.base import REASON_PREFIX
+from conftest import ROOT, host_etc_gpuwarden
+from gpuwarden.agent.core.scheduler import REASON_PREFIX
 from slurm_cluster import SlurmCluster
 from test_sweep_launch import RSH_AGENT
 from test_systemd import _comment_text, _exposure_items, _needle, _units_with_program, needs_analyze

@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import PassiveClock, edit_nvml, ROOT
-
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.thresholds import sku_table
+from conftest import ROOT, PassiveClock, edit_nvml
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.core.thresholds import sku_table
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import thermal
 from gpuwarden.checks.thermal import SPEC
 

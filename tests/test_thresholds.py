@@ -1,10 +1,10 @@
-from gpuwarden.agent import thresholds
+from gpuwarden.agent.core import thresholds
 
 
 def test_every_threshold_file_parses_and_names_known_skus():
     from importlib.resources import files
 
-    from gpuwarden.agent.sku import KNOWN_SKUS
+    from gpuwarden.agent.core.sku import KNOWN_SKUS
 
     folder = files("gpuwarden.checks").joinpath("data/thresholds")
     for resource in folder.iterdir():

@@ -16,15 +16,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT
-from gpuwarden.agent import config
-from gpuwarden.agent.check import CheckSpec
-from gpuwarden.agent.errors import ToolError
-from gpuwarden.agent.model import Status
-from gpuwarden.agent.runner import run_checks
-from gpuwarden.agent.sources.perftest import loopback_pair
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.errors import ToolError
+from gpuwarden.agent.core.model import Status
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.agent.sources import tools as tools_mod
+from gpuwarden.agent.sources.perftest import loopback_pair
 from gpuwarden.agent.sources.tools import ToolRunner
 
 # Ignores TERM (inherited across fork and exec), starts a grandchild that ignores it too, says who they are, then
@@ -209,7 +208,7 @@ def test_a_recorded_hang_ends_when_its_check_times_out(tmp_path):
 
 
 def test_a_recorded_gemm_hang_ends_when_its_check_times_out(scenario_copy):
-    from gpuwarden.agent.node import Node
+    from gpuwarden.agent.node.host import Node
     from gpuwarden.checks import burnin
 
     root = scenario_copy("h100-hgx-healthy")

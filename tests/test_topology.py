@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import NODES, ROOT, edit_nvml
-
-from gpuwarden.agent import topology
-from gpuwarden.agent.adapters.base import NodeView, Refused, Service, Transient
-from gpuwarden.agent.errors import ConfigError
-from gpuwarden.agent.logs import capture as capture_logs
-from gpuwarden.agent.node import Node, NodeInfo
+from gpuwarden.agent.core.errors import ConfigError
+from gpuwarden.agent.core.logs import capture as capture_logs
+from gpuwarden.agent.core.scheduler import NodeView, Refused, Service, Transient
+from gpuwarden.agent.node import topology
+from gpuwarden.agent.node.host import Node, NodeInfo
 
 SLURM_DATA = ROOT / "fixtures" / "slurm"
 GB200 = NODES / "gb200-nvl72-healthy"
@@ -501,7 +500,7 @@ def test_command_with_a_hostile_config_domain_exits_2(capsys):
 
 
 def test_cli_topology_end_to_end(capsys):
-    from gpuwarden.agent.cli import main
+    from gpuwarden.agent.cli.main import main
 
     assert main(["topology", "--root", str(GB200), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["domain"] == GB200_DOMAIN

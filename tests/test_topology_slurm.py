@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import NODES, ROOT
-from gpuwarden.agent.topology import block_name
+from gpuwarden.agent.node.topology import block_name
 from slurm_cluster import slurm_cluster  # noqa: F401 - the module's cluster (a pytest fixture)
 
 NVML_DOMAIN = "62c4efc6-d460-488d-b7d7-69de49edd641.32766"  # gb200-nvl72-healthy's NVML fabric clusterUuid.cliqueId

@@ -10,10 +10,9 @@ import time
 import tomllib
 
 import pytest
-
 from conftest import NODES, ROOT
-from gpuwarden.agent.errors import SourceError
-from gpuwarden.agent.node import Node
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.udev import RecordedUdev, UdevEvent, UdevMonitor
 
 GPU = "/sys/devices/pci0000:15/0000:15:01.0/0000:18:00.0"
@@ -126,11 +125,11 @@ def test_daemon_a_device_removal_wakes_the_poll_that_reads_it(scenario_copy, tmp
     import shutil
 
     from conftest import wait_for
-    from gpuwarden.agent import config
-    from gpuwarden.agent.adapters.local import LocalAdapter
-    from gpuwarden.agent.daemon import Daemon, DaemonOptions
-    from gpuwarden.agent.metrics import DaemonCollector
-    from gpuwarden.agent.store import Store
+    from gpuwarden.agent.act.adapters.local import LocalAdapter
+    from gpuwarden.agent.core import config
+    from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+    from gpuwarden.agent.daemon.metrics import DaemonCollector
+    from gpuwarden.agent.state.store import Store
     from gpuwarden.checks import PASSIVE, all_specs
 
     root = scenario_copy("gb200-nvl72-healthy")

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from gpuwarden.agent.errors import SourceError
-from gpuwarden.agent.kernel_log import parse_log_text
-from gpuwarden.agent.model import Action, Entity, Status
-from gpuwarden.agent.node import Node
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.core.kernel_log import parse_log_text
+from gpuwarden.agent.core.model import Action, Entity, Status
+from gpuwarden.agent.node.host import Node
 from gpuwarden.checks.xid import CHECK, analyze_text, collect, decide, parse_gpu_preamble, parse_xid, run
 from gpuwarden.checks.xid_catalog import load_catalog
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = ROOT / "fixtures" / "logs" / "kernel"
@@ -319,7 +318,7 @@ def test_policy_fail_xids_forces_at_least_drain():
 
 
 def test_policy_comes_from_config_as_the_check_declares_it():
-    from gpuwarden.agent import config
+    from gpuwarden.agent.core import config
     from gpuwarden.checks import CONSUMER_BY_NAME, all_specs
 
     assert CHECK.name == "xid" and CHECK.defaults == {"ignore_xids": [], "fail_xids": [], "hold_s": 3600.0}
@@ -431,8 +430,8 @@ def test_run_lets_an_unreadable_kernel_log_propagate(scenario_copy):
 
 # --- when a held incident ends (Judgement.wake_at: the daemon judges again then) --------------------------------
 def test_the_judgement_says_when_its_earliest_held_incident_ends():
-    from gpuwarden.agent.kernel_log import parse_kmsg_text
-    from gpuwarden.agent.passive import KernelBatch
+    from gpuwarden.agent.core.kernel_log import parse_kmsg_text
+    from gpuwarden.agent.core.passive import KernelBatch
     from gpuwarden.checks.xid import CONSUMER
 
     text = ("3,1,1000,-;NVRM: Xid (PCI:0009:01:00): 48, pid=1, name=p, An uncorrectable double bit error\n"
@@ -472,8 +471,8 @@ def test_a_batch_is_judged_as_its_lines_one_by_one(lines, ignore, fail, hold, ti
     """Lines of one text count onto their incident in one step: the incidents, their first and last lines, counts,
     pids (ten at most, in the order seen) and latest times, and the findings are those of judging each line alone,
     in order; a recovery (XID 154 to None) ends incidents where it stands."""
-    from gpuwarden.agent.kernel_log import parse_kmsg_text
-    from gpuwarden.agent.passive import KernelBatch
+    from gpuwarden.agent.core.kernel_log import parse_kmsg_text
+    from gpuwarden.agent.core.passive import KernelBatch
     from gpuwarden.checks.xid import CONSUMER
 
     usec, text = 10_000_000, []

@@ -7,10 +7,15 @@ import re
 from importlib.resources import files
 
 import pytest
-
-from gpuwarden.agent.model import Action
-from gpuwarden.checks.xid_catalog import (BUCKET_ACTIONS, RECOVERY_ACTIONS, XidInfo, bucket_action, load_catalog,
-                                          recovery_action)
+from gpuwarden.agent.core.model import Action
+from gpuwarden.checks.xid_catalog import (
+    BUCKET_ACTIONS,
+    RECOVERY_ACTIONS,
+    XidInfo,
+    bucket_action,
+    load_catalog,
+    recovery_action,
+)
 
 
 def _rows() -> list[dict[str, str]]:

@@ -12,25 +12,23 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from prometheus_client import generate_latest
-
 from conftest import ROOT, edit_nvml, wait_for
-from gpuwarden.agent import config
-from gpuwarden.agent.adapters.local import LocalAdapter
-from gpuwarden.agent.daemon import Daemon, DaemonOptions
-from gpuwarden.agent.errors import NvmlError
-from gpuwarden.agent.kernel_log import parse_kmsg_text
-from gpuwarden.agent.metrics import DaemonCollector, registry_for
-from gpuwarden.agent.model import Action, Status
-from gpuwarden.agent.node import Node
-from gpuwarden.agent.passive import KernelBatch
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.core import config
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.kernel_log import parse_kmsg_text
+from gpuwarden.agent.core.model import Action, Status
+from gpuwarden.agent.core.passive import KernelBatch
+from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
+from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
+from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources.nvml import Nvml
 from gpuwarden.agent.sources.nvml.events import NvmlXid
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
-from gpuwarden.agent.state import DEFAULT_POLICY, NodeState
-from gpuwarden.agent.store import Store
-from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
-from gpuwarden.checks import xid
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
+from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, xid
+from prometheus_client import generate_latest
 
 EVENT_CALLS = {"nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetFree"}
 SNAPSHOT = {

@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..model import Action, CheckResult, Entity, Finding, Status, fold_status
-from .explain import CULPRIT, NO_FAILURE, explain
-from .joblog import JobLog, read_job_log
-from .joblog_lines import NEEDLES
+from gpuwarden.agent.core.model import Action, CheckResult, Entity, Finding, Status, fold_status
+from gpuwarden.agent.jobs.explain import CULPRIT, NO_FAILURE, explain
+from gpuwarden.agent.jobs.joblog import JobLog, read_job_log
+from gpuwarden.agent.jobs.joblog_lines import NEEDLES
 
 CHECK = "job_log"
 # Texts that make a file's head a job's log rather than a kernel log or a tool's output.

@@ -13,9 +13,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..model import Action, Finding, Status, finding_text
-from ..records import dataclass
-from .model import JobOnNode, JobRef
+from gpuwarden.agent.core.job import JobOnNode, JobRef
+from gpuwarden.agent.core.model import Action, Finding, Status, finding_text
+from gpuwarden.agent.core.records import dataclass
 
 RULES_FILE = Path(__file__).with_name("doom_rules.toml")
 HITS = ("gpu", "nvlink", "domain", "ib_port")

@@ -4,7 +4,7 @@
 recording (`gpuwarden record`). Pure apart from reading the store or the recording.
 
 Which findings are in the window, from what the store really keeps:
-- the store holds each check's *current* findings only (agent/store.py: one record per check, written whenever its
+- the store holds each check's *current* findings only (agent/state/store.py: one record per check, written whenever its
   status, findings or durable state change, `updated` the time of that write); a finding that ended is gone from
   it, and survives only as the reason of a transition or in an intent's detail (both listed here by their time).
   So every finding listed stands from when it began until the store's last sign of life ("watched until": now for
@@ -31,21 +31,21 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import GpuwardenError, NotApplicable, SourceError
-from ..model import Finding, Status
-from ..records import dataclass
-from ..state import NodeRecord, Transition
-from ..store import CheckRecord, Store, StoreError
-from .respond import JOB_ACTION
+from gpuwarden.agent.core.errors import GpuwardenError, NotApplicable, SourceError
+from gpuwarden.agent.core.model import Finding, Status
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.jobs.respond import JOB_ACTION
+from gpuwarden.agent.state.store import CheckRecord, Store, StoreError
+from gpuwarden.agent.state.transitions import NodeRecord, Transition
 
 SCHEMA = 1
 DEFAULT_LIMIT = 1000  # items per list: a node's document stays a few MB at most
 SCAN_LIMIT = 20000  # transitions and intents read back from the newest (a node makes a few a day)
 MAX_WINDOW_S = 31 * 86400.0  # the longest window the endpoint answers: a job's, not a node's lifetime
-STORE_NAME = "state.db"  # the daemon's store in its state folder (agent/run.py)
-RECORDING_MARK = "node.toml"  # what every recording (`gpuwarden record`) holds (agent/record.py)
+STORE_NAME = "state.db"  # the daemon's store in its state folder (agent/cli/run.py)
+RECORDING_MARK = "node.toml"  # what every recording (`gpuwarden record`) holds (agent/node/record.py)
 READ_BUSY_S = 2.0  # a read waits this long at most on a database a writer holds (WAL: rarely at all)
-# The daemon's checks that preflight judges in one look (agent/passive.py one_look) and that a recording can be
+# The daemon's checks that preflight judges in one look (agent/core/passive.py one_look) and that a recording can be
 # judged by; `jobs` reads the host's own state folder, never the recording's, so it is left out.
 _RECORDING_PASSIVE_SKIP = {"jobs"}
 
@@ -289,7 +289,7 @@ def _recording_name(folder: Path) -> str | None:
     """The hostname a recording's node.toml names, where the store sits in a recording (else None)."""
     if not (folder / RECORDING_MARK).is_file():
         return None
-    from ..node import NodeInfo
+    from gpuwarden.agent.node.host import NodeInfo
 
     try:
         return NodeInfo.from_toml(folder / RECORDING_MARK).hostname or None
@@ -345,12 +345,11 @@ def read_recording(root: Path) -> Snapshot:
     uptime), and its NVML and sysfs by the daemon's checks that preflight judges in one look. Nothing of a store
     (no node state, transitions or intents): a recording has none. A check that cannot look is listed UNKNOWN with
     the reason."""
+    from gpuwarden.agent.core import config as config_mod
+    from gpuwarden.agent.core.model import fold_status
+    from gpuwarden.agent.core.passive import KernelBatch, event_clock
+    from gpuwarden.agent.node.host import Node
     from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, PREFLIGHT_NAMES
-
-    from .. import config as config_mod
-    from ..model import fold_status
-    from ..node import Node
-    from ..passive import KernelBatch, event_clock
 
     root = Path(root)
     try:

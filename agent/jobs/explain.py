@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..records import dataclass
-from .joblog import JobLog, LogEvent
-from .joblog_lines import bus_id
-from .node_evidence import NodeEvidence
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.jobs.joblog import JobLog, LogEvent
+from gpuwarden.agent.jobs.joblog_lines import bus_id
+from gpuwarden.agent.jobs.node_evidence import NodeEvidence
 
 NO_FAILURE, CULPRIT, UNDECIDED = "no-failure", "culprit", "undecided"
 EXIT = {NO_FAILURE: 0, CULPRIT: 1, UNDECIDED: 2}

@@ -3,7 +3,7 @@ check knows (checks/jobs.py), and for each job a fault newly dooms, one intent k
 
 Called by the daemon with its lock held, so it never waits on anything; it only decides. The engine carries the
 intents out (agent/jobs/respond.py), after the node's own cordon and quarantine: the daemon puts them there in its
-queue, and a doom makes the node's state machine quarantine at once (agent/state.py `doomed`).
+queue, and a doom makes the node's state machine quarantine at once (agent/state/transitions.py `doomed`).
 
 A (job run, incident) is acted on once: the keys already in the journal are known at start, and each new one is
 remembered; a restart finds the same key again and the journal's INSERT OR IGNORE keeps one. Several nodes of one job
@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Mapping, Sequence
 
-from .. import logs
-from ..model import Finding
-from . import doom
-from .model import JobOnNode
-from .respond import JOB_ACTION
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.job import JobOnNode
+from gpuwarden.agent.core.model import Finding
+from gpuwarden.agent.jobs import doom
+from gpuwarden.agent.jobs.respond import JOB_ACTION
 
 log = logs.get_logger("gpuwarden.jobs")
 KEEP_KEYS = 10_000  # intent keys remembered (a key falls out only long after its job ended)

@@ -3,7 +3,7 @@ failure summary and srun/slurmstepd that say which rank stalled, which peer fail
 on, and what failed first. What each line means is in `joblog_lines` (the patterns); here is only the reading.
 
 Linear and bounded: a file is read in buffers and only the lines that hold one of the patterns' fixed texts are
-decoded (`agent/line_search.py`, at C speed; a 1M-line log costs a few times `grep -c` of it, see bench/README.md);
+decoded (`agent/core/line_search.py`, at C speed; a 1M-line log costs a few times `grep -c` of it, see bench/README.md);
 a line longer than LINE_MAX is cut (and said so), a file past MAX_BYTES or a read past the deadline stops there
 with a note, at most MAX_EVENTS events are kept. A path that is not a regular file (a FIFO, /dev/zero) is refused:
 it may never end. Nothing here raises for what a file holds: a binary file, NULs or a line cut mid-way read as
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
-from ..line_search import ProbeMemory, lines_holding, probes_for
-from ..records import dataclass
-from . import joblog_lines
+from gpuwarden.agent.core.line_search import ProbeMemory, lines_holding, probes_for
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.jobs import joblog_lines
 
 CHUNK = 1 << 20
 LINE_MAX = 64 << 10  # a longer line is cut to this (a job log's longest real lines, tracebacks' frames, are < 4 KiB)

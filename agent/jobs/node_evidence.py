@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode
 
-from ..records import dataclass
+from gpuwarden.agent.core.records import dataclass
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _shown(value: Any) -> str:
 
 
 def _utc(t: float) -> str:
-    from ..render import iso_utc
+    from gpuwarden.agent.core.render import iso_utc
 
     return iso_utc(t) or f"{t:.0f}"
 
@@ -327,7 +327,7 @@ def read_dirs(paths: Sequence[Path], since: float, until: float) -> list[NodeEvi
     """`--evidence`: each path is one node's (a store file, a folder holding a store, a recording) or a folder of
     several, one node each (its entries that are one, in name order). What cannot be read is a NodeEvidence with
     reachable False and the reason naming the path."""
-    from . import evidence_window
+    from gpuwarden.agent.jobs import evidence_window
 
     out: list[NodeEvidence] = []
     for path in map(Path, paths):
@@ -354,8 +354,8 @@ def read_dirs(paths: Sequence[Path], since: float, until: float) -> list[NodeEvi
 
 
 def _read_one(path: Path, since: float, until: float) -> NodeEvidence:
-    from ..errors import GpuwardenError
-    from . import evidence_window
+    from gpuwarden.agent.core.errors import GpuwardenError
+    from gpuwarden.agent.jobs import evidence_window
 
     name = path.stem if path.is_file() else path.name
     try:

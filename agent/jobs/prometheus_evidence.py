@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlencode, urlsplit
 
-from ..records import dataclass
-from .node_evidence import NodeEvidence
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.jobs.node_evidence import NodeEvidence
 
 MAX_POINTS = 11_000  # Prometheus refuses a range query of more points per series (its web API's own limit)
 MIN_STEP_S = 1.0  # finer than any scrape interval in use; a shorter window still costs at most this many points
@@ -509,7 +509,7 @@ def _number(text: Any) -> float:
 
 
 def _utc(t: float | None) -> str:
-    from ..render import iso_utc
+    from gpuwarden.agent.core.render import iso_utc
 
     return (iso_utc(t) or f"{t:.0f}") if t is not None else "?"
 

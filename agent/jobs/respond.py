@@ -20,10 +20,10 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from ..adapters.base import REASON_PREFIX, JobView
-from .model import JobRef
+from gpuwarden.agent.core.job import JobRef
+from gpuwarden.agent.core.scheduler import REASON_PREFIX, JobView
 
-JOB_ACTION = "job"  # a job intent's action in the journal: made by agent/jobs/guard.py, run by agent/remediation.py
+JOB_ACTION = "job"  # a job intent's action in the journal: made by agent/jobs/guard.py, run by agent/act/remediation.py
 POLICIES = ("notify", "signal", "requeue", "cancel")
 _RUN = re.compile(r"\[run (\d+)\]$")
 # The verb of a `done: ...` outcome carry_out returns -> the action it took (gpuwarden_job_actions_total{action}).

@@ -11,7 +11,7 @@ import stat
 import time
 from pathlib import Path
 
-from ..errors import SourceError
+from gpuwarden.agent.core.errors import SourceError
 
 
 def scenario_prefix(root: Path | str) -> str | None:

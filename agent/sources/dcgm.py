@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import ParseError, ToolError
-from .tools import ToolRunner
+from gpuwarden.agent.core.errors import ParseError, ToolError
+from gpuwarden.agent.sources.tools import ToolRunner
 
 
 class Dcgm:

@@ -26,10 +26,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import SourceError
-from . import confine
-from .tools import current_scope
-from ..records import dataclass
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources import confine
+from gpuwarden.agent.sources.tools import current_scope
 
 BURNIN_FILE = "burnin.json"
 DTYPES = ("bfloat16", "float16", "float32")

@@ -19,7 +19,7 @@ import errno
 import os
 from typing import Any
 
-from ..errors import SourceError
+from gpuwarden.agent.core.errors import SourceError
 
 LIBRARY = "libibverbs.so.1"
 _EVENT_FILE = "anon_inode:[infinibandevent]"

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import logs
+from gpuwarden.agent.core import logs
 
 log = logs.get_logger("gpuwarden.inotify")
 

@@ -8,23 +8,30 @@ kernel's newest record of its boot is taken back to it once the log has been rea
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 import errno
 import os
 import re
 import select
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from .. import logs
-from ..errors import ParseError, SourceError
-from ..kernel_log import (KMSG_ROW, KmsgBatch, LogRecord, kmsg_line, kmsg_record, parse_kmsg_filtered,
-                          parse_kmsg_text)
-from ..line_search import ProbeMemory, lines_holding, probes_for
-from . import confine
-from .inotify import FolderWaiter
-from ..records import dataclass
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import ParseError, SourceError
+from gpuwarden.agent.core.kernel_log import (
+    KMSG_ROW,
+    KmsgBatch,
+    LogRecord,
+    kmsg_line,
+    kmsg_record,
+    parse_kmsg_filtered,
+    parse_kmsg_text,
+)
+from gpuwarden.agent.core.line_search import ProbeMemory, lines_holding, probes_for
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources import confine
+from gpuwarden.agent.sources.inotify import FolderWaiter
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log

@@ -16,10 +16,18 @@ import tempfile
 import time
 from typing import Sequence
 
-from .. import logs
-from ..errors import ToolMissing
-from .tools import Scope, ToolOutput, ToolProcess, ToolRunner, ToolTimeout, read_output, current_scope
-from ..records import dataclass
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import ToolMissing
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources.tools import (
+    Scope,
+    ToolOutput,
+    ToolProcess,
+    ToolRunner,
+    ToolTimeout,
+    current_scope,
+    read_output,
+)
 
 log = logs.get_logger("gpuwarden.perftest")
 

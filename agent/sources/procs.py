@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from ..errors import SourceError
-from .sysfs import Sysfs
-from ..records import dataclass
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources.sysfs import Sysfs
 
 COMM_LEN = 15  # TASK_COMM_LEN (16) less the NUL: comm holds the first 15 characters of the executable's name
 

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from .. import logs
-from ..errors import SourceError
-from . import confine
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.sources import confine
 
 if TYPE_CHECKING:
-    from .inotify import DirWatch
+    from gpuwarden.agent.sources.inotify import DirWatch
 
 log = logs.get_logger("gpuwarden.sysfs")
 
@@ -93,7 +93,7 @@ class Sysfs:
         """An inotify watch on these folders (under a recorded root, confined to it): readable when a file in one
         of them is written. Live sysfs attributes raise no such event; this is for a recorded node's files, which
         a test or a replay writes. SourceError where no watch can be had."""
-        from .inotify import open_watch
+        from gpuwarden.agent.sources.inotify import open_watch
 
         if not kernel_dirs:
             raise SourceError("no folder to watch")

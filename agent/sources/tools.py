@@ -36,10 +36,10 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Callable, Iterator, Sequence
 
-from .. import logs
-from ..errors import SourceError, ToolError, ToolMissing
-from . import confine
-from ..records import dataclass
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import SourceError, ToolError, ToolMissing
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources import confine
 
 log = logs.get_logger("gpuwarden.tools")
 

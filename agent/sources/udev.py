@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .. import logs
-from ..errors import SourceError
-from . import confine
-from .inotify import DirWatch, open_watch
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.sources import confine
+from gpuwarden.agent.sources.inotify import DirWatch, open_watch
 
 log = logs.get_logger("gpuwarden.udev")
 SUBSYSTEMS = ("pci", "infiniband", "net")  # GPUs and HCAs on the bus, the RDMA devices, their netdevs

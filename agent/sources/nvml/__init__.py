@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pynvml
-
-from ...errors import NvmlError, SourceError
-from ...model import Entity
-from .. import confine
-from .bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
-from .events import XidEvents
-from .recorded import RecordedNvml
-from ...records import dataclass
+from gpuwarden.agent.core.errors import NvmlError, SourceError
+from gpuwarden.agent.core.model import Entity
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources import confine
+from gpuwarden.agent.sources.nvml.bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
+from gpuwarden.agent.sources.nvml.events import XidEvents
+from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 
 # NVML error number -> its name without the NVML_ERROR_ prefix, from the installed bindings.
 ERROR_NAMES: dict[int, str] = {

@@ -19,12 +19,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import pynvml
-
-from ...errors import NvmlError
-from ...records import dataclass
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.core.records import dataclass
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import Gpu, Nvml
+    from gpuwarden.agent.sources.nvml import Gpu, Nvml
 
 XID_EVENT = pynvml.nvmlEventTypeXidCriticalError
 _DRAIN_MAX = 256  # events taken in one wait() once the first arrived (a burst is handed over as one batch)

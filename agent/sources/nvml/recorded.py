@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
-
-from ...errors import SourceError
-from ..inotify import FolderWaiter
-from .bindings import const
-from ...records import dataclass
+from gpuwarden.agent.core.errors import SourceError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.sources.inotify import FolderWaiter
+from gpuwarden.agent.sources.nvml.bindings import const
 
 EVENT_KEYS = {"gpu", "xid"}  # one entry of nvml.json "xid_events" (docs/scenario-format.md)
 _EVENT_POLL_S = 0.02  # how often a waiting recorded event set looks at nvml.json (a sleep, not a spin)
@@ -121,7 +120,7 @@ class RecordedNvml:
 
     @classmethod
     def from_file(cls, path: Path) -> "RecordedNvml":
-        from . import load_snapshot  # the loader lives with the snapshot writer
+        from gpuwarden.agent.sources.nvml import load_snapshot  # the loader lives with the snapshot writer
 
         stamp = _mtime(path)  # before reading: a change while reading is seen at the next look
         nvml = cls(load_snapshot(path), str(path), path)
@@ -552,7 +551,7 @@ class RecordedNvml:
         if self._path is not None:
             stamp = _mtime(self._path)
             if stamp != self._stamp:
-                from . import load_snapshot
+                from gpuwarden.agent.sources.nvml import load_snapshot
 
                 try:
                     self._view, self._stamp = load_snapshot(self._path), stamp
