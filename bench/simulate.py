@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpuwarden.agent.fleet.plan.sim_fleet import Policy, SimConfig, simulate  # noqa: E402
+from gpuwarden.agent.fleet.plan.sim_config import Policy, SimConfig  # noqa: E402
+from gpuwarden.agent.fleet.plan.sim_fleet import simulate  # noqa: E402
 
 PER_RACK = 18
 POLICY = Policy(2, 16)

@@ -18,18 +18,19 @@ HEAVY = ("structlog", "prometheus_client", "sqlite3", "yaml", "asyncio", "email"
          "importlib.resources", "zipfile", "concurrent.futures",
          "gpuwarden.agent.daemon.loop", "gpuwarden.agent.daemon.metrics", "gpuwarden.agent.daemon.http_endpoint",
          "gpuwarden.agent.state.store", "gpuwarden.agent.cli.run", "gpuwarden.agent.fleet.sweep.command",
-         "gpuwarden.agent.fleet.sweep.launch", "gpuwarden.agent.fleet.plan.command",
+         "gpuwarden.agent.fleet.sweep.launch", "gpuwarden.agent.cli.plan",
          "gpuwarden.agent.fleet.plan.capacity", "gpuwarden.agent.fleet.plan.risk",
          "gpuwarden.agent.fleet.plan.simulate", "gpuwarden.agent.fleet.plan.defrag",
          "gpuwarden.agent.fleet.plan.sim_fleet", "gpuwarden.agent.node.topology",
-         "gpuwarden.agent.cli.slurm_healthcheck", "gpuwarden.agent.act.adapters.slurm",
+         "gpuwarden.agent.cli.slurm", "gpuwarden.agent.act.adapters.slurm",
          "gpuwarden.agent.act.adapters.local", "gpuwarden.agent.act.adapters.kubernetes",
          "gpuwarden.agent.act.remediation", "socket")
 # What only the full checks and the daemon's own checks use: a quick preflight runs none of them.
 FULL_ONLY = ("gpuwarden.checks.burnin", "gpuwarden.checks.peer_p2p", "gpuwarden.checks.nccl_allreduce",
              "gpuwarden.checks.rdma_loopback", "gpuwarden.checks.dcgm_diag", "gpuwarden.checks.ecc_memtest",
              "gpuwarden.checks.clock_events", "gpuwarden.checks.thermal", "gpuwarden.checks.nccl_sweep",
-             "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_nccl_tests",
+             "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_dcgmi_diag_text",
+             "gpuwarden.checks.parse_nccl_tests",
              "gpuwarden.checks.parse_perftest", "gpuwarden.checks.parse_nvbandwidth", "gpuwarden.agent.sources.gemm",
              "gpuwarden.agent.sources.perftest", "gpuwarden.agent.fleet.sweep.sweep", "gpuwarden.agent.core.scheduler",
              "gpuwarden.agent.fleet.sweep.criteria", "gpuwarden.agent.fleet.sweep.history", "statistics")
@@ -95,8 +96,8 @@ def test_the_lazy_parser_lists_what_the_whole_one_does():
     """Each command's help line in cli.COMMANDS is the one its module gives, and a parser built for one command
     prints the same top-level help as the whole one."""
     whole = cli._parser()
-    assert _help_lines(whole) == dict(cli.COMMANDS)
-    for name, _ in cli.COMMANDS:
+    assert _help_lines(whole) == {name: summary for name, summary, _ in cli.COMMANDS}
+    for name, _, _ in cli.COMMANDS:
         assert cli._parser(name).format_help() == whole.format_help(), name
     assert cli._parser(None).format_help() == whole.format_help()
     whole_plan = _sub(whole).choices["plan"]

@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT
 from gpuwarden.agent.cli import main as cli
 from gpuwarden.agent.cli import manpage
+from gpuwarden.agent.cli.flags import EXIT_CODES
 
 # Every flag as it was when the page was first written from the parser: help texts may change, flags may not.
 FLAGS = {
@@ -95,10 +96,10 @@ def test_sections_and_exit_codes_match_the_readme(page):
                     "SEE ALSO"):
         assert f"\n.SH {section}\n" in page
     table = re.findall(r"(?m)^\| ([0-9][0-9, ]*) \| (.+) \|$", (ROOT / "README.md").read_text())
-    readme = [(code.strip(), meaning.replace("`", "").strip()) for code, meaning in table][:len(cli.EXIT_CODES)]
-    assert readme == list(cli.EXIT_CODES)
+    readme = [(code.strip(), meaning.replace("`", "").strip()) for code, meaning in table][:len(EXIT_CODES)]
+    assert readme == list(EXIT_CODES)
     status = page.split(".SH EXIT STATUS\n", 1)[1].split("\n.SH ", 1)[0]
-    for code, meaning in cli.EXIT_CODES:
+    for code, meaning in EXIT_CODES:
         assert f".TP\n\\fB{manpage.escape(code)}\\fR\n{manpage.escape(meaning)}\n" in status
     files = page.split(".SH FILES\n", 1)[1]
     assert "/etc/gpuwarden/gpuwarden.toml" in files and "/var/lib/gpuwarden" in files
@@ -123,6 +124,6 @@ def test_help_reads_well():
     found = dict(commands(parser))
     for name in ("preflight", "analyze"):
         epilog = found[name].format_help().split("exit codes:\n", 1)[1]
-        for code, meaning in cli.EXIT_CODES:
+        for code, meaning in EXIT_CODES:
             assert re.search(rf"(?m)^  {re.escape(code)} +{re.escape(meaning)}$", epilog), (name, code)
     assert "examples:" in parser.format_help()

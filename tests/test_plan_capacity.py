@@ -11,6 +11,7 @@ from fractions import Fraction
 from math import comb
 
 import pytest
+from gpuwarden.agent.cli import plan as plan_cli
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.fleet.plan import capacity as cap
 from hypothesis import given, settings
@@ -21,12 +22,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpuwarden plan capacity")
-    cap.add_arguments(p)
+    plan_cli.part_arguments(p, "capacity")
     return p
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = cap.run(_parser().parse_args(list(argv)))
+    rc = plan_cli.run_part(_parser().parse_args(list(argv)))
     out, err = capsys.readouterr()
     return rc, out, err
 

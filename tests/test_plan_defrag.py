@@ -11,11 +11,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from gpuwarden.agent.act.adapters import slurm
+from gpuwarden.agent.act.adapters import slurm_hostlist
 from gpuwarden.agent.act.adapters.slurm import SlurmAdapter
+from gpuwarden.agent.cli import plan as plan_cli
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.core.scheduler import Service
-from gpuwarden.agent.fleet.plan import defrag as pd
+from gpuwarden.agent.fleet.plan import defrag
+from gpuwarden.agent.fleet.plan import defrag_model as pd
+from gpuwarden.agent.fleet.plan import defrag_slurm as pds
 from slurm_cluster import SlurmCluster, poll
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "slurm"
@@ -28,12 +31,12 @@ BATCH = pd.Policy(preemptible_partitions=frozenset({"batch"}))
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    pd.add_arguments(p)
+    plan_cli.part_arguments(p, "defrag")
     return p
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
-    code = pd.run(parser().parse_args(list(argv)))
+    code = plan_cli.run_part(parser().parse_args(list(argv)))
     return code, capsys.readouterr().out
 
 
@@ -67,7 +70,7 @@ def job(jid: int, *nodes: str, partition: str = "batch", hours: float = 1.0, bat
     ("n5", ["n5"]),
 ])
 def test_plan_defrag_hostlist_forms(text, names):
-    assert slurm.expand_hostlist(text) == names
+    assert slurm_hostlist.expand_hostlist(text) == names
 
 
 @pytest.mark.parametrize("text, says", [
@@ -85,18 +88,18 @@ def test_plan_defrag_hostlist_forms(text, names):
     ("a,,b", "empty name"),
     ("n1 m", "not a node name"),
     ("n[0000000001-0000000002]", "bad range"),  # more than nine digits
-    ("x" * (slurm.MAX_HOSTLIST + 1), "longer than"),
+    ("x" * (slurm_hostlist.MAX_HOSTLIST + 1), "longer than"),
 ])
 def test_plan_defrag_hostlist_hostile(text, says):
     with pytest.raises(ValueError) as exc:
-        slurm.expand_hostlist(text)
+        slurm_hostlist.expand_hostlist(text)
     assert says in str(exc.value)
 
 
 def test_plan_defrag_hostlist_limit_counts_every_entry():
     with pytest.raises(ValueError, match="more than 5"):
-        slurm.expand_hostlist("a[1-3],b[1-3]", limit=5)
-    assert len(slurm.expand_hostlist("n[1-100000]")) == slurm.MAX_HOSTS
+        slurm_hostlist.expand_hostlist("a[1-3],b[1-3]", limit=5)
+    assert len(slurm_hostlist.expand_hostlist("n[1-100000]")) == slurm_hostlist.MAX_HOSTS
 
 
 # -- the plan on hand-built fleets -----------------------------------------------------------------------------------
@@ -287,25 +290,25 @@ def test_plan_defrag_actions_and_commands():
     nodes = rack("a", 2)
     p = pd.plan(nodes, [job(1, "a-1"), job(2, "a-2", requeue=False)], 2, BATCH)
     assert [m.action for m in p.chosen.moves] == ["requeue", "cancel"]
-    assert pd.to_dict(p, BATCH)["commands"] == ["scontrol requeue 1", "scancel 2"]
+    assert defrag.to_dict(p, BATCH)["commands"] == ["scontrol requeue 1", "scancel 2"]
 
 
 # -- recorded Slurm output -------------------------------------------------------------------------------------------
 def test_plan_defrag_parses_recorded_squeue_sinfo_partitions():
-    jobs = {j.id: j for j in pd.parse_squeue_json(SQUEUE.read_text(), str(SQUEUE), float(RECORDED_AT))}
+    jobs = {j.id: j for j in pds.parse_squeue_json(SQUEUE.read_text(), str(SQUEUE), float(RECORDED_AT))}
     assert set(jobs) == {"6", "7", "8", "9", "10"}
     assert jobs["7"].nodes == ("n2", "n4") and jobs["7"].partition == "batch" and jobs["7"].state == "RUNNING"
     assert jobs["7"].elapsed_s == 28.0 and jobs["7"].batch and jobs["7"].requeue
     assert jobs["9"].nodes == ("n3",) and not jobs["9"].batch  # salloc --no-shell
     assert jobs["10"].state == "PENDING" and jobs["10"].nodes == () and jobs["10"].elapsed_s == 0
-    nodes = {n.name: n for n in pd.nodes_from_sinfo(SINFO.read_text(), str(SINFO))}
+    nodes = {n.name: n for n in pds.nodes_from_sinfo(SINFO.read_text(), str(SINFO))}
     assert {n: x.domain for n, x in nodes.items()} == {"n1": "rackA", "n2": "rackA", "n3": "rackA", "n4": "rackB",
                                                       "n5": "rackB", "n6": "rackB", "n7": "rackB", "n8": "rackB"}
     assert nodes["n6"].spare and nodes["n6"].service is Service.DRAINED
     assert nodes["n7"].service is Service.DOWN and nodes["n1"].service is Service.IN_SERVICE
-    modes = pd.parse_partitions(PARTITIONS.read_text(), str(PARTITIONS))
+    modes = pds.parse_partitions(PARTITIONS.read_text(), str(PARTITIONS))
     assert modes == {"all": {"OFF"}, "batch": {"REQUEUE"}, "debug": {"OFF"}}
-    assert pd.preemptible_partitions(modes) == {"batch"}
+    assert pds.preemptible_partitions(modes) == {"batch"}
 
 
 def test_plan_defrag_run_on_recorded_files(capsys):
@@ -357,27 +360,27 @@ def _squeue(*jobs: dict) -> str:
     ('{"jobs": [{"job_id": 1, "nodes": "n1", "job_state": "RUNNING", "start_time": NaN}]}', "no start_time"),
     ('{"jobs": [{"job_id": 1, "nodes": "n1", "job_state": "RUNNING", "start_time": 1e400}]}', "no start_time"),
     (_squeue({"start_time": 1}), "ten years"),
-    ("x" * (pd.MAX_FILE + 1), "MiB"),
+    ("x" * (pds.MAX_FILE + 1), "MiB"),
 ])
 def test_plan_defrag_squeue_hostile(text, says):
     with pytest.raises(ConfigError, match=says) as exc:
-        pd.parse_squeue_json(text, "q.json", now=500_000_000.0)
+        pds.parse_squeue_json(text, "q.json", now=500_000_000.0)
     assert str(exc.value).startswith("q.json")
 
 
 def test_plan_defrag_squeue_hostlists_bounded_across_jobs():
     text = _squeue(*({"job_id": i, "nodes": "n[1-60000]"} for i in range(1, 3)))
     with pytest.raises(ConfigError, match="jobs\\[1\\].*more than"):
-        pd.parse_squeue_json(text, "q.json", now=2000.0)
+        pds.parse_squeue_json(text, "q.json", now=2000.0)
 
 
 def test_plan_defrag_squeue_newer_shapes():
     text = _squeue({"job_state": ["RUNNING"], "start_time": {"set": True, "infinite": False, "number": 1000},
                     "batch_flag": {"set": True, "number": 1}})
-    (j,) = pd.parse_squeue_json(text, "q.json", now=4600.0)
+    (j,) = pds.parse_squeue_json(text, "q.json", now=4600.0)
     assert j.state == "RUNNING" and j.elapsed_s == 3600.0 and j.batch
     text = _squeue({"job_state": ["COMPLETED", "COMPLETING"], "nodes": "n[1-2],n1"})
-    (j,) = pd.parse_squeue_json(text, "q.json", now=500_000_000.0)
+    (j,) = pds.parse_squeue_json(text, "q.json", now=500_000_000.0)
     assert j.state == "COMPLETING" and j.nodes == ("n1", "n2")  # still on its nodes; each node once
 
 
@@ -388,7 +391,7 @@ def test_plan_defrag_squeue_newer_shapes():
 ])
 def test_plan_defrag_partitions_hostile(text, says):
     with pytest.raises(ConfigError, match=says):
-        pd.parse_partitions(text, "q.txt")
+        pds.parse_partitions(text, "q.txt")
 
 
 def test_plan_defrag_bad_flags_and_files(capsys, tmp_path):
@@ -400,19 +403,20 @@ def test_plan_defrag_bad_flags_and_files(capsys, tmp_path):
                               ("--now", "inf", "--now 'inf': expected a finite")):
         argv = ["--slice", value, *files] if flag == "--slice" else ["--slice", "2", *files, flag, value]
         with pytest.raises(ConfigError, match=says):
-            pd.run(parser().parse_args(argv))
+            plan_cli.run_part(parser().parse_args(argv))
     with pytest.raises(ConfigError, match="--squeue and --sinfo go together"):
-        pd.run(parser().parse_args(["--slice", "2", "--squeue", str(SQUEUE)]))
+        plan_cli.run_part(parser().parse_args(["--slice", "2", "--squeue", str(SQUEUE)]))
     with pytest.raises(ConfigError, match="which jobs may be moved"):
-        pd.run(parser().parse_args(["--slice", "2", "--squeue", str(SQUEUE), "--sinfo", str(SINFO)]))
+        plan_cli.run_part(parser().parse_args(["--slice", "2", "--squeue", str(SQUEUE), "--sinfo", str(SINFO)]))
     with pytest.raises(ConfigError, match="--preemptible-partitions: 'a b'"):
-        pd.run(parser().parse_args(["--slice", "2", *files, "--preemptible-partitions", "a b"]))
+        plan_cli.run_part(parser().parse_args(["--slice", "2", *files, "--preemptible-partitions", "a b"]))
     with pytest.raises(ConfigError, match=f"--sinfo {tmp_path / 'none'}: cannot read"):
-        pd.run(parser().parse_args(["--slice", "2", "--squeue", str(SQUEUE), "--sinfo", str(tmp_path / "none")]))
+        plan_cli.run_part(parser().parse_args(["--slice", "2", "--squeue", str(SQUEUE),
+                                               "--sinfo", str(tmp_path / "none")]))
     bad = tmp_path / "sinfo.json"
     bad.write_text('{"errors": [{"error": "Unable to contact slurm controller"}], "nodes": []}')
     with pytest.raises(ConfigError, match=f"{bad}: sinfo --json: slurmctld not reached"):
-        pd.run(parser().parse_args(["--slice", "2", *files[:2], "--sinfo", str(bad), *files[4:]]))
+        plan_cli.run_part(parser().parse_args(["--slice", "2", *files[:2], "--sinfo", str(bad), *files[4:]]))
     assert capsys.readouterr().out == ""
 
 
@@ -493,17 +497,17 @@ def test_plan_defrag_slurm_hostlists_match_scontrol(defrag_slurm):
     for text in ("n[1-3,5]", "a,b", "n[01-03]", "rack[1-2]n[1-2]", "n[8-11],m[098-100]"):
         shown = subprocess.run(["scontrol", "show", "hostnames", text], env=cluster.env, capture_output=True,
                                text=True, timeout=30, check=True).stdout.split()
-        assert slurm.expand_hostlist(text) == shown
+        assert slurm_hostlist.expand_hostlist(text) == shown
     for text in ("n[3-1]", "n[1-3]x"):
         shown = subprocess.run(["scontrol", "show", "hostnames", text], env=cluster.env, capture_output=True,
                                text=True, timeout=30)
         assert "Invalid hostlist" in shown.stdout + shown.stderr
         with pytest.raises(ValueError):
-            slurm.expand_hostlist(text)
+            slurm_hostlist.expand_hostlist(text)
 
 
 def test_plan_defrag_slurm_unreachable_is_an_input_error(tmp_path):
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1\n")
     with pytest.raises(ConfigError, match="Slurm could not be asked"):
-        pd.run(parser().parse_args(["--slice", "2", "--slurm-conf", str(conf)]))
+        plan_cli.run_part(parser().parse_args(["--slice", "2", "--slurm-conf", str(conf)]))

@@ -8,18 +8,19 @@ import math
 import random
 
 import pytest
+from gpuwarden.agent.cli import plan as plan_cli
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.fleet.plan import risk
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpuwarden plan risk")
-    risk.add_arguments(p)
+    plan_cli.part_arguments(p, "risk")
     return p
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    rc = risk.run(_parser().parse_args(list(argv)))
+    rc = plan_cli.run_part(_parser().parse_args(list(argv)))
     out, err = capsys.readouterr()
     assert err == ""
     return rc, out

@@ -6,11 +6,14 @@ import argparse
 import json
 
 import pytest
+from gpuwarden.agent.cli import plan as plan_cli
+from gpuwarden.agent.cli.flags import options
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.core.job import JobRef
 from gpuwarden.agent.core.scheduler import Service
 from gpuwarden.agent.fleet.plan import simulate as plan_simulate
-from gpuwarden.agent.fleet.plan.sim_fleet import HOUR, Burst, Fleet, Policy, SimConfig, simulate
+from gpuwarden.agent.fleet.plan.sim_config import HOUR, Burst, Policy, SimConfig
+from gpuwarden.agent.fleet.plan.sim_fleet import Fleet, simulate
 from gpuwarden.agent.state.transitions import NodeState
 
 # Small fleets, short node MTBI: many failures in a fraction of a second.
@@ -19,10 +22,10 @@ BUSY = SimConfig(racks=4, nodes_per_rack=18, days=30, mtbi_days=60, seed=7)
 QUIET = dict(mtbi_days=100_000, repair_median_h=10, repair_sigma=0.0, days=2)
 
 
-def _args(*argv: str) -> argparse.Namespace:
+def _args(*argv: str) -> plan_simulate.Options:
     p = argparse.ArgumentParser()
-    plan_simulate.add_arguments(p)
-    return p.parse_args(list(argv))
+    plan_cli.part_arguments(p, "simulate")
+    return options(p.parse_args(list(argv)), plan_simulate.Options)
 
 
 def test_the_same_seed_gives_the_same_report():

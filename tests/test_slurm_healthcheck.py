@@ -258,7 +258,7 @@ def test_slurm_epilog_on_a_failing_node_drains_it(slurm):
 def test_slurm_conf_example_names_the_shipped_scripts_with_timeouts_that_fit():
     """packaging/slurm/slurm.conf.example: each program is a shipped script (installed in /usr/lib/gpuwarden/), and
     its time limits leave the program's own budget room (slurmd's fixed 60 s for the health check)."""
-    from gpuwarden.agent.cli.slurm_healthcheck import BUDGET_S, SCONTROL_TIMEOUT_S
+    from gpuwarden.agent.cli.slurm import BUDGET_S, SCONTROL_TIMEOUT_S
 
     conf = example_conf()
     for key, mode in (("HealthCheckProgram", "healthcheck"), ("Prolog", "prolog"), ("Epilog", "epilog")):
@@ -287,7 +287,7 @@ def _config(tmp_path: Path, text: str = ""):
 def test_slurm_node_name_is_the_flag_then_slurmd_s_then_the_config_then_the_hostname(tmp_path):
     import socket
 
-    from gpuwarden.agent.cli.slurm_healthcheck import node_name
+    from gpuwarden.agent.cli.slurm import node_name
     from gpuwarden.agent.core.errors import GpuwardenError
 
     named = _config(tmp_path, '[remediation]\nnode_name = "gb200-r07-t03"\n')
@@ -302,8 +302,8 @@ def test_slurm_node_name_is_the_flag_then_slurmd_s_then_the_config_then_the_host
 
 
 def test_slurm_reason_is_the_worst_finding_readable_and_bounded(tmp_path):
-    from gpuwarden.agent.cli.main import _node
-    from gpuwarden.agent.cli.slurm_healthcheck import reason_for, unknown_reason
+    from gpuwarden.agent.cli.node import node as _node
+    from gpuwarden.agent.cli.slurm import reason_for, unknown_reason
     from gpuwarden.agent.core.model import Action, CheckResult, Entity, Finding, Report, Status
     from gpuwarden.agent.node.runner import run_checks
     from gpuwarden.checks import ALL

@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from gpuwarden.agent.fleet.sweep.launch import MpirunLauncher, SrunLauncher, classify_srun
+from gpuwarden.agent.fleet.sweep.launch_mpirun import MpirunLauncher
+from gpuwarden.agent.fleet.sweep.launch_srun import SrunLauncher, classify_srun
 from gpuwarden.agent.fleet.sweep.model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 from slurm_cluster import SlurmCluster, poll

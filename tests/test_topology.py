@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import NODES, ROOT, edit_nvml
+from gpuwarden.agent.cli import topology as topology_cli
+from gpuwarden.agent.cli.flags import options
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.core.logs import capture as capture_logs
 from gpuwarden.agent.core.scheduler import NodeView, Refused, Service, Transient
-from gpuwarden.agent.node import topology
+from gpuwarden.agent.node import topology, topology_command, topology_slurm
 from gpuwarden.agent.node.host import Node, NodeInfo
 
 SLURM_DATA = ROOT / "fixtures" / "slurm"
@@ -160,13 +162,13 @@ def test_kubernetes_labels():
     (["n" + "9" * 19], "n" + "9" * 19),
 ])
 def test_hostlist(names, expected):
-    assert topology.hostlist(names) == expected
+    assert topology_slurm.hostlist(names) == expected
 
 
 def test_hostlist_of_a_huge_range_is_split_below_slurms_cap_on_ranges(scontrol):
     names = [f"n{i:05d}" for i in range(65536)]
     random.Random(1).shuffle(names)
-    expr = topology.hostlist(names)
+    expr = topology_slurm.hostlist(names)
     assert expr == "n[00000-16383,16384-32767,32768-49151,49152-65535]"
     assert scontrol(expr) == sorted(names)
 
@@ -199,7 +201,7 @@ def test_hostlist_slurm_scontrol_expands_it_to_the_same_nodes(scontrol):
             names.add(f"{rng.choice(prefixes)}{number:0{width}d}" if width else f"{rng.choice(prefixes)}{number}")
             if rng.random() < 0.1:
                 names.add(rng.choice(prefixes) + "z")
-        assert sorted(scontrol(topology.hostlist(names))) == sorted(names)
+        assert sorted(scontrol(topology_slurm.hostlist(names))) == sorted(names)
 
 
 # -- block files ---------------------------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ def test_topology_conf_for_four_racks_slurm_block_rules(scontrol):
              NodeView("gb200-r05-t01", Service.IN_SERVICE),  # its agent has not published yet
              NodeView("gb200-r05-t02", Service.DRAINED, domain="rack05\nBlockName=evil Nodes=x"),
              NodeView("evil node#", Service.IN_SERVICE, domain="rack05")]
-    text = topology.topology_conf(fleet, None)
+    text = topology_slurm.topology_conf(fleet, None)
     first, second = topology.block_name(domain(1)), topology.block_name(domain(3))
     fourth = topology.block_name(domain(4))
     assert text == f"""\
@@ -297,42 +299,42 @@ def test_topology_conf_gives_topographs_block_lines_for_its_domains():
             first = int(nodes.split("[")[1].split("-")[0])
             fleet += [NodeView(f"srv{n}", Service.IN_SERVICE, domain=rack_name) for n in range(first, first + 8)]
     random.Random(3).shuffle(fleet)
-    ours = topology.topology_conf(fleet, [8, 16, 32])
+    ours = topology_slurm.topology_conf(fleet, [8, 16, 32])
     code = [line for line in ours.splitlines() if not line.startswith("#")]
     assert code == [line for line in real.splitlines() if not line.startswith("#")]
 
 
 def test_blocks_smaller_than_the_base_size_are_left_out_with_a_comment(scontrol):
     fleet = [*rack(1, "rack01"), *rack(2, "rack02", trays=range(1, 13))]
-    text = topology.topology_conf(fleet, [16, 32])
+    text = topology_slurm.topology_conf(fleet, [16, 32])
     assert "# left out, block rack02 (NVLink domain rack02): 12 node(s), fewer than the base block size 16: " \
            "gb200-r02-t[01-12]" in text
     blocks, sizes = slurm_blocks(text, scontrol)
     assert list(blocks) == ["rack01"] and sizes == [16, 32]
     with pytest.raises(ValueError, match="nothing to write"):
-        topology.topology_conf(fleet, [20])
+        topology_slurm.topology_conf(fleet, [20])
     with pytest.raises(ValueError, match="nothing to write"):
-        topology.topology_conf([NodeView("n1", Service.IN_SERVICE)], None)
+        topology_slurm.topology_conf([NodeView("n1", Service.IN_SERVICE)], None)
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [18, 30], [18, 18], [18, 36, 36], [4, 4 << 16], [True], [1] * 17,
                                    [70000]])
 def test_block_sizes_slurmctld_would_refuse_are_refused(sizes):
     with pytest.raises(ValueError, match="block sizes"):
-        topology.check_block_sizes(sizes)
+        topology_slurm.check_block_sizes(sizes)
 
 
 def test_block_sizes_parsing():
-    assert topology.parse_block_sizes("30,120") == (30, 120)  # the man page's example
-    assert topology.parse_block_sizes("18") == (18,)
+    assert topology_slurm.parse_block_sizes("30,120") == (30, 120)  # the man page's example
+    assert topology_slurm.parse_block_sizes("18") == (18,)
     for bad in ("18;36", "1e3", "-18", "18,", " ", "9" * 300):
         with pytest.raises(ValueError):
-            topology.parse_block_sizes(bad)
+            topology_slurm.parse_block_sizes(bad)
 
 
 def test_a_node_listed_twice_with_two_domains_is_left_out(scontrol):
     fleet = [*rack(1, "rack01"), NodeView("gb200-r01-t05", Service.IN_SERVICE, domain="rack02")]
-    text = topology.topology_conf(fleet, None)
+    text = topology_slurm.topology_conf(fleet, None)
     assert "# left out, listed twice with different NVLink domains: gb200-r01-t05" in text
     blocks, _ = slurm_blocks(text, scontrol)
     assert "gb200-r01-t05" not in blocks["rack01"] and len(blocks["rack01"]) == 17
@@ -342,7 +344,7 @@ def test_two_domains_with_one_block_name_are_refused():
     clash = topology.block_name(domain(1))  # a configured domain spelled like another's hashed name
     fleet = [*rack(1, domain(1)), *rack(2, clash)]
     with pytest.raises(ValueError, match="both map to block name"):
-        topology.topology_conf(fleet, None)
+        topology_slurm.topology_conf(fleet, None)
 
 
 def test_hostile_fleet_never_reaches_the_file(scontrol):
@@ -351,19 +353,20 @@ def test_hostile_fleet_never_reaches_the_file(scontrol):
     fleet = [*rack(1, "rack01")]
     fleet += [NodeView(n, Service.IN_SERVICE, domain="rack01") for n in hostile_names]  # type: ignore[arg-type]
     fleet += [NodeView(f"h{i}", Service.IN_SERVICE, domain=d) for i, d in enumerate(hostile_domains)]  # type: ignore
-    text = topology.topology_conf(fleet, None)
+    text = topology_slurm.topology_conf(fleet, None)
     blocks, sizes = slurm_blocks(text, scontrol)
     assert blocks == {"rack01": [f"gb200-r01-t{t:02d}" for t in range(1, 19)]} and sizes == [18]
     assert f"# left out, the published NVLink domain is not valid: h[0-{len(hostile_domains) - 1}]" in text
     assert f"# left out: {len(hostile_names)} node(s) whose names a Slurm file cannot carry" in text
     assert all(c == "\n" or " " <= c <= "~" for c in text)
     with pytest.raises(ValueError, match="at most"):
-        topology.topology_conf([NodeView(f"n{i}", Service.IN_SERVICE) for i in range(topology.MAX_FLEET + 1)], None)
+        topology_slurm.topology_conf([NodeView(f"n{i}", Service.IN_SERVICE)
+                                      for i in range(topology_slurm.MAX_FLEET + 1)], None)
 
 
 def test_topology_yaml_for_slurm_25_05():
     fleet = [*rack(2, "rack02"), *rack(1, domain(1)), NodeView("gb200-r09-t01", Service.IN_SERVICE)]
-    text = topology.topology_yaml(fleet, [18, 36])
+    text = topology_slurm.topology_yaml(fleet, [18, 36])
     doc = yaml.safe_load(text)
     assert doc == [{"topology": "nvlink", "cluster_default": True,
                     "block": {"block_sizes": [18, 36],
@@ -382,13 +385,13 @@ def test_topology_yaml_for_slurm_25_05():
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "topology.conf"
     path.write_text("old\n")
-    topology.write_atomic(path, "new\n")
+    topology_slurm.write_atomic(path, "new\n")
     assert path.read_text() == "new\n" and os.listdir(tmp_path) == ["topology.conf"]
     assert path.stat().st_mode & 0o777 == 0o644
     folder = tmp_path / "is-a-folder"
     folder.mkdir()
     with pytest.raises(OSError):
-        topology.write_atomic(folder, "x\n")
+        topology_slurm.write_atomic(folder, "x\n")
     assert sorted(os.listdir(tmp_path)) == ["is-a-folder", "topology.conf"] and folder.is_dir()
 
 
@@ -420,24 +423,24 @@ class Scheduler:
         self.views[node] = dataclasses.replace(self.node(node), domain=domain)
 
 
-def args(*argv: str) -> argparse.Namespace:
+def args(*argv: str) -> topology_command.Options:
     parser = argparse.ArgumentParser()
-    topology.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    topology_cli.add_arguments(parser)
+    return options(parser.parse_args(list(argv)), topology_command.Options)
 
 
 def test_command_prints_this_nodes_domain(capsys):
-    assert topology.run(args("--root", str(GB200)), {}, None) == 0
+    assert topology_command.run(args("--root", str(GB200)), {}, None) == 0
     assert capsys.readouterr().out == (f"gb200-rack07-tray03: NVLink domain {GB200_DOMAIN} (from nvml; Slurm block "
                                        "nvlf1e65d7add2b)\n")
-    assert topology.run(args("--root", str(GB200), "--json"), {}, None) == 0
+    assert topology_command.run(args("--root", str(GB200), "--json"), {}, None) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["domain"] == GB200_DOMAIN and out["labels"]["nvidia.com/gpu.clique"] == GB200_DOMAIN
 
 
 def test_command_exits_1_when_the_node_has_no_domain(capsys):
     sched = Scheduler(rack(1, None))
-    assert topology.run(args("--root", str(H100), "--publish", "--node-name", "gb200-r01-t01"), {}, sched) == 1
+    assert topology_command.run(args("--root", str(H100), "--publish", "--node-name", "gb200-r01-t01"), {}, sched) == 1
     assert "no NVLink domain: no GPU takes part in an NVLink fabric" in capsys.readouterr().out
     assert sched.calls == []  # nothing published
 
@@ -447,8 +450,9 @@ def test_command_publishes_then_writes_both_files_from_the_fleet(tmp_path, capsy
     sched = Scheduler([*rack(7, GB200_DOMAIN, trays=range(1, 18)), *rack(7, None, trays=[18]), *rack(8, "rack08")])
     conf, yml = tmp_path / "topology.conf", tmp_path / "topology.yaml"
     with capture_logs() as logs:
-        code = topology.run(args("--root", str(GB200), "--node-name", "gb200-r07-t18", "--publish", "--slurm-conf",
-                                 str(conf), "--slurm-yaml", str(yml), "--block-sizes", "18,36"), {}, sched)
+        code = topology_command.run(args("--root", str(GB200), "--node-name", "gb200-r07-t18", "--publish",
+                                         "--slurm-conf", str(conf), "--slurm-yaml", str(yml), "--block-sizes", "18,36"),
+                                    {}, sched)
     assert code == 0
     assert [e["event"] for e in logs] == ["published NVLink domain", "wrote Slurm topology"]
     assert sched.calls == [("publish_domain", "gb200-r07-t18", GB200_DOMAIN), ("nodes",)]
@@ -467,7 +471,7 @@ def test_command_publishes_then_writes_both_files_from_the_fleet(tmp_path, capsy
 
 def test_command_exits_2_when_the_scheduler_refuses_to_publish(capsys):
     sched = Scheduler(rack(1, None))
-    assert topology.run(args("--root", str(GB200), "--publish"), {}, sched) == 2  # gb200-rack07-tray03: unknown
+    assert topology_command.run(args("--root", str(GB200), "--publish"), {}, sched) == 2  # gb200-rack07-tray03: unknown
     assert "Refused: unknown node gb200-rack07-tray03" in capsys.readouterr().err
     assert all(v.domain is None for v in sched.views.values())
 
@@ -476,7 +480,7 @@ def test_command_keeps_the_old_file_when_the_scheduler_fails(tmp_path, capsys):
     conf = tmp_path / "topology.conf"
     conf.write_text("BlockName=old Nodes=n1\n")
     sched = Scheduler([], fail=Transient("slurmctld: connection refused"))
-    assert topology.run(args("--slurm-conf", str(conf)), {}, sched) == 2
+    assert topology_command.run(args("--slurm-conf", str(conf)), {}, sched) == 2
     assert "Transient: slurmctld: connection refused" in capsys.readouterr().err
     assert conf.read_text() == "BlockName=old Nodes=n1\n" and os.listdir(tmp_path) == ["topology.conf"]
 
@@ -489,13 +493,13 @@ def test_command_keeps_the_old_file_when_the_scheduler_fails(tmp_path, capsys):
 def test_command_usage_errors_exit_2(tmp_path, monkeypatch, capsys, argv, words):
     sched = None if "--publish" in argv else Scheduler(rack(1, "rack01"))
     monkeypatch.chdir(tmp_path)
-    assert topology.run(args(*argv), {}, sched) == 2
+    assert topology_command.run(args(*argv), {}, sched) == 2
     assert words in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
 
 def test_command_with_a_hostile_config_domain_exits_2(capsys):
-    assert topology.run(args("--root", str(GB200)), {"topology": {"domain": "a\nb"}}, None) == 2
+    assert topology_command.run(args("--root", str(GB200)), {"topology": {"domain": "a\nb"}}, None) == 2
     assert "[topology] domain" in capsys.readouterr().err
 
 

@@ -18,17 +18,26 @@ How, and what a streamed read validates: docs/analyze.md.
 """
 from __future__ import annotations
 
+import math
+import os
+import select
+import stat
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Sequence
+from pathlib import Path  # loaded with the interpreter's start (site), 0 ms here
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable
 
+from gpuwarden.agent.cli.flags import exit_codes_epilog, log_flags
+from gpuwarden.agent.cli.verdict import emit
+from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import GpuwardenError
 from gpuwarden.agent.core.kernel_log import HEAD_CHARS, HEAD_LINES, format_of_votes, format_votes
+from gpuwarden.agent.node.kernel_scan import read_head, scan  # what read_ahead and analyze_file do first
 
 if TYPE_CHECKING:
+    import argparse
     from collections import Counter
-    from pathlib import Path
 
-    from gpuwarden.agent.core.model import CheckResult, Report
+    from gpuwarden.agent.core.model import CheckResult, Report  # at use: +10 ms, after the readers start
 
 TOOL_MAX = 16 << 20  # bytes of a tool's output that are read
 STDIN = "-"  # the FILE that names standard input
@@ -48,85 +57,51 @@ _KERNEL_FORMATS = frozenset(("kmsg", "dmesg", "dmesg-ctime", "dmesg-iso", "dmesg
 
 
 def _kernel_consumers() -> tuple[Any, ...]:
-    from gpuwarden.checks import nvswitch_sxid, xid  # checks import agent: import at use, not at load
+    from gpuwarden.checks import log_readers  # at use: the checks, +62 ms before a large file's readers start
 
-    return xid.CONSUMER, nvswitch_sxid.SXID_CONSUMER
+    return log_readers()  # the concerns that say they read a saved kernel log (Concern.analyze), in report order
 
+
+DESCRIPTION = ("Judge saved files with the decision code the live checks use: kernel logs (dmesg, journalctl, "
+               "syslog or raw kmsg: XIDs, NVSwitch SXids) and the outputs of dcgmi diag (text or JSON), "
+               "nccl-tests and perftest (ib_write_bw). Nothing on this machine is read.")
+EPILOG = ("examples:\n"
+          "  gpuwarden analyze dmesg.txt\n"
+          "  gpuwarden analyze --json node17/*.log\n"
+          "  ssh node17 dmesg | gpuwarden analyze -\n\n"
+          + exit_codes_epilog())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", metavar="FILE",  # a str: Path("./-") would be "-", standard input
+                   help="saved kernel log or tool output, a regular file (a FIFO or device is refused); the format "
+                        "is recognised from the content. - reads standard input, up to 1 GiB and for 300 s")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    log_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.files.count(STDIN) > 1:
+        raise GpuwardenError(f"{STDIN} (standard input) is given more than once: it can be read only once")
+    logs.setup(args.log_format or "auto", args.log_level or "info")
+    # A str for STDIN, a Path for every other FILE: Path("./-") would be "-", standard input.
+    return emit(analyze(STDIN if f == STDIN else Path(f) for f in args.files), args.json)
 
 # ---------------------------------------------------------------- a large kernel log's readers, started first
 # The command line's first FILE, when it is a large kernel log, has its readers started before the command line is
 # parsed and the CLI loaded (what the installed command does first: agent/cli/command.py); `analyze` then takes them
-# up when it comes to that file. What is read ahead is the file's head, as analyze_file reads it, and nothing
-# else is done before the CLI has judged the command line: a command line it refuses ends the readers unused.
+# up when it comes to that file (agent/cli/analyze_ahead.py starts them). What is read ahead is the file's head, as
+# analyze_file reads it, and nothing else is done before the CLI has judged the command line: a command line it
+# refuses ends the readers unused.
 _AHEAD: dict[str, tuple[BinaryIO, bytes, str, Any, float]] = {}  # the FILE as written -> (file, head, format,
 #                                                                   its readers, when its reading started)
 
 
-def read_ahead(args: Sequence[str]) -> None:
-    """Starts the readers of the first FILE of `gpuwarden analyze ARGS` if it is a large kernel log. Only a
-    command line of the plain forms is looked at (FILEs, --json, --log-format/--log-level with a value, --): any
-    other option, or a file that cannot be opened, leaves every file to analyze_file."""
-    import os
-    import stat
-
-    from gpuwarden.agent.node import kernel_scan
-
-    arg = _first_file(args)
-    if arg is None or arg == STDIN or arg in _AHEAD:
-        return
-    started = time.monotonic()
-
-    def large(st: os.stat_result) -> bool:  # a pipe's or a device's bytes read here would be lost to analyze_file
-        return stat.S_ISREG(st.st_mode) and st.st_size >= kernel_scan.PARALLEL_MIN
-
-    try:
-        if not large(os.stat(arg)):
-            return
-        f = _open_nonblocking(arg)  # kept open for analyze_file, or closed here or by drop_ahead
-    except (OSError, ValueError):  # analyze_file says what is wrong with it
-        return
-    readers = None
-    try:
-        if large(os.fstat(f.fileno())):
-            head, _, _, votes = _head_votes(f)
-            if _kernel_lines_lead(votes):
-                fmt = format_of_votes(votes)
-                readers = kernel_scan.start_readers(f, fmt == "kmsg", KERNEL_INTEREST, first=head)
-    except (OSError, GpuwardenError):  # analyze_file reads it again and says what is wrong with it
-        readers = None
-    if readers is None:
-        f.close()
-        return
-    _AHEAD[arg] = (f, head, fmt, readers, started)
-
-
-def _first_file(args: Sequence[str]) -> str | None:
-    it = iter(args)
-    for arg in it:
-        if arg == "--":
-            return next(it, None)
-        if arg in ("--log-format", "--log-level"):
-            next(it, None)
-        elif arg != "--json" and not arg.startswith(("--log-format=", "--log-level=")):
-            return None if arg.startswith("-") else arg
-    return None
-
-
 def _take_ahead(path: Path) -> tuple[BinaryIO, bytes, str, Any, float] | None:
-    from pathlib import Path
-
     for arg in _AHEAD:
         if Path(arg) == path:
             return _AHEAD.pop(arg)
     return None
-
-
-def drop_ahead() -> None:
-    """Ends the readers started ahead that analyze did not take up (the command line was refused)."""
-    while _AHEAD:
-        f, _, _, readers, _ = _AHEAD.popitem()[1]
-        readers.close()
-        f.close()
 
 
 def _kernel_lines_lead(votes: dict[str, int]) -> bool:
@@ -136,8 +111,6 @@ def _kernel_lines_lead(votes: dict[str, int]) -> bool:
 def _open_nonblocking(path: str | Path) -> BinaryIO:
     """The file, opened without waiting: a FIFO put in its place since it was looked at does not hold the open up
     for a writer (its reads are refused after, on its fstat)."""
-    import os
-
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         os.set_blocking(fd, True)
@@ -150,8 +123,6 @@ def _open_nonblocking(path: str | Path) -> BinaryIO:
 def _not_regular(path: Path, st: Any) -> str | None:
     """Why `path` (stat ``st``) is not read, or None for a regular file. The rule and the words of job logs'
     (agent/jobs/joblog.py read_job_log): a FIFO, a device or a folder may never end."""
-    import stat
-
     if stat.S_ISREG(st.st_mode):
         return None
     if stat.S_ISDIR(st.st_mode):
@@ -167,7 +138,7 @@ def _size(n: int) -> str:
 
 
 def _unknown(path: Path | str, error: str, start: float, source: str | None = None) -> CheckResult:
-    from gpuwarden.agent.core.model import CheckResult, Status
+    from gpuwarden.agent.core.model import CheckResult, Status  # at use: +10 ms, after the readers start
 
     return CheckResult("analyze", Status.UNKNOWN, error=error, duration_s=time.monotonic() - start,
                        source=source or str(path))
@@ -176,7 +147,6 @@ def _unknown(path: Path | str, error: str, start: float, source: str | None = No
 def analyze_file(path: Path) -> CheckResult:
     # The model is loaded after a large file's readers have started (kernel_scan), not before: the start is what
     # the readers wait for.
-    import os
 
     start = time.monotonic()
     ahead = _take_ahead(path)  # its readers started before the CLI loaded (read_ahead)
@@ -201,16 +171,13 @@ def analyze_file(path: Path) -> CheckResult:
             return _analyze_open(path, f, start)
     except OSError as exc:
         return _unknown(path, f"{path}: cannot read: {exc.strerror or exc}", start)
-    except GpuwardenError as exc:  # kernel_scan.ScanError: a process reading a part of it failed
+    except GpuwardenError as exc:  # kernel_scan_readers.ScanError: a process reading a part of it failed
         return _unknown(path, str(exc), start)
 
 
 def analyze_stdin(fd: int = 0, max_bytes: int = STDIN_MAX, deadline_s: float = STDIN_DEADLINE_S) -> CheckResult:
     """`gpuwarden analyze -`: standard input (``fd``), judged as the file it would be saved to. What is read of it
     is bounded: ``max_bytes``, within ``deadline_s``; a stream that goes on past either is UNKNOWN, naming it."""
-    import os
-    from pathlib import Path
-
     start = time.monotonic()
     path = Path(STDIN)
     source = f"{STDIN} (standard input)"
@@ -238,10 +205,7 @@ def _spool(fd: int, max_bytes: int, deadline_s: float) -> BinaryIO | str:
     """Standard input copied into an unnamed temporary file (gone with this process however it ends), at its start;
     or why it was not: it went on past max_bytes, or had not ended by the deadline. A copy, and not a stream, so
     that it is read exactly as the file is (its head voted on, then read again from its start as a job log)."""
-    import math
-    import os
-    import select
-    import tempfile
+    import tempfile  # at use: only standard input is spooled, +10 ms to every other file
 
     end = time.monotonic() + deadline_s
     poll = select.poll()  # a read waits at most until the deadline, whether the writer writes or not
@@ -281,8 +245,6 @@ def _spool(fd: int, max_bytes: int, deadline_s: float) -> BinaryIO | str:
 def _head_votes(f: BinaryIO) -> tuple[bytes, str, bool, Counter[str]]:
     """The file's head as read so far, its text, whether that is all of the head the tools' detectors read, and the
     line formats' votes over it."""
-    from gpuwarden.agent.node.kernel_scan import read_head
-
     # The vote reads the head's first HEAD_LINES lines: where a shorter head holds them (or the whole file), the rest
     # of the head is read only for the tools' detectors, which a kernel log does not need.
     head, head_text = read_head(f, VOTE_CHARS)
@@ -294,12 +256,11 @@ def _head_votes(f: BinaryIO) -> tuple[bytes, str, bool, Counter[str]]:
 
 
 def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
-    from gpuwarden.agent.core.model import Status
+    from gpuwarden.agent.core.model import Status  # at use: +10 ms, after the readers start
 
     head, head_text, whole_head, votes = _head_votes(f)
     if not _kernel_lines_lead(votes):
-        from gpuwarden.agent.node.kernel_scan import read_head
-        from gpuwarden.checks import ALL
+        from gpuwarden.checks import ALL  # at use: +62 ms, only for a file not a kernel log
 
         if not whole_head:
             head, head_text = read_head(f, HEAD_CHARS, have=head)
@@ -308,6 +269,7 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
             for analyzer in spec.analyzers:
                 if analyzer.detect(head_text):
                     return _tool_output(path, f, head, spec.name, analyzer.fmt, analyzer.analyze, start)
+        # at use: +270 ms, job logs only
         from gpuwarden.agent.jobs.analyze_job_log import analyze_job_log, looks_like_job_log
 
         if looks_like_job_log(head_text):
@@ -316,7 +278,7 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
     if result.status is Status.UNKNOWN and not result.findings and result.error and "not a format" in result.error:
         # A job's log whose head is its program's own output (iterations, a traceback): the job-log reader looks
         # for its lines through the whole file.
-        from gpuwarden.agent.jobs.analyze_job_log import analyze_job_log
+        from gpuwarden.agent.jobs.analyze_job_log import analyze_job_log  # at use: +270 ms, job logs only
 
         log = _job_log(path, f)
         if log.events:
@@ -326,7 +288,7 @@ def _analyze_open(path: Path, f: BinaryIO, start: float) -> CheckResult:
 
 def _job_log(path: Path, f: BinaryIO) -> Any:
     """The file read again from its start by the job-log reader (standard input's copy too: it has no path)."""
-    from gpuwarden.agent.jobs.joblog import read_job_file
+    from gpuwarden.agent.jobs.joblog import read_job_file  # at use: +170 ms, job logs only
 
     f.seek(0)
     return read_job_file(f, str(path))
@@ -335,11 +297,9 @@ def _job_log(path: Path, f: BinaryIO) -> Any:
 def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float, readers: Any = None) -> CheckResult:
     """Every kernel-log check's decision over the file: XIDs and NVSwitch SXids, as preflight and the daemon judge
     them (each check's findings under its own name). ``readers``: its reader processes, started by read_ahead."""
-    from gpuwarden.agent.node.kernel_scan import scan
-
     result = scan(f, str(path), fmt == "kmsg", _kernel_consumers, first=head, interest=KERNEL_INTEREST,
                   readers=readers)
-    from gpuwarden.agent.core.model import CheckResult, Status, fold_status
+    from gpuwarden.agent.core.model import CheckResult, Status, fold_status  # at use: +10 ms, after the readers start
 
     findings = result.findings
     status = fold_status(findings)
@@ -358,7 +318,7 @@ def _kernel_log(path: Path, f: BinaryIO, head: bytes, fmt: str, start: float, re
 
 def _tool_output(path: Path, f: BinaryIO, head: bytes, check: str, fmt: str, analyze: object,
                  start: float) -> CheckResult:
-    from gpuwarden.agent.core.model import CheckResult, Status, fold_status
+    from gpuwarden.agent.core.model import CheckResult, Status, fold_status  # at use: +10 ms, after the readers start
 
     source = f"{path} ({fmt})"
     data = head + f.read(max(0, TOOL_MAX + 1 - len(head)))
@@ -378,10 +338,8 @@ def _tool_output(path: Path, f: BinaryIO, head: bytes, check: str, fmt: str, ana
 
 def analyze(paths: Iterable[Path | str]) -> Report:
     """Each file judged; the string STDIN is standard input (analyze_stdin), Path("-") a file of that name."""
-    from pathlib import Path
-
     paths = list(paths)
     results = tuple(analyze_stdin() if isinstance(p, str) and p == STDIN else analyze_file(Path(p)) for p in paths)
-    from gpuwarden.agent.core.model import Report
+    from gpuwarden.agent.core.model import Report  # at use: +10 ms, after the readers start
 
     return Report(node="-", results=results, source=", ".join(str(p) for p in paths), tool="analyze")

@@ -11,36 +11,40 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
+from gpuwarden.agent.act.adapters.slurm_job import locate_outputs, slurm_job
+from gpuwarden.agent.cli.flags import log_flags
+from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import GpuwardenError
+from gpuwarden.agent.jobs.evidence_saved import read_dirs
 from gpuwarden.agent.jobs.explain import Explanation, explain
 from gpuwarden.agent.jobs.joblog import read_job_log
+from gpuwarden.agent.jobs.node_evidence import fetch_nodes
+from gpuwarden.agent.jobs.prometheus_evidence import query_prometheus
 
-HELP = "name the node, GPU, IB port or rank behind a failed job, from its logs and its nodes' gpuwarden"
 DEFAULT_WINDOW_S = 24 * 3600.0  # --nodes without --since and without a job: the last day
 MARGIN_S = 300.0  # the window around a job's start/end (a fault seen just before the job's collectives stopped)
 _STEPS = {"a": "node", "b": "stall", "c": "peers", "d": "first", "map": "where", "s": "symptom"}
 
 
-def add_parser(sub: argparse._SubParsersAction, formatter: Any, log_flags: Callable[[argparse.ArgumentParser], None]
-               ) -> None:
-    p = sub.add_parser(
-        "explain", help=HELP, formatter_class=formatter,
-        description="Read a failed distributed job's logs (PyTorch ProcessGroupNCCL watchdog, NCCL WARN/INFO, "
-                    "torchrun, srun/slurmstepd) and gpuwarden's findings on the job's nodes inside the job's window, "
-                    "and name what failed it: a GPU, an InfiniBand port or link, an NVLink, a node or a rank, each "
-                    "step of the reasoning with its file and line. A hardware finding on the stalled rank's GPU or "
-                    "port outranks the rest; where the evidence conflicts it says so and names no culprit.",
-        epilog="examples:\n"
-               "  gpuwarden explain --job 4242                     nodes, window and logs from Slurm\n"
-               "  gpuwarden explain train.log --nodes gpu01,gpu02 --since 2026-12-06T10:00Z\n"
-               "  gpuwarden explain rank*.log --evidence ./gpu02-record\n"
-               "  gpuwarden explain train.log --prometheus http://prom:9090 --nodes gpu01,gpu02 --json\n\n"
-               "exit codes:\n"
-               "  0  the logs show no failure (also a job that reached its time limit)\n"
-               "  1  a culprit is named\n"
-               "  2  undecided, or bad input")
+DESCRIPTION = ("Read a failed distributed job's logs (PyTorch ProcessGroupNCCL watchdog, NCCL WARN/INFO, "
+               "torchrun, srun/slurmstepd) and gpuwarden's findings on the job's nodes inside the job's window, "
+               "and name what failed it: a GPU, an InfiniBand port or link, an NVLink, a node or a rank, each "
+               "step of the reasoning with its file and line. A hardware finding on the stalled rank's GPU or "
+               "port outranks the rest; where the evidence conflicts it says so and names no culprit.")
+EPILOG = ("examples:\n"
+          "  gpuwarden explain --job 4242                     nodes, window and logs from Slurm\n"
+          "  gpuwarden explain train.log --nodes gpu01,gpu02 --since 2026-12-06T10:00Z\n"
+          "  gpuwarden explain rank*.log --evidence ./gpu02-record\n"
+          "  gpuwarden explain train.log --prometheus http://prom:9090 --nodes gpu01,gpu02 --json\n\n"
+          "exit codes:\n"
+          "  0  the logs show no failure (also a job that reached its time limit)\n"
+          "  1  a culprit is named\n"
+          "  2  undecided, or bad input")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("logs", nargs="*", type=Path, metavar="LOG", help="the job's log files (stdout/stderr, per rank "
                    "or per node); with --job, Slurm's StdOut/StdErr files are read too")
     p.add_argument("--job", metavar="ID", help="a Slurm job: its nodes, start, end and output files (sacct, scontrol)")
@@ -61,8 +65,6 @@ def add_parser(sub: argparse._SubParsersAction, formatter: Any, log_flags: Calla
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.agent.core import logs
-
     logs.setup(args.log_format or "auto", args.log_level or "warning")
     try:
         return _run(args)
@@ -78,7 +80,6 @@ def _run(args: argparse.Namespace) -> int:
     since, until = parse_time(args.since, "--since"), parse_time(args.until, "--until")
     job_info: dict[str, Any] | None = None
     if args.job:
-        from gpuwarden.agent.act.adapters.slurm_job import locate_outputs, slurm_job
 
         window = slurm_job(str(args.job))
         job_info = {"id": window.job_id, "state": window.state, "exit_code": window.exit_code,
@@ -120,16 +121,13 @@ def _node_evidence(args: argparse.Namespace, nodes: Sequence[str], since: float,
     out: list[Any] = []
     auth = _auth(args.basic_auth)
     if args.evidence:
-        from gpuwarden.agent.jobs.node_evidence import read_dirs
 
         out += read_dirs(list(args.evidence), since, until)
     if args.prometheus:
-        from gpuwarden.agent.jobs.prometheus_evidence import query_prometheus
 
         out += query_prometheus(args.prometheus, list(nodes), since, until, timeout_s=max(args.timeout, 10.0),
                                 auth=auth, ca_file=args.ca)
     elif nodes:
-        from gpuwarden.agent.jobs.node_evidence import fetch_nodes
 
         have = {e.host for e in out}
         ask = [n for n in nodes if n not in have]

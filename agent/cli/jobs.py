@@ -10,55 +10,50 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
+from gpuwarden import checks
+from gpuwarden.agent.cli.flags import CONFIG_HELP, log_flags
+from gpuwarden.agent.cli.node import node as node_at
+from gpuwarden.agent.core import config as config_mod
+from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.errors import NotApplicable
 from gpuwarden.agent.core.job import JobOnNode, jobs_in
+from gpuwarden.agent.core.model import EXIT_PASS, EXIT_UNDECIDED, Status
 from gpuwarden.agent.core.render import seconds_text
+from gpuwarden.checks import jobs as jobs_check
 
-HELP = "the jobs using this node's GPUs, their ranks, GPUs and IB ports, and how long a fault takes to end them"
+DESCRIPTION = ("List the jobs whose processes hold this node's GPUs (NVML's compute processes): each job's "
+               "scheduler and id (from the process's cgroup: a Slurm job, a Kubernetes pod; scontrol pidinfo "
+               "where the cgroup does not say), its ranks, GPUs and the InfiniBand ports its NCCL may use, its "
+               "effective NCCL IB timeout (4.096 us x 2^NCCL_IB_TIMEOUT x NCCL_IB_RETRY_CNT, by its NCCL "
+               "version) and PyTorch's watchdog timeout, each figure with where it came from. A job whose IB "
+               "timeout is shorter than this node's port outages (the daemon's history) is warned about.")
+EPILOG = ("examples:\n"
+          "  gpuwarden jobs\n"
+          "  gpuwarden jobs --json\n"
+          "  gpuwarden jobs --root ./node17    (a folder written by gpuwarden record)\n\n"
+          "exit codes:\n"
+          "  0  listed (also when no job runs)\n"
+          "  2  could not look (NVML, a GPU whose processes could not be listed, a bad config)")
 
 
-def add_parser(sub: argparse._SubParsersAction, formatter: Any, config_help: str,
-               log_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser(
-        "jobs", help=HELP, formatter_class=formatter,
-        description="List the jobs whose processes hold this node's GPUs (NVML's compute processes): each job's "
-                    "scheduler and id (from the process's cgroup: a Slurm job, a Kubernetes pod; scontrol pidinfo "
-                    "where the cgroup does not say), its ranks, GPUs and the InfiniBand ports its NCCL may use, its "
-                    "effective NCCL IB timeout (4.096 us x 2^NCCL_IB_TIMEOUT x NCCL_IB_RETRY_CNT, by its NCCL "
-                    "version) and PyTorch's watchdog timeout, each figure with where it came from. A job whose IB "
-                    "timeout is shorter than this node's port outages (the daemon's history) is warned about.",
-        epilog="examples:\n"
-               "  gpuwarden jobs\n"
-               "  gpuwarden jobs --json\n"
-               "  gpuwarden jobs --root ./node17    (a folder written by gpuwarden record)\n\n"
-               "exit codes:\n"
-               "  0  listed (also when no job runs)\n"
-               "  2  could not look (NVML, a GPU whose processes could not be listed, a bad config)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=Path, metavar="DIR",
                    help="a recorded node (gpuwarden record) instead of this machine")
     p.add_argument("--json", action="store_true", help="print the jobs as JSON instead of a table")
-    p.add_argument("--config", type=Path, metavar="FILE", help=config_help)
+    p.add_argument("--config", type=Path, metavar="FILE", help=CONFIG_HELP)
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="the daemon's state folder, for its port outage history (default: [agent] state_dir)")
     log_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden import checks
-    from gpuwarden.agent.cli.main import _node
-    from gpuwarden.agent.core import config as config_mod
-    from gpuwarden.agent.core import logs
-    from gpuwarden.agent.core.errors import NotApplicable
-    from gpuwarden.agent.core.model import EXIT_PASS, EXIT_UNDECIDED, Status
-    from gpuwarden.checks import jobs as jobs_check
-
     cfg = config_mod.load(checks.forms(["jobs"]), args.config, explicit=args.config is not None, names=checks.NAMES,
                           forms=checks.forms)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     if args.state_dir is not None:
         cfg.agent["state_dir"] = str(args.state_dir)
-    node = _node(args.root)
+    node = node_at(args.root)
     table = cfg.for_check("jobs")
     now = time.time()
     try:

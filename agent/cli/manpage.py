@@ -12,6 +12,9 @@ import time
 from importlib import metadata
 from typing import Iterator
 
+from gpuwarden.agent.cli import main as cli
+from gpuwarden.agent.cli.flags import EXIT_CODES
+
 FILES: tuple[tuple[str, str], ...] = (
     ("/etc/gpuwarden/gpuwarden.toml", "The configuration (TOML): every key, commented out, shows its default. Read by "
                                       "every command that takes --config when no other file is named; "
@@ -124,8 +127,6 @@ def _command(name: str, summary: str, parser: argparse.ArgumentParser) -> Iterat
 def render(parser: argparse.ArgumentParser | None = None, version: str | None = None,
            date: str | None = None) -> str:
     """The whole page. `date` defaults to SOURCE_DATE_EPOCH's day (a reproducible build), else today."""
-    from gpuwarden.agent.cli import main as cli
-
     parser = parser or cli._parser()
     version = version or metadata.version("gpuwarden")
     if date is None:
@@ -156,7 +157,7 @@ def render(parser: argparse.ArgumentParser | None = None, version: str | None = 
             out += _option(parser, action)
     out += [".SH EXIT STATUS", "Of \\fBpreflight\\fR and \\fBanalyze\\fR (usable as a Slurm HealthCheckProgram, "
                                "Prolog or Epilog):"]
-    for code, meaning in cli.EXIT_CODES:
+    for code, meaning in EXIT_CODES:
         out += [".TP", f"\\fB{escape(code)}\\fR", escape(meaning)]
     out += [".PP", "The other commands exit 0 when done and non\\-zero on an error (2 for bad flags or a bad "
                    "configuration); \\fBtopology\\fR's codes are listed with the command."]

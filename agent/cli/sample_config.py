@@ -14,6 +14,9 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
+from gpuwarden.agent.core import config
+from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
+
 TABLES: dict[str, str] = {
     "agent": "What preflight runs and how, where the daemon keeps its state and serves /metrics, logging.",
     "remediation": "What the daemon does about a fault (docs/remediation.md): nothing but log intents until "
@@ -118,9 +121,6 @@ def _table(name: str, values: dict[str, Any], about: str, comments: dict[str, st
 
 
 def render(docs: Path | None = None) -> str:
-    from gpuwarden.agent.core import config
-    from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
-
     comments = doc_comments(docs.read_text()) if docs is not None and docs.exists() else {}
     cfg = config.defaults(all_specs())
     summaries: dict[str, str] = {}

@@ -8,7 +8,6 @@ figures: 8-node slices 2,043 usable nodes, 9-node 1,953, 16-node 2,037, 18-node 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -199,7 +198,7 @@ def format_table(result: Capacity) -> str:
 
 def draw_capacity(result: Capacity) -> Any:
     """The figure: expected usable nodes vs unavailability, one line per slice size (matplotlib, Agg)."""
-    try:
+    try:  # optional dependency: matplotlib, the `plot` extra, for --plot only
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
@@ -234,20 +233,19 @@ def write_plot(result: Capacity, path: Path) -> None:
 
 
 # -- the command --------------------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--racks", default="128", metavar="R", help="racks (NVLink domains) in the fleet (default 128)")
-    p.add_argument("--nodes-per-rack", default="18", metavar="N", help="nodes per rack (default 18: NVL72 trays)")
-    p.add_argument("--slice", default="8,9,16,18", metavar="S[,S…]",
-                   help="slice sizes in nodes, each placed within one rack (default 8,9,16,18)")
-    p.add_argument("--unavailable", default="0..10", metavar="P[,A..B[:STEP]…]",
-                   help="node unavailability in percent: values, and ranges A..B every STEP points (default step "
-                        f"{DEFAULT_STEP:g}); default 0..10")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
-    p.add_argument("--plot", type=Path, metavar="FILE.png",
-                   help="also draw usable nodes vs unavailability, one line per slice size (needs the 'plot' extra)")
+@dataclass(frozen=True)
+class Options:
+    """`gpuwarden plan capacity`'s flags as given (agent/cli/plan.py parses them): checked here."""
+
+    racks: str
+    nodes_per_rack: str
+    slice: str
+    unavailable: str
+    json: bool = False
+    plot: Path | str | None = None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     racks = parse_int(args.racks, "--racks", 1, MAX_RACKS)
     nodes = parse_int(args.nodes_per_rack, "--nodes-per-rack", 1, MAX_NODES_PER_RACK)
     slices = parse_slices(args.slice, nodes)
@@ -256,12 +254,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--unavailable: {len(points):,} values for racks of {nodes:,} nodes; at most "
                           f"{MAX_TERMS // (nodes + 1):,} at that rack size (use a larger step)")
     result = capacity(racks, nodes, slices, points)
-    if getattr(args, "plot", None):
+    if args.plot:
         write_plot(result, Path(args.plot))
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
         print(format_table(result))
-    if getattr(args, "plot", None):
+    if args.plot:
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0

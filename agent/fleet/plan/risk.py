@@ -12,7 +12,6 @@ GPU reliability write-up (2024). They are inputs to replace with a fleet's own f
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from typing import Any, Sequence
@@ -104,6 +103,19 @@ def format_table(risk: Risk) -> str:
 
 
 # -- the command --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """`gpuwarden plan risk`'s flags as given (agent/cli/plan.py parses them): checked here."""
+
+    node_mtbi_days: str
+    nodes_per_rack: str
+    racks: str
+    gpus: str
+    days: str
+    afr: str
+    json: bool = False
+
+
 def _list(text: str, flag: str) -> list[str]:
     items = split_list(text, flag)
     if len(items) > MAX_LIST:
@@ -111,19 +123,7 @@ def _list(text: str, flag: str) -> list[str]:
     return items
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--node-mtbi-days", default="490", metavar="DAYS",
-                   help="mean time between interruptions of one node, in days (default 490)")
-    p.add_argument("--nodes-per-rack", default="18", metavar="N", help="nodes per rack (default 18: NVL72 trays)")
-    p.add_argument("--racks", default="128", metavar="R", help="racks in the fleet (default 128)")
-    p.add_argument("--gpus", default="256,1024", metavar="G[,G…]", help="job sizes in GPUs (default 256,1024)")
-    p.add_argument("--days", default="30", metavar="T[,T…]", help="job lengths in days (default 30)")
-    p.add_argument("--afr", default="1", metavar="PERCENT",
-                   help="annual failure rate of one GPU, in percent (default 1)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
-
-
-def parse(args: argparse.Namespace) -> Risk:
+def parse(args: Options) -> Risk:
     mtbi = parse_float(args.node_mtbi_days, "--node-mtbi-days", 0.0, MAX_MTBI_DAYS, lo_open=True)
     nodes = parse_int(args.nodes_per_rack, "--nodes-per-rack", 1, MAX_NODES_PER_RACK)
     racks = parse_int(args.racks, "--racks", 1, MAX_RACKS)
@@ -134,9 +134,9 @@ def parse(args: argparse.Namespace) -> Risk:
     return Risk(mtbi, nodes, racks, afr, tuple(windows))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     risk = parse(args)
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(risk.to_json(), indent=2))
     else:
         print(format_table(risk))

@@ -7,16 +7,17 @@ over time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.core.flag_values import parse_float, parse_int, shown
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.fleet.plan.sim_config import Burst, Policy, SimConfig
 
 if TYPE_CHECKING:  # the simulator (and the agent it drives) loads when a simulation runs, not with the CLI
-    from gpuwarden.agent.fleet.plan.sim_fleet import Burst, Policy, Report, SimConfig
+    from gpuwarden.agent.fleet.plan.sim_report import Report
 
 DEFAULT_POLICIES = ("spares=2,slice=16", "spares=0,slice=18")  # the comparison slice sizing turns on
 MAX_NODES = 100_000
@@ -29,68 +30,50 @@ JSON_VERSION = 1
 RESPONSES = {"fast-abort": True, "watchdog": False}  # --job-response: the timeline simulated (SimConfig.job_response)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--racks", default="128", metavar="R", help="racks, each one NVLink domain (default 128)")
-    p.add_argument("--nodes-per-rack", default="18", metavar="N", help="nodes per rack (default 18)")
-    p.add_argument("--days", default="30", metavar="D", help="simulated days (default 30)")
-    p.add_argument("--policy", action="append", default=[], metavar="spares=K,slice=S",
-                   help="a placement policy: K spares held in each rack's pool, slices of S nodes within one rack "
-                        "(repeatable, compared side by side; default: spares=2,slice=16 and spares=0,slice=18)")
-    p.add_argument("--mtbi-days", default="490", metavar="DAYS",
-                   help="mean time between interruptions of one node (default 490)")
-    p.add_argument("--repair-hours", default="48", metavar="H",
-                   help="median time from a failure to the node's repair (lognormal; default 48)")
-    p.add_argument("--repair-sigma", default="0.8", metavar="SIGMA",
-                   help="the repair time's lognormal shape; 0: every repair takes the median (default 0.8: one in "
-                        "ten repairs takes more than 2.8 times the median)")
-    p.add_argument("--restart-minutes", default="10", metavar="M",
-                   help="a slice placed again works after this long (its checkpoint reloaded; default 10)")
-    p.add_argument("--breaker-reset-hours", default="2", metavar="H",
-                   help="the operator resets a tripped circuit breaker this long after it trips; 0: never (default 2)")
-    p.add_argument("--burst", action="append", default=[], metavar="RACK:NODES@HOURS",
-                   help="NODES nodes of rack RACK (from 0) fail at once HOURS into the run, a rack-level event "
-                        "(repeatable)")
-    p.add_argument("--gpus-per-node", default="4", metavar="G",
-                   help="GPUs per node; each slice runs one job on all its nodes' GPUs (default 4: a GB200 NVL72 "
-                        "compute tray)")
-    p.add_argument("--checkpoint-minutes", default="60", metavar="M",
-                   help="a job checkpoints this often from the moment it works; a failure loses the work since "
-                        "(default 60)")
-    p.add_argument("--watchdog-minutes", default="10", metavar="M",
-                   help="a doomed job left alone ends when PyTorch's NCCL watchdog fires, this long after the fault "
-                        "(default 10: the process group's default timeout)")
-    p.add_argument("--abort-seconds", default="2", metavar="S",
-                   help="gpuwarden ends a doomed job this long after its requeue is carried out (the fault's "
-                        "detection and the scheduler's calls; default 2)")
-    p.add_argument("--job-response", default="fast-abort", metavar="fast-abort|watchdog",
-                   help="the timeline simulated: gpuwarden ends doomed jobs, or every one waits for its watchdog; "
-                        "the job rows charge each interruption both ways either way (default fast-abort)")
-    p.add_argument("--seed", default="1", metavar="N", help="random seed: the same seed, the same report (default 1)")
-    p.add_argument("--plot", type=Path, metavar="OUT.png",
-                   help="draw usable capacity over time, one line per policy (needs the `plot` extra)")
-    p.add_argument("--json", action="store_true", help="print the reports as JSON instead of a table")
+@dataclass(frozen=True)
+class Options:
+    """`gpuwarden plan simulate`'s flags as given (agent/cli/plan.py parses them): checked here."""
+
+    racks: str
+    nodes_per_rack: str
+    days: str
+    policy: Sequence[str]
+    mtbi_days: str
+    repair_hours: str
+    repair_sigma: str
+    restart_minutes: str
+    breaker_reset_hours: str
+    burst: Sequence[str]
+    gpus_per_node: str
+    checkpoint_minutes: str
+    watchdog_minutes: str
+    abort_seconds: str
+    job_response: str
+    seed: str
+    plot: Path | None = None
+    json: bool = False
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     config, policies = parse(args)
+    # at use: the simulator loads the agent it drives (remediation engine, local adapter, sqlite3): +180 ms
+    # (python -X importtime) to `plan simulate --help` and to every flag error, which load this module
     from gpuwarden.agent.fleet.plan.sim_fleet import simulate
 
     reports = [simulate(config, policy) for policy in policies]
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(to_json(config, reports), indent=2))
     else:
         print(render(config, reports))
-    if getattr(args, "plot", None) is not None:
+    if args.plot is not None:
         plot(reports, args.plot)
-        if not getattr(args, "json", False):
+        if not args.json:
             print(f"plot: {args.plot}")
     return 0
 
 
 def parse_policy(text: Any, nodes_per_rack: int) -> Policy:
     """`spares=K,slice=S` (either order, both required)."""
-    from gpuwarden.agent.fleet.plan.sim_fleet import Policy
-
     s = str(text)
     if len(s) > 64:
         raise ConfigError(f"--policy {shown(text)}: expected spares=K,slice=S")
@@ -110,8 +93,6 @@ def parse_policy(text: Any, nodes_per_rack: int) -> Policy:
 
 def parse_burst(text: Any, racks: int, nodes_per_rack: int, days: float) -> Burst:
     """`RACK:NODES@HOURS`."""
-    from gpuwarden.agent.fleet.plan.sim_fleet import Burst
-
     s = str(text)
     rack, colon, rest = s.partition(":")
     nodes, at, hours = rest.partition("@")
@@ -121,9 +102,7 @@ def parse_burst(text: Any, racks: int, nodes_per_rack: int, days: float) -> Burs
                  parse_float(hours, "--burst HOURS", 0.0, days * 24.0))
 
 
-def parse(args: argparse.Namespace) -> tuple[SimConfig, list[Policy]]:
-    from gpuwarden.agent.fleet.plan.sim_fleet import SimConfig
-
+def parse(args: Options) -> tuple[SimConfig, list[Policy]]:
     racks = parse_int(args.racks, "--racks", 1, MAX_NODES)
     per_rack = parse_int(args.nodes_per_rack, "--nodes-per-rack", 1, 1024)
     if racks * per_rack > MAX_NODES:
@@ -230,10 +209,10 @@ def render(config: SimConfig, reports: Sequence[Report]) -> str:
 
 def plot(reports: Sequence[Report], out: Path) -> None:
     """Usable capacity (nodes in working slices) over time, one line per policy."""
-    try:
+    try:  # optional dependency: matplotlib, the `plot` extra, for --plot only
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency, as matplotlib above
     except ImportError:
         raise ConfigError("--plot needs matplotlib: install gpuwarden with the `plot` extra "
                           "(pip install 'gpuwarden[plot]')") from None

@@ -8,7 +8,7 @@ every group failed alike, a preempted or unstarted collective left nodes unresol
 130 / 143 interrupted by SIGINT / SIGTERM (every job it started was ended first; the partial report is written)."""
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import signal
 import threading
@@ -16,8 +16,16 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from gpuwarden.agent.act.adapters import build
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import ConfigError, GpuwardenError
+from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.scheduler import NodeView, Service
+from gpuwarden.agent.core.sweep_names import valid_name
+from gpuwarden.agent.fleet.sweep import criteria
+from gpuwarden.agent.fleet.sweep.history import SweepHistory
+from gpuwarden.agent.fleet.sweep.launch_mpirun import MpirunLauncher
+from gpuwarden.agent.fleet.sweep.launch_srun import SrunLauncher
 from gpuwarden.agent.fleet.sweep.model import GroupRun, Outcome
 from gpuwarden.agent.fleet.sweep.sweep import (
     EXIT_UNDECIDED,
@@ -38,34 +46,16 @@ EXIT_CODES = (("0", "every node tested passed"),
               ("130, 143", "interrupted by SIGINT, SIGTERM: every job it started was ended; partial report written"))
 
 
-def add_parser(sub: Any, formatter: Any, config_help: str, log_flags: Any) -> None:
-    width = max(len(c) for c, _ in EXIT_CODES)
-    p = sub.add_parser(
-        "sweep", help="multi-node NCCL collectives over idle nodes; find the bad node or link",
-        formatter_class=formatter,
-        description="Test idle nodes with multi-node nccl-tests collectives, launched through the scheduler as "
-                    "low-priority preemptible jobs (srun) or with mpirun where there is none: groups within each "
-                    "NVLink domain, then across domains over the InfiniBand fabric. Small messages are judged on p95 "
-                    "latency, large ones on bus bandwidth; a failing group's culprit (a node, or the link between "
-                    "two) is found with a few more collectives. Each node's verdict is written for its daemon.",
-        epilog="examples:\n"
-               "  gpuwarden sweep                        every idle node the scheduler knows\n"
-               "  gpuwarden sweep --nodes n1,n2,n3,n4 --json\n"
-               "  gpuwarden sweep --plan                 the groups it would run, and nothing else\n"
-               "  gpuwarden sweep --hosts h1,h2,h3,h4    no scheduler: mpirun over these hosts\n\n"
-               "exit codes:\n" + "\n".join(f"  {c:<{width}}  {m}" for c, m in EXIT_CODES))
-    p.add_argument("--nodes", action="append", default=[], metavar="NAME[,NAME…]",
-                   help="test only these of the idle nodes (repeatable or comma-separated)")
-    p.add_argument("--hosts", action="append", default=[], metavar="NAME[,NAME…]",
-                   help="no scheduler: the hosts to test with mpirun, taken as idle (repeatable or comma-separated)")
-    p.add_argument("--plan", action="store_true", help="print the groups of the first rounds and run nothing")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
-    p.add_argument("--results-dir", type=Path, metavar="DIR", help="verdicts and reports (default: [sweep] "
-                                                                   "results_dir)")
-    p.add_argument("--config", type=Path, metavar="FILE", help=config_help)
-    p.add_argument("--state-dir", type=Path, metavar="DIR", help="the local adapter's folder (default: [agent] "
-                                                                 "state_dir)")
-    log_flags(p)
+@dataclass(frozen=True)
+class Options:
+    """`gpuwarden sweep`'s flags (agent/cli/sweep.py parses them and loads the config)."""
+
+    nodes: Sequence[str] = ()
+    hosts: Sequence[str] = ()
+    plan: bool = False
+    json: bool = False
+    results_dir: Path | None = None
+    state_dir: Path | None = None
 
 
 def _names(values: Sequence[str]) -> list[str]:
@@ -76,8 +66,6 @@ def _names(values: Sequence[str]) -> list[str]:
 def make_judge(settings: Mapping[str, Any], history: Any) -> Any:
     """judge(run, phase) -> (outcome, reasons, figures): the criteria with the baselines of config, the SKU table
     and the nodes' own history; a group size with no figure of its own borrows the nearest configured one."""
-    from gpuwarden.agent.fleet.sweep import criteria
-
     policy = dict(settings)
     sku = settings["sku"] or "any"
 
@@ -107,10 +95,6 @@ def nearest_baseline(baseline: Any, sku: str, nodes: int, policy: Mapping[str, A
     """Fills a figure `baseline` lacks from the configured or bundled figure of the nearest group size: bus
     bandwidth is normalised to the group (nccl-tests' busbw), so the nearest size's figure holds; latency grows with
     the group, so only a larger group's figure is borrowed (lenient, never a false SLOW)."""
-    import dataclasses
-
-    from gpuwarden.agent.fleet.sweep import criteria
-
     if baseline.latency_p95_us is not None and baseline.busbw_gbps is not None:
         return baseline
     entries: dict[int, dict[str, tuple[float, str]]] = {}
@@ -136,43 +120,31 @@ def nearest_baseline(baseline: Any, sku: str, nodes: int, policy: Mapping[str, A
 
 # -- launching --------------------------------------------------------------------------------------------------------
 def make_launcher(settings: Mapping[str, Any], adapter_name: str, hosts: bool, workdir: Path) -> Any:
-    from gpuwarden.agent.fleet.sweep import launch as sweep_launch
-
     kind = settings["launcher"]
     if kind == "auto":
         kind = "mpirun" if hosts or adapter_name != "slurm" else "srun"
     if kind == "srun":
-        return sweep_launch.SrunLauncher(partition=settings["partition"] or None, qos=settings["qos"] or None,
-                                         ranks_per_node=int(settings["ranks_per_node"]),
-                                         extra_args=list(settings["launcher_args"]), job_name=settings["job_name"],
-                                         start_timeout_s=float(settings["start_timeout_s"]))
-    return sweep_launch.MpirunLauncher(ranks_per_node=int(settings["ranks_per_node"]),
-                                       extra_args=list(settings["launcher_args"]), workdir=workdir)
+        return SrunLauncher(partition=settings["partition"] or None, qos=settings["qos"] or None,
+                            ranks_per_node=int(settings["ranks_per_node"]),
+                            extra_args=list(settings["launcher_args"]), job_name=settings["job_name"],
+                            start_timeout_s=float(settings["start_timeout_s"]))
+    return MpirunLauncher(ranks_per_node=int(settings["ranks_per_node"]),
+                          extra_args=list(settings["launcher_args"]), workdir=workdir)
 
 
 # -- the command -----------------------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    from gpuwarden.agent.core import config as config_mod
-    from gpuwarden.agent.core import logs
-    from gpuwarden.checks import all_specs
-
-    cfg = config_mod.load(all_specs(), args.config, explicit=args.config is not None)
-    logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
+def run(args: Options, cfg: Any) -> int:
+    """The sweep with the loaded config `cfg` ([sweep], [remediation] adapter, [agent] state_dir)."""
     settings = dict(cfg.sweep)  # checked when loaded, the criteria's keys by the criteria's own ranges
     results_dir = Path(args.results_dir or settings["results_dir"])
     hosts, only = _names(args.hosts), set(_names(args.nodes))
     adapter, adapter_name = None, cfg.remediation["adapter"]
     if hosts:
-        from gpuwarden.agent.core.scheduler import NodeView, Service
-        from gpuwarden.agent.fleet.sweep.sweep import valid_name
-
         bad = [h for h in hosts if not valid_name(h)]
         if bad:
             raise ConfigError(f"--hosts: {bad[0]!r} is not a host name")
         candidates = [NodeView(h, Service.IN_SERVICE, jobs=0) for h in dict.fromkeys(hosts)]
     else:
-        from gpuwarden.agent.act.adapters import build
-
         state_dir = Path(args.state_dir or cfg.agent["state_dir"])
         adapter = build(adapter_name, cfg.remediation.get(adapter_name, {}), state_dir)
         try:
@@ -196,8 +168,6 @@ def run(args: argparse.Namespace) -> int:
             if not phases:
                 print(f"nothing to test: {len(candidates)} idle node(s) that can be grouped")
         return 0 if phases else EXIT_UNDECIDED
-
-    from gpuwarden.agent.fleet.sweep.history import SweepHistory
 
     history = SweepHistory(results_dir / "history.db", keep=int(settings["history_keep"]))
     launcher = make_launcher(settings, adapter_name, bool(hosts), results_dir / "work")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import time
 from dataclasses import field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -25,6 +26,7 @@ from gpuwarden.agent.core.sweep_policy import (
 from gpuwarden.agent.core.thresholds import sku_table
 from gpuwarden.agent.fleet.sweep.history import SweepHistory, SweepHistoryError
 from gpuwarden.agent.fleet.sweep.model import EXITED, LAUNCH_ERROR, NOT_STARTED, PREEMPTED, TIMEOUT, GroupRun, Outcome
+from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 
 if TYPE_CHECKING:  # at run time imported where used: gpuwarden.checks loads every check, which import the agent
     from gpuwarden.checks.parse_nccl_tests import Line, NcclTestsRun, Row
@@ -110,8 +112,6 @@ def baseline_for(sku: str, nodes: int, policy: Mapping[str, Any], history: Sweep
 
 
 def _history_source(have: list[tuple[str, Any]], nodes: int, members: int) -> str:
-    import time
-
     shown = ", ".join(f"{m}: {got.samples} since {time.strftime('%Y-%m-%d', time.gmtime(got.since))}"
                       for m, got in have[:4])
     more = f" and {len(have) - 4} more" if len(have) > 4 else ""
@@ -147,8 +147,6 @@ def judge(run: GroupRun, baseline: Baseline, policy: Mapping[str, Any]) -> Judge
     - the MB range between: the median over its sizes of each size's median busbw, reported, never judged;
     - a regime without a baseline figure is not judged, and the reasons say "not judged: no baseline for ...".
     """
-    from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
-
     p = check_policy(policy)
     where = f"all_reduce_perf on {','.join(run.nodes)[:200]}"
     if run.ended in (NOT_STARTED, LAUNCH_ERROR):
@@ -244,8 +242,6 @@ def _failure(run: GroupRun, parsed: NcclTestsRun | None, parse_error: str | None
 
 def _stderr_lines(stderr: str, where: str) -> list[Line]:
     """Failure lines of the launcher's stderr (srun's 'error:' lines, NCCL WARN on stderr, a rank's abort)."""
-    from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
-
     if not stderr.strip():
         return []
     try:

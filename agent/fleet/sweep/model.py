@@ -1,5 +1,5 @@
 """What a multi-node sweep's parts hand each other: the outcome of one group's collective, and what a launcher
-returns for one group. The launchers (agent/fleet/sweep/launch.py), the criteria (agent/fleet/sweep/criteria.py), the
+returns for one group. The launchers (agent/fleet/sweep/launch*.py), the criteria (agent/fleet/sweep/criteria.py), the
 localisation (agent/fleet/sweep/localise.py) and the orchestrator (agent/fleet/sweep/sweep.py) share these and nothing
 else."""
 from __future__ import annotations

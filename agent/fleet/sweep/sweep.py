@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import threading
 import time
 from dataclasses import field
@@ -39,7 +40,8 @@ from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.core.scheduler import NodeView, Service
-from gpuwarden.agent.core.sweep_names import CHECK_NAME, FORMAT, MAX_NAME, valid_name  # noqa: F401 - this module's names as before
+from gpuwarden.agent.core.sweep_names import CHECK_NAME, FORMAT, valid_name
+from gpuwarden.agent.fleet.sweep.localise import Localiser
 from gpuwarden.agent.fleet.sweep.model import GroupRun, Outcome
 
 log = logs.get_logger("gpuwarden.sweep")
@@ -198,8 +200,6 @@ class Sweep:
         self._round = 0
 
     def run(self) -> Report:
-        from gpuwarden.agent.fleet.sweep.localise import Localiser
-
         s = self.settings
         planned = [p.name for p in plan_phases(self.candidates, int(s["group_nodes"]), bool(s["cross_domain"]))]
         if not planned:
@@ -291,8 +291,6 @@ class Sweep:
 
 
 def new_sweep_id(now: float) -> str:
-    import secrets  # here, not at import: every check list loads this module, few commands make a sweep id
-
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
 
 

@@ -19,11 +19,19 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from gpuwarden import checks
+from gpuwarden.agent.act.adapters.slurm import SlurmAdapter, reason_text
+from gpuwarden.agent.act.remediation import finding_text
+from gpuwarden.agent.cli.flags import CONFIG_HELP, log_flags
+from gpuwarden.agent.cli.interrupt import tools_end_on_signals
+from gpuwarden.agent.cli.node import node as node_at
 from gpuwarden.agent.core import config as config_mod
 from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.config_values import coerce
 from gpuwarden.agent.core.errors import GpuwardenError
 from gpuwarden.agent.core.model import EXIT_FAULT, EXIT_PASS, EXIT_UNDECIDED, CheckResult, Report, Status
 from gpuwarden.agent.core.scheduler import AdapterError
+from gpuwarden.agent.node.runner import run_checks
 
 log = logs.get_logger("gpuwarden.slurm")
 
@@ -40,26 +48,23 @@ MAX_NAME = 64
 SLURM_NOT_RESPONDING = "Not responding"
 
 
-def add_parser(sub: Any, formatter_class: Any, config_help: str, log_flags: Any) -> None:
-    """`gpuwarden slurm MODE`, with the CLI's help formatter, config help and log flags."""
-    p = sub.add_parser(
-        "slurm", formatter_class=formatter_class,
-        help="run the quick preflight as Slurm's HealthCheckProgram, Prolog or Epilog, and drain or resume this node "
-             "in Slurm",
-        description="Run the quick preflight within a budget that fits Slurm's limits and act on this node's Slurm "
-                    "state: a FAIL drains it with a 'gpuwarden: preflight: ...' reason, a pass resumes it only when "
-                    "that reason is gpuwarden's preflight's (never an administrator's, NHC's or the daemon's drain). "
-                    "Slurm ignores a health check's exit code, so this command drains the node itself.",
-        epilog="slurm.conf (the scripts set PATH, which slurmd does not;\n"
-               "docs: /usr/share/doc/gpuwarden/docs/slurm.md):\n"
-               "  HealthCheckProgram=/usr/lib/gpuwarden/slurm-healthcheck\n"
-               "  Prolog=/usr/lib/gpuwarden/slurm-prolog\n"
-               "  Epilog=/usr/lib/gpuwarden/slurm-epilog\n\n"
-               "exit codes:\n"
-               "  0  pass (or, for a Prolog/Epilog, could not decide: any other exit makes Slurm drain with "
-               "'Prolog error')\n"
-               "  1  FAIL: the node is drained (Prolog/Epilog: Slurm requeues the job and keeps our reason)\n"
-               "  2  health check only: could not decide, or could not reach slurmctld")
+DESCRIPTION = ("Run the quick preflight within a budget that fits Slurm's limits and act on this node's Slurm "
+               "state: a FAIL drains it with a 'gpuwarden: preflight: ...' reason, a pass resumes it only when "
+               "that reason is gpuwarden's preflight's (never an administrator's, NHC's or the daemon's drain). "
+               "Slurm ignores a health check's exit code, so this command drains the node itself.")
+EPILOG = ("slurm.conf (the scripts set PATH, which slurmd does not;\n"
+          "docs: /usr/share/doc/gpuwarden/docs/slurm.md):\n"
+          "  HealthCheckProgram=/usr/lib/gpuwarden/slurm-healthcheck\n"
+          "  Prolog=/usr/lib/gpuwarden/slurm-prolog\n"
+          "  Epilog=/usr/lib/gpuwarden/slurm-epilog\n\n"
+          "exit codes:\n"
+          "  0  pass (or, for a Prolog/Epilog, could not decide: any other exit makes Slurm drain with "
+          "'Prolog error')\n"
+          "  1  FAIL: the node is drained (Prolog/Epilog: Slurm requeues the job and keeps our reason)\n"
+          "  2  health check only: could not decide, or could not reach slurmctld")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", choices=("healthcheck", "prolog", "epilog"),
                    help="healthcheck: HealthCheckProgram (budget 35 s of Slurm's 60 s); prolog / epilog: Prolog / "
                         "Epilog (budget 8 s)")
@@ -77,7 +82,7 @@ def add_parser(sub: Any, formatter_class: Any, config_help: str, log_flags: Any)
     p.add_argument("--root", type=Path, metavar="DIR",
                    help="judge a recorded node (scenario folder) instead of this machine")
     p.add_argument("--config", type=Path, metavar="FILE",
-                   help=config_help + "; [remediation.slurm] names scontrol, sinfo, slurm_conf")
+                   help=CONFIG_HELP + "; [remediation.slurm] names scontrol, sinfo, slurm_conf")
     log_flags(p)
 
 
@@ -110,9 +115,6 @@ def worst_finding(results: tuple[CheckResult, ...]) -> Any:
 def reason_for(report: Report) -> str:
     """`gpuwarden: preflight: xid 79 GPU2 0018:01:00.0`: the agent's compact finding form, behind the preflight's mark
     (cleaned and cut to the adapter's limit by the adapter)."""
-    from gpuwarden.agent.act.adapters.slurm import reason_text
-    from gpuwarden.agent.act.remediation import finding_text
-
     finding = worst_finding(report.results)
     if finding is not None:
         body = finding_text(finding.to_dict()) or finding.message
@@ -122,8 +124,6 @@ def reason_for(report: Report) -> str:
 
 
 def unknown_reason(report: Report) -> str:
-    from gpuwarden.agent.act.adapters.slurm import reason_text
-
     names = [r.check for r in report.results if r.status is Status.UNKNOWN]
     return reason_text(f"{PREFLIGHT_MARK} unknown: {' '.join(names)}")
 
@@ -135,7 +135,6 @@ def _summary(report: Report) -> str:
     parts = [report.status.value.upper()]
     worst = worst_finding(report.results)
     if worst is not None:
-        from gpuwarden.agent.act.remediation import finding_text
 
         parts.append(finding_text(worst.to_dict()) + (f" and {len(fails) - 1} more finding(s)" if len(fails) > 1
                                                         else ""))
@@ -172,17 +171,11 @@ def act(adapter: Any, node: str, report: Report, on_unknown: str) -> tuple[int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden import checks
-    from gpuwarden.agent.act.adapters.slurm import SlurmAdapter
-    from gpuwarden.agent.cli.main import _node, _tools_end_on_signals
-    from gpuwarden.agent.node.runner import run_checks
-
     cfg = config_mod.load((), args.config, explicit=args.config is not None, names=checks.NAMES, forms=checks.forms)
     logs.setup(args.log_format or cfg.agent["log_format"], args.log_level or cfg.agent["log_level"])
     budget = args.budget if args.budget is not None else BUDGET_S[args.mode]
-    budget = config_mod.coerce("agent.budget_s", budget, 0.0, "command line", name="--budget")
-    timeout = config_mod.coerce("agent.budget_s", args.scontrol_timeout, 0.0, "command line",
-                                name="--scontrol-timeout")
+    budget = coerce("agent.budget_s", budget, 0.0, "command line", name="--budget")
+    timeout = coerce("agent.budget_s", args.scontrol_timeout, 0.0, "command line", name="--scontrol-timeout")
     if not budget or not timeout:
         raise GpuwardenError("--budget and --scontrol-timeout must be more than 0")
     node = node_name(args.node, cfg)
@@ -197,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
         adapter = SlurmAdapter(**table)
     except (TypeError, ValueError) as exc:
         raise GpuwardenError(f"[remediation.slurm]: {exc}") from None
-    with _tools_end_on_signals():
-        results = run_checks(_node(args.root), specs, cfg, None, budget_s=budget)
+    with tools_end_on_signals():
+        results = run_checks(node_at(args.root), specs, cfg, None, budget_s=budget)
     report = Report(node, tuple(results), str(args.root) if args.root else "live")
     try:
         code, done = act(adapter, node, report, args.on_unknown)
