@@ -30,8 +30,7 @@ from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
 from gpuwarden.agent.daemon.metrics import DaemonCollector
 from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.state.store import Store
-from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
-from gpuwarden.checks import job_discovery as discover
+from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, job_process
 from rows import write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +56,7 @@ def one(kind: str, work: Path) -> tuple[float, float | None]:
     shutil.copytree(SCENARIO, root, symlinks=True, ignore=shutil.ignore_patterns("tools"))
     for proc in (root / "proc").glob("1259?"):
         (proc / "environ").write_bytes((proc / "environ").read_bytes() + b"NCCL_IB_TIMEOUT=17\0")
-    discover.forget()
+    job_process.forget()
     cfg = config.defaults(all_specs())
     cfg.jobs["on_doomed"] = "requeue"
     cfg.agent["state_dir"] = str(state)

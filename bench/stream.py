@@ -31,7 +31,7 @@ from gpuwarden.agent.core.kernel_log import parse_kmsg_text
 from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
 from gpuwarden.agent.daemon.metrics import DaemonCollector
 from gpuwarden.agent.node.host import Node
-from gpuwarden.agent.sources.kmsg import Cursor
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
 from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, all_specs
 from rows import write_rows

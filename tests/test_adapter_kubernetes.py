@@ -11,7 +11,9 @@ import pytest
 from conftest import ROOT
 from fake_kube_api import FakeKubeApi
 from gpuwarden.agent.act.adapters import kubernetes as k8s  # the client comes with the [test] extra: never skipped
+from gpuwarden.agent.act.adapters import kubernetes_api
 from gpuwarden.agent.core.scheduler import SPARE_REASON, Busy, Refused, Service, Transient
+from gpuwarden.agent.node.topology import DOMAIN_LABEL
 
 REASON = "gpuwarden: xid 79 GPU3 0000:1b:00.0"
 DOMAIN = "c9d0e4f2-1a2b-4c3d-8e9f-001122334455.7"
@@ -342,13 +344,13 @@ def test_kubernetes_domain_from_the_clique_label_and_publish_domain(api, make):
     assert {v.name: v.domain for v in adapter.nodes()} == {"gpu-gfd": DOMAIN, "gpu-bare": None}
     adapter.publish_domain("gpu-bare", "rack-7.0")  # a domain from config: gpuwarden's labels only
     assert CLIQUE not in api.node_obj("gpu-bare")["metadata"]["labels"]
-    assert api.node_obj("gpu-bare")["metadata"]["labels"][k8s.DOMAIN_LABEL] == "rack-7.0"
+    assert api.node_obj("gpu-bare")["metadata"]["labels"][DOMAIN_LABEL] == "rack-7.0"
     api.add_node("gpu-nogfd")
     adapter.publish_domain("gpu-nogfd", DOMAIN)  # read from NVML, no GPU feature discovery: its label too
     assert api.node_obj("gpu-nogfd")["metadata"]["labels"][CLIQUE] == DOMAIN
     adapter.publish_domain("gpu-gfd", "rack-8.0")  # GPU feature discovery's label stays its own
     assert api.node_obj("gpu-gfd")["metadata"]["labels"][CLIQUE] == DOMAIN
-    assert api.node_obj("gpu-gfd")["metadata"]["labels"][k8s.DOMAIN_LABEL] == "rack-8.0"
+    assert api.node_obj("gpu-gfd")["metadata"]["labels"][DOMAIN_LABEL] == "rack-8.0"
     assert adapter.node("gpu-bare").domain == "rack-7.0"
     with pytest.raises(Refused, match="label value"):
         adapter.publish_domain("gpu-bare", "not a label/value")
@@ -360,7 +362,7 @@ def test_kubernetes_not_ready_is_down(api, make):
 
 
 def test_kubernetes_lists_are_read_page_by_page(api, make, monkeypatch):
-    monkeypatch.setattr(k8s, "LIST_PAGE", 2)
+    monkeypatch.setattr(kubernetes_api, "LIST_PAGE", 2)
     for i in range(5):
         api.add_node(f"gpu-{i}")
     assert [v.name for v in make().nodes()] == [f"gpu-{i}" for i in range(5)]

@@ -8,7 +8,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from gpuwarden.agent.act.adapters.local import LocalAdapter, LocalDatabaseError
+from gpuwarden.agent.act.adapters.local import LocalAdapter
+from gpuwarden.agent.act.adapters.local_db import LocalDatabaseError
 from gpuwarden.agent.act.breaker import BreakerPolicy, judge
 from gpuwarden.agent.act.spares import SparePolicy, plan_swap, wants_back_in_pool
 from gpuwarden.agent.core.scheduler import SPARE_REASON, Refused, SchedulerAdapter, Service, Transient

@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, wait_for
-from gpuwarden.agent.act.adapters.slurm import (
-    CLAIM_PREFIX,
-    MAX_EXTRA,
-    MAX_REASON,
-    SlurmAdapter,
-    _classify,
-    claim_name,
-    extra_domain,
-    extra_with_domain,
-    parse_sinfo_json,
-    reason_text,
-)
+from gpuwarden.agent.act.adapters.slurm import SlurmAdapter, reason_text
+from gpuwarden.agent.act.adapters.slurm_json import MAX_EXTRA, extra_domain, extra_with_domain, parse_sinfo_json
+from gpuwarden.agent.act.adapters.slurm_spares import CLAIM_PREFIX, claim_name
+from gpuwarden.agent.act.adapters.slurm_tools import MAX_REASON, _classify
 from gpuwarden.agent.core.scheduler import REASON_PREFIX, SPARE_REASON, Refused, Service, Transient
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
@@ -421,7 +413,7 @@ def test_bad_timeout_is_refused_at_construction(tmp_path: Path):
 
 # -- a job, as squeue --json gives it (the job response) --------------------------------------------------------------
 def test_squeue_json_gives_the_jobs_state_nodes_run_and_requeue_flag():
-    from gpuwarden.agent.act.adapters.slurm import parse_squeue_job
+    from gpuwarden.agent.act.adapters.slurm_json import parse_squeue_job
 
     text = (ROOT / "fixtures" / "slurm" / "squeue-22.05-defrag.json").read_text()
     view = parse_squeue_job(text, "7")  # running across both racks: n[2,4]
@@ -431,7 +423,7 @@ def test_squeue_json_gives_the_jobs_state_nodes_run_and_requeue_flag():
 
 
 def test_squeue_json_that_could_not_ask_slurmctld_is_transient_never_a_job_gone():
-    from gpuwarden.agent.act.adapters.slurm import parse_squeue_job
+    from gpuwarden.agent.act.adapters.slurm_json import parse_squeue_job
 
     # 22.05 exits 0 with an empty job list and an "errors" entry: read as "no such job", the intent would end undone.
     text = (ROOT / "fixtures" / "slurm" / "squeue-22.05-slurmctld-down.json").read_text()

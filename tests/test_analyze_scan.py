@@ -13,10 +13,11 @@ import pytest
 from conftest import NODES, ROOT
 from deadline import MIB, deadline
 from gpuwarden.agent.cli import analyze as analyze_mod
+from gpuwarden.agent.cli import analyze_ahead
 from gpuwarden.agent.cli.analyze import analyze_file
 from gpuwarden.agent.core.kernel_log import detect_format, parse_log_text
 from gpuwarden.agent.core.model import Status
-from gpuwarden.agent.node import kernel_scan
+from gpuwarden.agent.node import kernel_scan, kernel_scan_lines, kernel_scan_readers
 from gpuwarden.agent.node.kernel_scan import read_head, scan
 from gpuwarden.checks import nvswitch_sxid, xid
 
@@ -168,6 +169,7 @@ def test_a_line_past_line_max_is_read_cut_and_named():
 
 def test_lines_past_line_max_are_named_up_to_a_bound(monkeypatch):
     monkeypatch.setattr(kernel_scan, "MAX_NOTES", 2)
+    monkeypatch.setattr(kernel_scan_lines, "MAX_NOTES", 2)  # the readers' bound
     data = (b"q" * 5000 + b"\n") * 5 + b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
     fmt, findings, notes, lines = streamed(data, "many.log", chunk=1024, line_max=4096)
     assert notes == ["many.log:1: line of 5000 bytes; its first 4096 bytes read",
@@ -232,7 +234,8 @@ def test_analyze_of_a_kernel_log_imports_only_the_kernel_log_checks():
     found, modules = json.loads(proc.stdout)
     assert found > 0
     assert set(modules) == {"gpuwarden.checks", "gpuwarden.checks.nvswitch_sxid", "gpuwarden.checks.unread_lines",
-                            "gpuwarden.checks.xid", "gpuwarden.checks.xid_catalog", "gpuwarden.checks.xid_log"}
+                            "gpuwarden.checks.line_patterns", "gpuwarden.checks.xid", "gpuwarden.checks.xid_catalog",
+                            "gpuwarden.checks.xid_findings", "gpuwarden.checks.xid_log", "gpuwarden.checks.xid_reuse"}
 
 
 @pytest.mark.parametrize("content", [
@@ -328,6 +331,7 @@ def test_whole_lines_read_with_a_long_lines_end_are_lines_of_their_own(tmp_path,
 
 def test_notes_are_bounded_across_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_scan, "MAX_NOTES", 3)
+    monkeypatch.setattr(kernel_scan_lines, "MAX_NOTES", 3)  # the readers' bound
     data = (b"q" * 5000 + b"\n") * 7 + b"[ 3.000000] NVRM: Xid (PCI:0000:4c:00): 94, pid=1, name=a, Contained\n"
     path = tmp_path / "many.log"
     path.write_bytes(data)
@@ -348,7 +352,7 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     import os
     import signal
 
-    real = kernel_scan._text_rows  # what a reader calls on each part's lines it reads
+    real = kernel_scan_lines._text_rows  # what a reader calls on each part's lines it reads
 
     def failing(raws, linenos, rows):
         if any(b"0000:db:00" in raw for raw in raws):  # a part in the middle of the file
@@ -362,8 +366,8 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
     data = generated(8, "syslog", 3000)
     path = tmp_path / "f.log"
     path.write_bytes(data)
-    monkeypatch.setattr(kernel_scan, "_text_rows", failing)
-    with pytest.raises(kernel_scan.ScanError) as caught:
+    monkeypatch.setattr(kernel_scan_lines, "_text_rows", failing)
+    with pytest.raises(kernel_scan_readers.ScanError) as caught:
         in_parts(path, 2, 5000, source=str(path))
     assert str(caught.value).startswith(f"{path}: reading bytes ") and "the file was not read whole" in str(
         caught.value)
@@ -409,7 +413,7 @@ def test_a_reader_that_is_held_up_reads_fewer_parts_and_the_result_is_the_same(t
     assert got == (*whole(data, "p.log"), lines_in(data))
     counts = sorted(log.read_text().split().count(pid) for pid in set(log.read_text().split()))
     with open(path, "rb") as f:
-        assert len(counts) == 2 and sum(counts) == len(kernel_scan._parts(f.fileno(), 0, len(data), 4096))
+        assert len(counts) == 2 and sum(counts) == len(kernel_scan_readers._parts(f.fileno(), 0, len(data), 4096))
     assert counts[1] > 2 * counts[0], counts  # read in turn, each would have read half
     assert no_child_left()
 
@@ -455,7 +459,7 @@ def test_parts_start_at_line_starts(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         for part in (1, 2, 3, 50, 1000):
-            parts = kernel_scan._parts(fd, 0, len(data), part)
+            parts = kernel_scan_readers._parts(fd, 0, len(data), part)
             assert parts[0][0] == 0 and parts[-1][1] == len(data)
             assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
             assert all(data[s - 1:s] == b"\n" and e - s >= min(part, len(data) - s) for s, e in parts[1:])
@@ -547,7 +551,7 @@ def test_readers_started_ahead_give_the_report_analyze_gives_alone(tmp_path, mon
     path = tmp_path / "big.log"
     path.write_bytes(data)
     forks = counting_forks(monkeypatch)
-    analyze_mod.read_ahead(["--log-level", "info", "--json", f"{tmp_path}/./big.log", "other.log"])
+    analyze_ahead.read_ahead(["--log-level", "info", "--json", f"{tmp_path}/./big.log", "other.log"])
     started = len(forks)
     assert started >= 2 and len(analyze_mod._AHEAD) == 1
     report = analyze_mod.analyze([Path(f"{tmp_path}/./big.log")])  # as argparse gives it
@@ -587,7 +591,7 @@ def test_a_command_line_the_cli_refuses_ends_the_readers_started_ahead(tmp_path,
     ([], None),
 ])
 def test_the_first_file_read_ahead_is_only_one_the_cli_reads_the_same(args, first):
-    assert analyze_mod._first_file(args) == first
+    assert analyze_ahead._first_file(args) == first
 
 
 def test_only_a_large_regular_file_is_read_ahead(tmp_path, monkeypatch):
@@ -599,10 +603,10 @@ def test_only_a_large_regular_file_is_read_ahead(tmp_path, monkeypatch):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with deadline():
-        analyze_mod.read_ahead([str(fifo)])  # an open() of it would wait for a writer
+        analyze_ahead.read_ahead([str(fifo)])  # an open() of it would wait for a writer
     small = tmp_path / "small.log"
     small.write_bytes(generated(13, "dmesg", 100))
-    analyze_mod.read_ahead([str(small)])
+    analyze_ahead.read_ahead([str(small)])
     assert not analyze_mod._AHEAD and not forks
 
 
@@ -612,19 +616,19 @@ def test_a_reader_started_ahead_that_fails_makes_the_file_unknown(tmp_path, monk
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("read in parts only where this process may use more than one CPU")
-    real = kernel_scan._text_rows
+    real = kernel_scan_lines._text_rows
 
     def failing(raws, linenos, rows):
         if any(b"0000:db:00" in raw for raw in raws):
             os._exit(3)
         return real(raws, linenos, rows)
 
-    monkeypatch.setattr(kernel_scan, "_text_rows", failing)
+    monkeypatch.setattr(kernel_scan_lines, "_text_rows", failing)
     monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)
     monkeypatch.setattr(kernel_scan, "PART", 5000)
     path = tmp_path / "f.log"
     path.write_bytes(generated(8, "syslog", 3000))
-    analyze_mod.read_ahead([str(path)])
+    analyze_ahead.read_ahead([str(path)])
     assert analyze_mod._AHEAD
     [result] = analyze_mod.analyze([Path(path)]).results
     assert result.status is Status.UNKNOWN and result.error.startswith(f"{path}: reading bytes ")

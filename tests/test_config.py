@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from gpuwarden.agent.core import config
+from gpuwarden.agent.core import config, config_values
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.checks import ALL, all_specs
 
@@ -129,9 +129,9 @@ def test_every_default_passes_its_own_checks():
     for spec in ALL_SPECS:
         for key, default in spec.defaults.items():
             full = f"checks.{spec.name}.{key}"
-            config.coerce(full, default, default, "defaults", spec.list_types.get(key), choices.get(full))
+            config_values.coerce(full, default, default, "defaults", spec.list_types.get(key), choices.get(full))
     for key, default in config.AGENT_DEFAULTS.items():
-        config.coerce(f"agent.{key}", default, default, "defaults")
+        config_values.coerce(f"agent.{key}", default, default, "defaults")
 
 
 @pytest.mark.parametrize("raw, needle", [
@@ -139,7 +139,7 @@ def test_every_default_passes_its_own_checks():
     (b"[agent]\nchecks = " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply"),
     (b"x = " + b"{a=" * 3000 + b"1" + b"}" * 3000 + b"\n", "nested too deeply"),
     (b"[checks.ecc]\nvolatile_uncorrected_max = " + b"1" * 5000 + b"\n", "invalid TOML"),
-    (b"# " + b"x" * (config.MAX_FILE_BYTES + 1) + b"\n", "larger than"),
+    (b"# " + b"x" * (config_values.MAX_FILE_BYTES + 1) + b"\n", "larger than"),
 ])
 def test_unreadable_config_files_are_errors_naming_the_file(tmp_path, raw, needle):
     p = tmp_path / "gpuwarden.toml"

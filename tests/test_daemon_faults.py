@@ -22,7 +22,8 @@ from gpuwarden.agent.core.passive import Judgement, PassiveSpec
 from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
 from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
 from gpuwarden.agent.node.host import Node
-from gpuwarden.agent.state.store import LOCK_NAME, Store
+from gpuwarden.agent.state.folder_lock import LOCK_NAME
+from gpuwarden.agent.state.store import Store
 from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
 from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, ib_downtime
 from prometheus_client import generate_latest
@@ -446,7 +447,7 @@ def test_records_of_checks_no_longer_run_are_dropped_at_start(scenario_copy, tmp
     """A state database from a version that named the daemon's XID check `xid_watch`: its last FAIL must not hold the
     node's state (or show in `status`) for ever once the check goes by another name."""
     from gpuwarden.agent.core.model import Action, Entity, Finding, Status
-    from gpuwarden.agent.state.store import CheckRecord
+    from gpuwarden.agent.state.check_record import CheckRecord
 
     state = tmp_path / "state"
     old = Store(state / "state.db")
@@ -472,7 +473,7 @@ def test_a_commit_whose_check_hook_raises_changes_nothing(scenario_copy, tmp_pat
     """A check's quiet (or durable) hook that raises while its record is committed leaves memory as it was: no record
     that /metrics was never told of (the check's loop then reports it UNKNOWN, as the test above shows)."""
     from gpuwarden.agent.core.model import Status
-    from gpuwarden.agent.state.store import CheckRecord
+    from gpuwarden.agent.state.check_record import CheckRecord
 
     def quiet(state):
         raise KeyError("ports")

@@ -64,9 +64,11 @@ sys.exit(main(["run", "--root", root, "--state-dir", state, "--listen", f"127.0.
 NOT_LOADED = {"prometheus_client", "http.server", "http.client", "email", "urllib.request", "importlib.metadata",
               "zipfile", "ssl", "_ssl", "hashlib", "_hashlib", "bcrypt", "yaml", "logging", "concurrent.futures",
               "gpuwarden.agent.fleet.sweep.sweep", "gpuwarden.agent.sources.gemm", "gpuwarden.agent.sources.perftest",
-              "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_nccl_tests",
+              "gpuwarden.checks.parse_dcgmi_diag", "gpuwarden.checks.parse_dcgmi_diag_text",
+              "gpuwarden.checks.parse_nccl_tests",
               "gpuwarden.checks.parse_perftest", "gpuwarden.checks.parse_nvbandwidth",
-              "gpuwarden.checks.parse_nvidia_smi_topo", "gpuwarden.checks.pcie_link"}
+              "gpuwarden.checks.parse_nvidia_smi_topo", "gpuwarden.checks.pcie_link",
+              "gpuwarden.checks.pcie_tree"}
 
 
 def free_port() -> int:
@@ -103,12 +105,13 @@ def test_daemon_loads_what_it_runs(loaded):
     # What it runs is there: the daemon, the endpoint, every passive check and kernel-log consumer.
     assert {"gpuwarden.agent.daemon.loop", "gpuwarden.agent.daemon.http_endpoint",
             "gpuwarden.agent.daemon.metrics"} <= modules
-    assert {f"gpuwarden.checks.{m}" for m, _ in checks._PASSIVE + checks._KERNEL_CONSUMERS} <= modules
+    assert {f"gpuwarden.checks.{w.rpartition('.')[0] or c.name}" for c in checks.CONCERNS for w in (c.poll, c.kernel)
+            if w} <= modules
 
 
 def test_daemon_does_not_load_what_it_does_not_run(loaded):
     modules = set(loaded["modules"])
-    full = {f"gpuwarden.checks.{m}" for _, level, mods in checks.CONCERNS if level == "full" for m in mods}
+    full = {f"gpuwarden.checks.{m}" for c in checks.CONCERNS if c.level == "full" for m in checks.modules_of(c)}
     assert full and not full & modules, sorted(full & modules)
     assert not NOT_LOADED & modules, sorted(NOT_LOADED & modules)
 
@@ -134,6 +137,6 @@ def test_retest_runs_every_quick_check_with_the_daemons_config(scenario_copy):
     assert "pcie_link" not in cfg.checks  # a quick check the daemon itself does not run
     node = Node.recorded_at(scenario_copy("h100-hgx-healthy", with_tools=True))
     passed, results = run_retest(node, cfg, None)
-    assert [r.check for r in results] == [n for n, level, _ in checks.CONCERNS if level == "quick"]
+    assert [r.check for r in results] == [c.name for c in checks.CONCERNS if c.level == "quick"]
     assert passed is True, [(r.check, r.status) for r in results]
     assert "pcie_link" not in cfg.checks  # the daemon's config is left as it was

@@ -13,7 +13,8 @@ from gpuwarden.agent.core.errors import ToolError
 from gpuwarden.agent.core.model import Action, Status
 from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import dcgm_diag
-from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_json, parse_dcgmi_diag_text
+from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_json
+from gpuwarden.checks.parse_dcgmi_diag_text import parse_dcgmi_diag_text
 from test_parse_dcgmi_diag import (
     EMPTY_CATEGORIES,
     FOOTER,

@@ -7,7 +7,8 @@ from conftest import NODES
 from gpuwarden.agent.core.model import Action, Status
 from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import ecc_memtest
-from gpuwarden.checks.parse_dcgmi_diag import diag_from_json, parse_dcgmi_diag_text
+from gpuwarden.checks.parse_dcgmi_diag import diag_from_json
+from gpuwarden.checks.parse_dcgmi_diag_text import parse_dcgmi_diag_text
 from test_dcgm_diag import codes, node_with, run_check
 from test_parse_dcgmi_diag import FRAG_MEMORY, R2_PASS_T4, v3_doc, v4_doc, warning
 

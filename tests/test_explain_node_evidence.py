@@ -26,7 +26,8 @@ import pytest
 from conftest import NODES, ROOT, append_kmsg, end_processes, wait_for
 from gpuwarden.agent.daemon.http_endpoint import MetricsEndpoint
 from gpuwarden.agent.jobs import evidence_window
-from gpuwarden.agent.jobs.node_evidence import DocumentError, fetch_nodes, from_document, read_dirs
+from gpuwarden.agent.jobs.evidence_saved import read_dirs
+from gpuwarden.agent.jobs.node_evidence import DocumentError, fetch_nodes, from_document
 from gpuwarden.agent.state.store import Store
 from test_daemon import XID79, free_port
 from test_http_endpoint import certs, hashed  # noqa: F401 - certs is a fixture used here
@@ -423,7 +424,7 @@ def test_explain_an_ib_port_outage_is_timed_by_the_ports_own_history(scenario_co
     port's down_since to its last look), so a window before the outage does not hold it and one across it does."""
     from conftest import PassiveClock
     from gpuwarden.agent.core.model import fold_status
-    from gpuwarden.agent.state.store import CheckRecord
+    from gpuwarden.agent.state.check_record import CheckRecord
     from gpuwarden.checks import ib_downtime
 
     root = scenario_copy(SCENARIO)

@@ -18,7 +18,8 @@ import time
 import pytest
 import yaml
 from conftest import ROOT, append_kmsg, end_processes, wait_for
-from gpuwarden.agent.jobs.prometheus_evidence import MAX_POINTS, NO_SERIES, Target, matches, plan_step, query_prometheus
+from gpuwarden.agent.jobs.prometheus_evidence import MAX_POINTS, NO_SERIES, matches, plan_step, query_prometheus
+from gpuwarden.agent.jobs.prometheus_series import Target
 from test_daemon import XID79, free_port, start
 from test_http_endpoint import certs, hashed  # noqa: F401 - certs is a fixture
 
@@ -358,7 +359,7 @@ def test_a_host_is_the_target_its_name_or_address_gives(host, target, same):
 def test_an_nvlink_finding_names_its_gpu_and_link():
     # The rows as Prometheus answers the queries (the live tests above read the same shapes); the entity's id is
     # the one checks/nvlink_lanes.py gives an NVLink: "<GPU UUID>/link<n>".
-    from gpuwarden.agent.jobs.prometheus_evidence import Rows, node_evidence
+    from gpuwarden.agent.jobs.prometheus_series import Rows, node_evidence
 
     uuid, target = "GPU-7f56209f-bfaa-0234-486e-9d778f65ba32", {"job": "gpuwarden", "instance": "gpu01"}
     finding = {**target, "check": "nvlink_lanes", "code": "nvlink-down", "entity_kind": "nvlink",

@@ -20,17 +20,19 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from gpuwarden.agent.act.adapters.slurm_job import (
-    JobWindow,
     SlurmJobError,
     SlurmJobUnknown,
     locate_outputs,
     merge,
+    slurm_job,
+    slurm_runner,
+)
+from gpuwarden.agent.act.adapters.slurm_job_records import (
+    JobWindow,
     output_files,
     parse_sacct_exit_codes,
     parse_sacct_json,
     parse_scontrol_job,
-    slurm_job,
-    slurm_runner,
 )
 from gpuwarden.agent.core.errors import GpuwardenError, ParseError
 from slurm_cluster import poll, slurm_cluster  # noqa: F401  (the fixture)

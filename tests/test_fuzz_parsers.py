@@ -20,7 +20,8 @@ import pytest
 from deadline import MIB, deadline
 from gpuwarden.agent.core.errors import ParseError
 from gpuwarden.agent.core.kernel_log import parse_kmsg_text, parse_log_text
-from gpuwarden.checks.parse_dcgmi_diag import parse_dcgmi_diag_json, parse_dcgmi_diag_text
+from gpuwarden.checks.parse_dcgmi_diag import parse_dcgmi_diag_json
+from gpuwarden.checks.parse_dcgmi_diag_text import parse_dcgmi_diag_text
 from gpuwarden.checks.parse_nccl_tests import parse_nccl_tests
 from gpuwarden.checks.parse_nvbandwidth import parse_nvbandwidth
 from gpuwarden.checks.parse_nvidia_smi_topo import parse_topo_matrix

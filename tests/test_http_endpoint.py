@@ -18,7 +18,8 @@ import bcrypt
 import pytest
 from conftest import ROOT, wait_for
 from gpuwarden.agent.core.errors import ConfigError
-from gpuwarden.agent.daemon.http_endpoint import Limits, MetricsEndpoint
+from gpuwarden.agent.daemon.http_conn import Limits
+from gpuwarden.agent.daemon.http_endpoint import MetricsEndpoint
 from gpuwarden.agent.daemon.metrics import DaemonCollector, registry_for
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily

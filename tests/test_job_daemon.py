@@ -20,8 +20,7 @@ from gpuwarden.agent.daemon.metrics import DaemonCollector
 from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.state.store import Store
 from gpuwarden.agent.state.transitions import DEFAULT_POLICY, NodeState
-from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs
-from gpuwarden.checks import job_discovery as discover
+from gpuwarden.checks import KERNEL_CONSUMERS, PASSIVE, all_specs, job_process
 
 XID79 = "3,{seq},{usec},-;NVRM: Xid (PCI:0008:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 JOB = JobRef("slurm", "4242", 0)
@@ -33,7 +32,7 @@ def start(scenario_copy, tmp_path):
     end."""
     made = []
     root = scenario_copy("gb200-nvl72-job")
-    discover.forget()
+    job_process.forget()
 
     def run(mode: str = "act", on_doomed: str = "requeue", intervals: dict | None = None, **cfg_checks):
         state = tmp_path / "state"

@@ -11,6 +11,8 @@ import time
 import pytest
 from fake_kube_api import FakeKubeApi
 from gpuwarden.agent.act.adapters import kubernetes as k8s
+from gpuwarden.agent.act.adapters import kubernetes_pods
+from gpuwarden.agent.act.adapters.kubernetes_objects import JOB_CONDITION
 from gpuwarden.agent.act.remediation import Engine, Hooks, Settings
 from gpuwarden.agent.core.job import JobRef
 from gpuwarden.agent.core.scheduler import Refused, Transient
@@ -56,7 +58,7 @@ def ref(pod: dict) -> JobRef:
 
 def condition(pod: dict | None) -> dict | None:
     return next((c for c in ((pod or {}).get("status") or {}).get("conditions", [])
-                 if c["type"] == k8s.JOB_CONDITION), None)
+                 if c["type"] == JOB_CONDITION), None)
 
 
 def pod_events(api: FakeKubeApi, name: str) -> list[dict]:
@@ -87,7 +89,7 @@ def test_job_kubernetes_the_pod_is_found_by_its_uid_among_the_nodes_pods(api, ma
 
 def test_job_kubernetes_without_a_node_name_the_whole_cluster_is_searched_page_by_page(api, make, monkeypatch):
     pods = gang(api, n=3)
-    monkeypatch.setattr(k8s, "LIST_PAGE", 2)
+    monkeypatch.setattr(kubernetes_pods, "LIST_PAGE", 2)
     adapter = make(node_name=None)
     assert adapter.job(ref(pods[2])).nodes == ("n3",)
     listed = [r for r in api.requests if r["path"] == "/api/v1/pods"]
@@ -140,15 +142,15 @@ def test_job_kubernetes_notify_writes_the_condition_and_an_event_and_the_pod_sta
     pod = api.pod_obj("team-a", "train-worker-0")
     assert pod is not None and not pod["metadata"].get("deletionTimestamp")
     c = condition(pod)
-    assert (c["status"], c["reason"], c["message"]) == ("True", k8s.JOB_CONDITION,
+    assert (c["status"], c["reason"], c["message"]) == ("True", JOB_CONDITION,
                                                         f"gpuwarden: doomed, notified on n1: {REASON}")
     assert c["lastTransitionTime"]
-    assert [x["type"] for x in pod["status"]["conditions"]] == ["Ready", k8s.JOB_CONDITION]  # the kubelet's kept
+    assert [x["type"] for x in pod["status"]["conditions"]] == ["Ready", JOB_CONDITION]  # the kubelet's kept
     (event,) = pod_events(api, "train-worker-0")
     assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "train-worker-0",
                                        "namespace": "team-a", "uid": worker["metadata"]["uid"]}
     assert (event["metadata"]["namespace"], event["type"], event["reason"], event["message"]) == (
-        "team-a", "Warning", k8s.JOB_CONDITION, c["message"])
+        "team-a", "Warning", JOB_CONDITION, c["message"])
     (patch,) = [r for r in writes(api) if r["method"] == "PATCH"]
     assert (patch["path"], patch["content_type"]) == ("/api/v1/namespaces/team-a/pods/train-worker-0/status",
                                                       "application/strategic-merge-patch+json")

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, record_tool
 from gpuwarden.agent.node.host import Node
 from gpuwarden.checks import job_discovery as discover
+from gpuwarden.checks import job_process
 
 PIDS = (12596, 12597, 12598, 12599)
 BANNER = ROOT / "fixtures" / "jobs" / "libnccl.so.2-2.32.3-banner.bin"
@@ -21,9 +22,9 @@ LIB = f"/{SITE}/nvidia/nccl/lib/libnccl.so.2"
 
 @pytest.fixture(autouse=True)
 def fresh():
-    discover.forget()  # the cache is by pid and start time: tests rewrite the same recorded pids
+    job_process.forget()  # the cache is by pid and start time: tests rewrite the same recorded pids
     yield
-    discover.forget()
+    job_process.forget()
 
 
 def look(root: Path, ports=(("mlx5_0/1", True), ("mlx5_1/1", True), ("mlx5_2/1", True), ("mlx5_3/1", True))):
@@ -70,7 +71,7 @@ def test_the_bundled_tray_runs_ranks_0_to_3_of_a_two_node_slurm_job(scenario_cop
     ("0::/", None),
 ])
 def test_the_job_of_a_cgroup(line, want):
-    assert discover.job_from_cgroup(line + "\n") == want
+    assert job_process.job_from_cgroup(line + "\n") == want
 
 
 def test_a_process_whose_cgroup_says_nothing_asks_scontrol_pidinfo_then_its_environment(scenario_copy):
@@ -84,7 +85,8 @@ def test_a_process_whose_cgroup_says_nothing_asks_scontrol_pidinfo_then_its_envi
         record_tool(root, f"scontrol-pidinfo-{pid}", "Failed to locate job for requested pid\n", rc=1)
     jobs = {j.job.key: j for j in look(root).jobs}
     assert list(jobs) == ["slurm:4242.0"]  # all four ranks are one job, however each was found
-    sources = {info.pid: info.job.source for info in (discover.read_process(Node.recorded_at(root), p) for p in PIDS)}
+    infos = (job_process.read_process(Node.recorded_at(root), p) for p in PIDS)
+    sources = {info.pid: info.job.source for info in infos}
     assert sources[12596] == "scontrol pidinfo 12596"
     assert sources[12597].startswith("SLURM_JOB_ID in the environment of pid 12597")
 
@@ -111,7 +113,7 @@ def test_the_environment_decides_the_figures_and_only_its_job_variables_are_read
     assert job.effective_ib_timeout_s.value == pytest.approx(4.096e-6 * 2**18 * 5)
     assert job.ib_timeout.source == "NCCL_IB_TIMEOUT=18 (environment of pid 12596)"
     assert job.heartbeat_s.value == 900.0 and job.async_error_handling.value == "1" and job.gpus_total.value == 16
-    info = discover.read_process(Node.recorded_at(root), 12596)
+    info = job_process.read_process(Node.recorded_at(root), 12596)
     assert "AWS_SECRET_ACCESS_KEY" not in info.env and info.env["NCCL_IB_TIMEOUT"] == "18"
 
 
@@ -202,14 +204,14 @@ def test_a_gpu_whose_processes_nvml_cannot_list_is_unreadable_not_empty(scenario
 def test_a_pid_the_kernel_gave_to_another_process_is_read_again(scenario_copy):
     root = scenario_copy("gb200-nvl72-job")
     node = Node.recorded_at(root)
-    assert discover.read_process(node, 12596).job.id == "4242"
+    assert job_process.read_process(node, 12596).job.id == "4242"
     (root / "proc" / "12596" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_5150/step_0/user/task_0\n")
-    assert discover.read_process(node, 12596).job.id == "4242"  # the same process: read once
+    assert job_process.read_process(node, 12596).job.id == "4242"  # the same process: read once
     stat = root / "proc" / "12596" / "stat"
     fields = stat.read_text().split(" ")
     fields[21] = str(int(fields[21]) + 1000)  # another start time: another process with the same pid
     stat.write_text(" ".join(fields))
-    assert discover.read_process(node, 12596).job.id == "5150"
+    assert job_process.read_process(node, 12596).job.id == "5150"
 
 
 # -- the jobs check keeps a job on a GPU that can no longer be read ---------------------------------------------------
@@ -260,9 +262,9 @@ def test_a_recording_replays_the_jobs_the_node_showed(scenario_copy, tmp_path):
     out = tmp_path / "recorded"
     assert record(Node.recorded_at(root), out) == []
     assert (out / "tools" / "scontrol-pidinfo-12596.out").read_text().startswith("Slurm job id 4242")
-    discover.forget()
+    job_process.forget()
     before = look(root)
-    discover.forget()
+    job_process.forget()
     after = look(out)
     assert [j.to_dict() for j in after.jobs] == [j.to_dict() for j in before.jobs]
     (job,) = after.jobs

@@ -14,7 +14,7 @@ from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.per_gpu import device_error_finding
 from gpuwarden.agent.jobs import doom
 from gpuwarden.agent.node.host import Node
-from gpuwarden.checks import ib_downtime, xid
+from gpuwarden.checks import ib_downtime, job_process, xid
 from gpuwarden.checks import job_discovery as discover
 from gpuwarden.checks.xid_catalog import load_catalog
 
@@ -24,7 +24,7 @@ GPU0 = Entity("gpu", "GPU-f1f125ab-e3b5-c66a-ab3f-9862557b394e", 0, "0008:01:00.
 
 @pytest.fixture(scope="module")
 def job():
-    discover.forget()
+    job_process.forget()
     ports = [(f"mlx5_{i}/1", True) for i in range(4)]
     (found,) = discover.discover(Node.recorded_at(NODES / "gb200-nvl72-job"), ports, 0.0).jobs
     return found

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, wait_for
-from gpuwarden.agent.state.store import Store, StoreError
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.store_errors import StoreError
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID31 = "3,{seq},{usec},-;NVRM: Xid (PCI:000a:01:00): 31, pid=7, name=python3, MMU Fault"

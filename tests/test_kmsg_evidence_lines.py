@@ -13,7 +13,8 @@ from conftest import ROOT, wait_for
 from gpuwarden.agent.core.kernel_log import parse_kmsg_text
 from gpuwarden.agent.daemon.events import _keep
 from gpuwarden.agent.sources import kmsg as kmsg_source
-from gpuwarden.agent.sources.kmsg import Cursor, KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg import KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
 from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS
 from test_store_damage import GPU13, SEEN_S, XID13, Agent, agent  # noqa: F401 - the fixture

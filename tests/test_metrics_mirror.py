@@ -1,13 +1,15 @@
 """The endpoint serves the daemon's page without importing prometheus-client: its content negotiation, gzip test and
-float formatting are copied (agent/daemon/http_endpoint.py _negotiate, agent/daemon/metrics.py _go_float). Each copy
+float formatting are copied (agent/daemon/exposition.py negotiate, _go_float). Each copy
 must answer exactly as the installed prometheus-client does, or not at all (None: prometheus-client answers)."""
 from __future__ import annotations
 
 import math
 
 import pytest
-from gpuwarden.agent.daemon import metrics
-from gpuwarden.agent.daemon.http_endpoint import _gzip_accepted, _negotiate, _page_format
+from gpuwarden.agent.daemon import exposition
+from gpuwarden.agent.daemon.exposition import gzip_accepted as _gzip_accepted
+from gpuwarden.agent.daemon.exposition import negotiate as _negotiate
+from gpuwarden.agent.daemon.exposition import page_format as _page_format
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.utils import floatToGoString
 
@@ -45,7 +47,7 @@ def test_negotiation_answers_as_prometheus_client_or_defers(accept):
 
 
 def test_negotiation_answers_what_prometheus_asks_without_prometheus_client():
-    if not metrics.client_mirrored():
+    if not exposition.client_mirrored():
         pytest.skip("the installed prometheus-client is not the version the copies follow: it answers itself")
     for accept in ("", PROMETHEUS_3, PROMETHEUS_2, "application/openmetrics-text; version=1.0.0"):
         assert _negotiate(accept) is not None, accept
@@ -58,10 +60,10 @@ def test_gzip_accepted_as_prometheus_client(header):
 
 
 def test_go_float_as_prometheus_client():
-    if not metrics.client_mirrored():
+    if not exposition.client_mirrored():
         pytest.skip("the installed prometheus-client is not the version the copies follow: its own is used")
     values = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-7, 123456.0, 1234567.0, 12345678.9, 1796000000.5, 1e10, 1.5e15, 1e22,
               2.0 ** 63, -1e22, math.inf, -math.inf, math.nan, 5e-324, 1.7976931348623157e308, 3, 10 ** 12]
     values += [x * 10.0 ** e for x in (1.0, 1.25, 9.999) for e in range(-12, 25)]
     for v in values:
-        assert metrics._go_float(v) == floatToGoString(v), v
+        assert exposition._go_float(v) == floatToGoString(v), v

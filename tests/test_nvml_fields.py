@@ -11,14 +11,10 @@ from conftest import NODES, PassiveClock, edit_nvml
 from gpuwarden.agent.core.errors import NvmlError
 from gpuwarden.agent.core.model import Status
 from gpuwarden.agent.node.host import Node
-from gpuwarden.agent.sources.nvml import (
-    ECC_FIELDS,
-    NVLINK_COUNTER_FIELDS,
-    NVLINK_COUNTERS,
-    NVLINK_CRC_DATA_FIELDS,
-    Nvml,
-)
+from gpuwarden.agent.sources.nvml import Nvml
 from gpuwarden.agent.sources.nvml.bindings import const
+from gpuwarden.agent.sources.nvml.fields import ECC_FIELDS, NVLINK_COUNTER_FIELDS, NVLINK_CRC_DATA_FIELDS
+from gpuwarden.agent.sources.nvml.links import NVLINK_COUNTERS
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 from gpuwarden.checks import nvlink_lanes
 
@@ -220,14 +216,16 @@ class Typed:
 
 @pytest.mark.parametrize("kind, value", [("DOUBLE", 41.5), ("SIGNED_INT", -3), ("UNSIGNED_LONG_LONG", 2**40)])
 def test_a_value_is_read_from_the_member_its_type_names(kind, value):
-    from gpuwarden.agent.sources.nvml import FI_MEMORY_TEMP, Gpu
+    from gpuwarden.agent.sources.nvml.fields import FI_MEMORY_TEMP
+    from gpuwarden.agent.sources.nvml.gpu import Gpu
 
     nvml = Nvml(Typed(kind, value), "test")
     assert nvml.field_values(Gpu(0, handle=object()), [("t", FI_MEMORY_TEMP, None)]) == {"t": value}
 
 
 def test_a_value_type_not_known_and_a_failed_field_are_errors_of_that_field():
-    from gpuwarden.agent.sources.nvml import FI_MEMORY_TEMP, Gpu
+    from gpuwarden.agent.sources.nvml.fields import FI_MEMORY_TEMP
+    from gpuwarden.agent.sources.nvml.gpu import Gpu
 
     gpu = Gpu(3, handle=object())
     (err,) = Nvml(Typed(99, 0), "test").field_values(gpu, [("t", FI_MEMORY_TEMP, None)]).values()
@@ -246,7 +244,7 @@ def test_the_field_array_is_read_in_the_layout_the_bindings_declare():
     """field_values reads nvmlFieldValue_t as bytes: the layout must be the one the installed bindings declare."""
     import ctypes
 
-    from gpuwarden.agent.sources import nvml as source
+    from gpuwarden.agent.sources.nvml import fields as source
 
     fv = pynvml.c_nvmlFieldValue_t
     assert source._FV_SIZE == ctypes.sizeof(fv)
@@ -255,7 +253,8 @@ def test_the_field_array_is_read_in_the_layout_the_bindings_declare():
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_value_that_is_not_a_finite_number_is_an_error_of_that_field(value):
-    from gpuwarden.agent.sources.nvml import FI_MEMORY_TEMP, Gpu
+    from gpuwarden.agent.sources.nvml.fields import FI_MEMORY_TEMP
+    from gpuwarden.agent.sources.nvml.gpu import Gpu
 
     (err,) = Nvml(Typed("DOUBLE", value), "test").field_values(Gpu(1, handle=object()),
                                                                  [("t", FI_MEMORY_TEMP, None)]).values()
@@ -263,7 +262,8 @@ def test_a_value_that_is_not_a_finite_number_is_an_error_of_that_field(value):
 
 
 def test_an_answer_that_is_not_the_field_array_is_an_nvml_error():
-    from gpuwarden.agent.sources.nvml import FI_MEMORY_TEMP, Gpu
+    from gpuwarden.agent.sources.nvml.fields import FI_MEMORY_TEMP
+    from gpuwarden.agent.sources.nvml.gpu import Gpu
 
     class Short(Typed):
         def nvmlDeviceGetFieldValues(self, handle, fieldIds):

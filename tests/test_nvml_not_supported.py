@@ -13,7 +13,7 @@ from gpuwarden.agent.core.errors import NvmlError
 from gpuwarden.agent.core.model import Action, Status
 from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.node.runner import run_checks
-from gpuwarden.checks import ecc, peer_p2p
+from gpuwarden.checks import ecc, job_process, peer_p2p
 from gpuwarden.checks import job_discovery as discover
 
 NO_CRC_DATA = range(6, 12)  # NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L6..L11: fields 102-107
@@ -144,11 +144,11 @@ def test_an_empty_process_list_from_a_gpu_with_memory_in_use_is_could_not_look(s
         del gpu["processes"]  # what the bindings hand over when NVML answers the size query with SUCCESS
 
     edit_nvml(root, listed_none)
-    discover.forget()
+    job_process.forget()
     try:
         found = discover.discover(Node.recorded_at(root), [("mlx5_0/1", True)], 100.0)
     finally:
-        discover.forget()
+        job_process.forget()
     assert sorted(found.unreadable) == [1]
     assert "could not be listed" in found.unreadable[1] and "MiB of the GPU's memory is in use" in found.unreadable[1]
     assert all(1 not in job.gpu_indices for job in found.jobs)

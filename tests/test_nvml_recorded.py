@@ -7,8 +7,10 @@ from pathlib import Path
 import pynvml
 import pytest
 from gpuwarden.agent.core.errors import NvmlError
-from gpuwarden.agent.sources.nvml import P2P_CAPS, Nvml, canonical_bdf
+from gpuwarden.agent.sources.nvml import Nvml
 from gpuwarden.agent.sources.nvml.bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
+from gpuwarden.agent.sources.nvml.gpu import canonical_bdf
+from gpuwarden.agent.sources.nvml.links import P2P_CAPS
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
 
 ROOT = Path(__file__).resolve().parent.parent

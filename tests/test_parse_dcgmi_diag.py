@@ -13,10 +13,9 @@ from gpuwarden.checks.parse_dcgmi_diag import (
     DiagError,
     diag_from_json,
     looks_like_dcgmi_diag_json,
-    looks_like_dcgmi_diag_text,
     parse_dcgmi_diag_json,
-    parse_dcgmi_diag_text,
 )
+from gpuwarden.checks.parse_dcgmi_diag_text import looks_like_dcgmi_diag_text, parse_dcgmi_diag_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

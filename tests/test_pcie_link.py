@@ -13,7 +13,8 @@ from gpuwarden.agent.core.model import Action, Entity, Status
 from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.node.runner import run_one
 from gpuwarden.checks import pcie_link
-from gpuwarden.checks.pcie_link import Link, decide_link, parse_speed
+from gpuwarden.checks.pcie_link import decide_link
+from gpuwarden.checks.pcie_tree import Link, parse_speed, pci_path
 from test_parse_nvidia_smi_topo import nic_matrix, pix_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,7 +205,7 @@ def tree(scenario_copy):
 def test_nested_tree_healthy_and_path_is_read(tree):
     assert problems(result(tree)) == []
     from gpuwarden.agent.sources.sysfs import Sysfs
-    assert [n for n, _ in pcie_link.pci_path(Sysfs(tree), "0000:19:00.0")] == [
+    assert [n for n, _ in pci_path(Sysfs(tree), "0000:19:00.0")] == [
         "pci0000:15", RP, USP, DSP0, "0000:19:00.0"]
 
 

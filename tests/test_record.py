@@ -419,7 +419,7 @@ def test_device_check_script_parses():
 def test_a_library_error_on_one_nvml_call_is_recorded_not_fatal(scenario_copy, tmp_path, monkeypatch):
     """The shipped bindings' NVML_P2P_CAPS_INDEX_READ is the tuple (0,): a call with it fails in ctypes. The call's
     failure is kept in nvml.json; the rest of the node is recorded and replays."""
-    from gpuwarden.agent.sources import nvml as nvml_source
+    from gpuwarden.agent.sources.nvml import links as nvml_source
 
     monkeypatch.setitem(nvml_source.P2P_CAPS, "read", (0,))
     out = tmp_path / "bundle"

@@ -13,7 +13,6 @@ from fake_scheduler import DictScheduler
 from gpuwarden.agent.act import breaker
 from gpuwarden.agent.act.adapters.local import LocalAdapter
 from gpuwarden.agent.act.remediation import (
-    RESET_AT_KEY,
     STATUS_KEY,
     Engine,
     Hooks,
@@ -22,6 +21,7 @@ from gpuwarden.agent.act.remediation import (
     finding_text,
     read_actions,
 )
+from gpuwarden.agent.act.remediation_breaker import RESET_AT_KEY
 from gpuwarden.agent.core.scheduler import Busy, Transient
 
 ME = "tray03"

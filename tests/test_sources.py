@@ -11,7 +11,8 @@ import pytest
 from conftest import ROOT
 from gpuwarden.agent.core.errors import ParseError, SourceError, ToolError, ToolMissing
 from gpuwarden.agent.sources.dcgm import Dcgm
-from gpuwarden.agent.sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg import DEV_KMSG, KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
 from gpuwarden.agent.sources.sysfs import Sysfs
 from gpuwarden.agent.sources.tools import ToolRunner
 

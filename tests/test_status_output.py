@@ -10,7 +10,8 @@ import pytest
 from gpuwarden.agent.cli import main as cli
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.render import age, iso_utc, when
-from gpuwarden.agent.state.store import CheckRecord, Store
+from gpuwarden.agent.state.check_record import CheckRecord
+from gpuwarden.agent.state.store import Store
 from gpuwarden.agent.state.transitions import NodeRecord, NodeState, Transition
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")

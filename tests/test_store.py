@@ -1,7 +1,8 @@
 import sqlite3
 
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
-from gpuwarden.agent.state.store import CheckRecord, Store
+from gpuwarden.agent.state.check_record import CheckRecord
+from gpuwarden.agent.state.store import Store
 from gpuwarden.agent.state.transitions import NodeRecord, NodeState, Transition
 
 F = Finding("xid", "79", Entity("gpu", "GPU-1", 2, "0018:01:00.0"), Status.FAIL, "off the bus", Action.REBOOT,

@@ -19,8 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, append_kmsg, end_processes, wait_for
 from gpuwarden.agent.core.kernel_log import parse_kmsg_text
-from gpuwarden.agent.sources.kmsg import Cursor, Interest, KernelLog, KmsgFollower
-from gpuwarden.agent.state.store import CheckRecord, Store, StoreError
+from gpuwarden.agent.sources.kmsg import KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
+from gpuwarden.agent.sources.kmsg_scan import Interest
+from gpuwarden.agent.state.check_record import CheckRecord
+from gpuwarden.agent.state.store import Store
+from gpuwarden.agent.state.store_errors import StoreError
 
 XID13 = "3,{seq},{usec},-;NVRM: Xid (PCI:0009:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x1"
 XID31 = "3,{seq},{usec},-;NVRM: Xid (PCI:000a:01:00): 31, pid=7, name=python3, MMU Fault"

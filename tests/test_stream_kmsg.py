@@ -17,7 +17,10 @@ from gpuwarden.agent.daemon.loop import Daemon, DaemonOptions
 from gpuwarden.agent.daemon.metrics import DaemonCollector
 from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.sources import kmsg as kmsg_source
-from gpuwarden.agent.sources.kmsg import Cursor, Interest, KernelLog, KmsgFollower
+from gpuwarden.agent.sources import kmsg_scan
+from gpuwarden.agent.sources.kmsg import KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
+from gpuwarden.agent.sources.kmsg_scan import Interest
 from gpuwarden.agent.state.store import Store
 from gpuwarden.checks import KERNEL_CONSUMERS, all_specs
 
@@ -97,7 +100,7 @@ def test_the_byte_scan_is_used_only_for_ascii_needles():
 
 def test_a_line_without_end_is_reported_and_skipped_not_held(tmp_path):
     path = tmp_path / "kmsg"
-    path.write_bytes(b"6,1,1,-;first\n" + b"x" * (kmsg_source._MAX_LINE + 10))
+    path.write_bytes(b"6,1,1,-;first\n" + b"x" * (kmsg_scan.MAX_LINE + 10))
     f = follow(path)
     f.poll()
     assert f.cursor.seq == 1 and f.malformed == 1 and "without a newline" in str(f.parse_errors[0])

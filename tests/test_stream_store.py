@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
-from gpuwarden.agent.state.store import JOURNAL_LIMIT_BYTES, CheckRecord, Store
+from gpuwarden.agent.state.check_record import CheckRecord
+from gpuwarden.agent.state.store import JOURNAL_LIMIT_BYTES, Store
 
 
 def incident(pci: str, xid: int, count: int) -> dict:

@@ -53,7 +53,7 @@ RESET_REQUIRED = "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset 
 
 
 def _gpu(i: int):
-    from gpuwarden.agent.sources.nvml import Gpu
+    from gpuwarden.agent.sources.nvml.gpu import Gpu
     return Gpu(index=i, uuid=f"GPU-{i:04d}", pci=f"000{i}:01:00.0", bus_id=f"0000000{i}:01:00.0")
 
 

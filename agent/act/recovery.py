@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import SourceError, ToolError, ToolMissing
 from gpuwarden.agent.core.records import dataclass
-from gpuwarden.agent.sources.nvml import Gpu, canonical_bdf
+from gpuwarden.agent.sources.nvml.gpu import Gpu, canonical_bdf
 from gpuwarden.agent.sources.tools import ToolRunner
 
 log = logs.get_logger("gpuwarden.recovery")

@@ -12,8 +12,9 @@ from gpuwarden.agent.core.backoff import Backoff
 from gpuwarden.agent.core.errors import GpuwardenError, NvmlError
 from gpuwarden.agent.core.model import Status
 from gpuwarden.agent.core.passive import Judgement, KernelBatch, KernelConsumer, event_clock
-from gpuwarden.agent.sources.kmsg import Cursor, Interest, resume_cursor
-from gpuwarden.agent.state.store import CheckRecord
+from gpuwarden.agent.sources.kmsg_cursor import Cursor, resume_cursor
+from gpuwarden.agent.sources.kmsg_scan import Interest
+from gpuwarden.agent.state.check_record import CheckRecord
 
 log = logs.get_logger("gpuwarden.daemon")
 # A hold ends when `now - last_at > hold_s`: judged this long after the end, it has ended whatever the rounding.

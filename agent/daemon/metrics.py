@@ -2,14 +2,12 @@
 it only reads what the last samples left in memory.
 
 Names are gpuwarden_*; the per-check samples (IB downtime, throttle ratios, temperatures, ...) come from the
-passive checks' judgements (agent/core/passive.py MetricSample).
+passive checks' judgements (agent/core/passive.py MetricSample). Each family is written as prometheus-client
+writes it, without importing it (agent/daemon/exposition.py); the registry the endpoint and prometheus-client's
+encoders read is DaemonRegistry.
 """
 from __future__ import annotations
 
-import math
-import os
-import re
-import sys
 import threading
 import time
 from dataclasses import field
@@ -20,6 +18,7 @@ from gpuwarden.agent.core.model import CheckResult, Status
 from gpuwarden.agent.core.passive import MetricSample
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.core.version import VERSION
+from gpuwarden.agent.daemon.exposition import render_family
 from gpuwarden.agent.state.transitions import RECOVERY_STEPS, NodeRecord, NodeState
 
 if TYPE_CHECKING:  # prometheus-client is imported where its own rendering or registry is needed, not by the daemon
@@ -51,6 +50,7 @@ class Family(NamedTuple):
     rows: tuple[tuple[tuple[str, ...], float], ...]
 
     def metric(self) -> Metric:
+        # at use: prometheus-client, ~100 ms of import (-X importtime); the page is written without it (render_family)
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
@@ -274,53 +274,6 @@ def _one_family(name: str, group: list[MetricSample], gpus: dict[tuple[str, str]
     return _family(name, "counter" if group[0].kind == "counter" else "gauge", group[0].help, shown, rows)
 
 
-# The names the text below is written for; any other name is rendered by prometheus-client (its escaping rules).
-_LEGACY_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-
-
-def render_family(f: Family, openmetrics: bool, encoder: Callable[[Any], bytes] | None = None) -> bytes:
-    """One family in the text format or OpenMetrics, as prometheus-client's generate_latest writes it (HELP and
-    TYPE lines, label names sorted, values as Go prints floats; OpenMetrics also escapes '"' in HELP)."""
-    if not (_LEGACY_NAME.fullmatch(f.name) and all(_LEGACY_NAME.fullmatch(k) for k in f.labels)):
-        if encoder is None:
-            from prometheus_client.exposition import generate_latest as text_latest
-            from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-
-            encoder = openmetrics_latest if openmetrics else text_latest
-        text = encoder(_One(f.metric()))
-        return text[:-len(b"# EOF\n")] if openmetrics and text.endswith(b"# EOF\n") else text
-    sample = f"{f.name}_total" if f.kind == "counter" else f.name
-    head = f.name if openmetrics else sample
-    doc = f.help.replace("\\", r"\\").replace("\n", r"\n")
-    if openmetrics:
-        doc = doc.replace('"', r'\"')
-    out = [f"# HELP {head} {doc}\n# TYPE {head} {f.kind}\n"]
-    order = sorted(range(len(f.labels)), key=f.labels.__getitem__)
-    names = [f.labels[i] for i in order]
-    go_float = _go_float if client_mirrored() else _client_go_float()
-    for values, value in f.rows:
-        if names:
-            labels = ",".join(f'{n}="{_escape(values[i])}"' for n, i in zip(names, order, strict=True))
-            out.append(f"{sample}{{{labels}}} {go_float(value)}\n")
-        else:
-            out.append(f"{sample} {go_float(value)}\n")
-    return "".join(out).encode("utf-8")
-
-
-def _escape(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
-    return value
-
-
-class _One:
-    def __init__(self, metric: Metric):
-        self._metric = metric
-
-    def collect(self) -> Iterator[Metric]:
-        yield self._metric
-
-
 class DaemonRegistry:
     """A registry for the daemon's collector: what any prometheus-client encoder reads (collect()), and, while it
     holds that collector alone, the collector's own cached page (DaemonCollector.page) for the endpoint.
@@ -334,6 +287,7 @@ class DaemonRegistry:
 
     def _real(self) -> CollectorRegistry:
         if self._registry is None:
+            # at use: prometheus-client, ~100 ms of import (-X importtime), which the daemon's own page never needs
             from prometheus_client import CollectorRegistry
 
             registry = CollectorRegistry(auto_describe=False)
@@ -378,70 +332,7 @@ def registry_for(collector: DaemonCollector) -> DaemonRegistry:
 
 def write_textfile(registry: Any, path: Path) -> None:
     """node_exporter textfile collector output (written atomically by prometheus-client)."""
+    # at use: prometheus-client, ~100 ms of import (-X importtime), only for --textfile (not the endpoint's page)
     from prometheus_client import write_to_textfile
 
     write_to_textfile(str(path), registry)
-
-
-# prometheus-client's content negotiation and float formatting as its version 0.26 has them (byte for byte: a test
-# compares them with the installed one's), so that serving the daemon's page needs no import of it (~5 MB of
-# http.server, email, urllib, importlib.metadata). Where another version is installed, its own are used.
-_MIRRORED_FROM = (0, 26)
-
-
-def _go_float(d: float) -> str:
-    """A float as Go prints it (prometheus-client's utils.floatToGoString)."""
-    d = float(d)
-    if d == math.inf:
-        return "+Inf"
-    if d == -math.inf:
-        return "-Inf"
-    if math.isnan(d):
-        return "NaN"
-    s = repr(d)
-    dot = s.find(".")
-    # Past 6 integer digits Go writes an exponent where Python's repr does not; bucket bounds (le) and quantiles,
-    # the only floats written as label values, are positive.
-    if d > 0 and dot > 6:
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
-        return f"{mantissa}e+{dot - 1:02d}"
-    return s
-
-
-def _client_go_float() -> Callable[[float], str]:
-    from prometheus_client.utils import floatToGoString
-
-    return floatToGoString
-
-
-_mirrored: list[bool] = []
-
-
-def client_mirrored() -> bool:
-    """Whether the installed prometheus-client negotiates and formats as the copies here do: its version, read from
-    the name of its metadata folder beside the package (importing it, or importlib.metadata, is what this avoids).
-    Unknown (not found, several, not a version) is False: prometheus-client's own code then answers."""
-    if not _mirrored:
-        _mirrored.append(_client_version() >= _MIRRORED_FROM)
-    return _mirrored[0]
-
-
-def _client_version() -> tuple[int, ...]:
-    for entry in sys.path:
-        base = entry or "."
-        if not os.path.isfile(os.path.join(base, "prometheus_client", "__init__.py")):
-            continue
-        try:
-            names = [n for n in os.listdir(base) if n.startswith("prometheus_client-") and n.endswith(".dist-info")]
-        except OSError:
-            return ()
-        if len(names) != 1:
-            return ()
-        parts = names[0][len("prometheus_client-"):-len(".dist-info")].split(".")
-        numbers = []
-        for part in parts[:3]:
-            if not part.isdigit():
-                break
-            numbers.append(int(part))
-        return tuple(numbers) if len(numbers) >= 2 else ()
-    return ()

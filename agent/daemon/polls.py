@@ -17,7 +17,7 @@ from gpuwarden.agent.core.passive import PassiveSpec
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.node.runner import could_not_look
 from gpuwarden.agent.sources.tools import Scope
-from gpuwarden.agent.state.store import CheckRecord
+from gpuwarden.agent.state.check_record import CheckRecord
 
 log = logs.get_logger("gpuwarden.daemon")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuwarden.agent.core import logs
+from gpuwarden.agent.core.render import iso_utc, when
 
 SOCKET_NAME = "gpuwarden.sock"
 ASK_TIMEOUT_S = 2.0  # a daemon answers from memory at once; one that does not within this is said to not answer
@@ -141,8 +142,6 @@ def store_writes(folder: Path, now: float) -> tuple[dict[str, Any] | None, str, 
     """For `status`: what the running daemon says of its store's writes, as JSON (None: no daemon runs), as the text
     to show first, and whether it is a failure or could not be asked (status then exits 2: the state shown is not
     known to be the daemon's)."""
-    from gpuwarden.agent.core.render import iso_utc, when
-
     answer, problem = ask(folder)
     if problem is not None:
         return ({"ok": None, "error": f"could not ask the running daemon: {problem}"},

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.agent.state.store_errors import StoreError
+
 IB_CHECK = "ib_port"
 
 
@@ -14,9 +16,9 @@ def read_ib_state(state_dir: str | Path) -> tuple[dict[str, Any] | None, str]:
     db = Path(state_dir) / "state.db"
     if not db.exists():
         return None, f"{db}: no daemon state here (no port outage history)"
-    # Here, not at the top: a quick preflight loads the jobs check on every node, and sqlite3 with the store only
-    # where a job uses the network and a daemon's store is there (tests/test_cli_startup.py holds it to that).
-    from gpuwarden.agent.state.store import Store, StoreError
+    # at use: the store and sqlite3, ~15 ms of import (-X importtime); a quick preflight loads the jobs check on every
+    # node, and needs them only where a job uses the network and a daemon's store is there (tests/test_cli_startup.py)
+    from gpuwarden.agent.state.store import Store
     try:
         store = Store(db, readonly=True)
     except StoreError as exc:

@@ -20,85 +20,32 @@ detail "replayed": true).
 
 The calls `admin_drain`, `admin_resume`, `set_down` and `set_jobs` are the world outside the agent (an
 administrator, a node that stops answering, work starting and ending), for the demo and the fleet simulator.
+
+The SQLite plumbing is in local_db.py, the actions log in local_actions_log.py.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from gpuwarden.agent.act.adapters.local_actions_log import ActionsLog
+from gpuwarden.agent.act.adapters.local_db import _COLUMNS, LocalDatabase, _view
 from gpuwarden.agent.act.spares import healthy_spares
 from gpuwarden.agent.core import logs
-from gpuwarden.agent.core.scheduler import (
-    JOB_STATES,
-    REASON_PREFIX,
-    SPARE_REASON,
-    JobView,
-    NodeView,
-    Refused,
-    Service,
-    Transient,
-)
-from gpuwarden.agent.core.sqlite_files import schema_version, write_transaction
+from gpuwarden.agent.core.scheduler import JOB_STATES, REASON_PREFIX, SPARE_REASON, JobView, NodeView, Refused
 
 log = logs.get_logger("gpuwarden.adapter")
 
-SCHEMA_VERSION = 1
 MAX_NAME = 255  # a node or domain name (DNS names are at most 253)
 MAX_REASON = 1024  # a reason longer than this is cut: it is a log line, not a document
 MAX_JOBS = 1 << 20
 
-_SCHEMA = """
-CREATE TABLE gpuwarden_local_scheduler (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE nodes (
-    name TEXT PRIMARY KEY,
-    hold TEXT NOT NULL DEFAULT 'none' CHECK (hold IN ('none', 'cordon', 'drain')),
-    reason TEXT,
-    reason_since REAL,
-    ours INTEGER NOT NULL DEFAULT 0,
-    quarantined INTEGER NOT NULL DEFAULT 0,
-    domain TEXT,
-    spare INTEGER NOT NULL DEFAULT 0,
-    jobs INTEGER,
-    down INTEGER NOT NULL DEFAULT 0,
-    taken_for TEXT,          -- a spare taken into service: the node it replaced (take_spare's idempotency)
-    first_seen REAL NOT NULL
-);
-CREATE INDEX nodes_domain ON nodes (domain);
-CREATE INDEX nodes_taken_for ON nodes (taken_for);
-"""
-# Nodes a multi-node sweep holds (agent/fleet/sweep/sweep.py): never taken as a spare until released or expired. Added
-# to a database of schema 1 in place (an older file has no such table: nothing is held there).
-_SWEEP_HOLDS = ("CREATE TABLE IF NOT EXISTS sweep_holds (node TEXT PRIMARY KEY, sweep TEXT NOT NULL, "
-                "until REAL NOT NULL)")
-# The actions log's lines not yet written to it (`_logged`): each is added in the transaction of the change it logs
-# and forgotten once written, with the id "<instance>:<row id>" that finds it there after a crash. The instance, made
-# with the file, tells this database's ids from those of one it replaced.
-_OUTBOX = "CREATE TABLE IF NOT EXISTS actions_outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, log TEXT NOT NULL, " \
-          "entry TEXT NOT NULL)"
-# Jobs the agent acted on (agent/jobs/respond.py): what it did to each, so the demo, the simulator and a retried intent
-# see it. A job without a row is one the local scheduler never heard of: taken as running on the node that asks.
-_JOBS = ("CREATE TABLE IF NOT EXISTS jobs (scheduler TEXT NOT NULL, id TEXT NOT NULL, run INTEGER, "
-         "state TEXT NOT NULL, mark TEXT, requeueable INTEGER, PRIMARY KEY (scheduler, id))")
-MAX_PENDING = 10_000  # lines kept for a log that cannot be written; past this the oldest are dropped
-TAIL_BYTES = 1 << 20  # of the log read to find the last line written
-_COLUMNS = "name, hold, reason, reason_since, ours, quarantined, domain, spare, jobs, down"
-# SQLite's primary error names: held by another process (retry), or a file that is not a usable database.
-_BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
-_PASSING = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_PROTOCOL", "SQLITE_INTERRUPT")
 
-
-class LocalDatabaseError(Refused):
-    """The local scheduler's database file cannot be used (corrupt, another program's, unreadable): retrying will
-    not help; the message names the file and what to do."""
-
-
-class LocalAdapter:
+class LocalAdapter(ActionsLog, LocalDatabase):
     name = "local"
 
     def __init__(self, path: Path, *, db: Path | None = None, timeout_s: float = 5.0, node_name: str | None = None,
@@ -117,33 +64,6 @@ class LocalAdapter:
         self._clock = clock
         self._lock = threading.Lock()  # one writer of the actions log at a time within this process
         self._schema_ok = False
-
-    # -- the dry-run record (the daemon's action worker) ----------------------------------------------------------
-    def apply(self, action: str, detail: dict[str, Any]) -> None:
-        head: dict[str, Any] = {"action": action, "at": self._clock()}
-        if self.node_name is not None:
-            head["node"] = self.node_name
-        line = json.dumps({**head, **detail}, sort_keys=True)
-        with self._lock, open(self.path, "a") as f:
-            f.write(line + "\n")
-        log.info("would act", action=action, reason=detail.get("reason", ""))
-
-    def actions(self) -> list[dict[str, Any]]:
-        """The actions log, oldest first, with the lines a crash left in the database written first; a line a crash
-        left torn is skipped."""
-        if self.db.exists():  # never made by reading: a dry run has no database
-            self._flush()
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict):
-                out.append(entry)
-        return out
 
     # -- the scheduler's view ---------------------------------------------------------------------------------------
     def nodes(self) -> Sequence[NodeView]:
@@ -387,179 +307,6 @@ class LocalAdapter:
             return db.execute("UPDATE nodes SET jobs = ? WHERE name = ? AND jobs IS NOT ?",
                               (jobs, node, jobs)).rowcount > 0
         self._write(change)
-
-    # -- SQLite ------------------------------------------------------------------------------------------------------
-    def _connect(self) -> sqlite3.Connection:
-        # One connection per call: safe across threads and forked processes, and no handle held between calls.
-        try:
-            self.db.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise LocalDatabaseError(f"{self.db}: cannot create its folder: {exc.strerror or exc}") from None
-        try:
-            db = sqlite3.connect(str(self.db), timeout=self.timeout_s, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise self._error(exc) from None
-        try:
-            if not self._schema_ok:
-                self._check_schema(db)
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    def _check_schema(self, db: sqlite3.Connection) -> None:
-        # Tables added since schema 1 are made in place (IF NOT EXISTS); the instance id is made once, with them.
-        instance = ("INSERT OR IGNORE INTO gpuwarden_local_scheduler VALUES ('instance', ?)", (os.urandom(8).hex(),))
-        since = (_SWEEP_HOLDS, _OUTBOX, _JOBS, instance)
-        try:
-            found = schema_version(db, _SCHEMA, "gpuwarden_local_scheduler", {"nodes"}, str(SCHEMA_VERSION), since)
-        except sqlite3.Error as exc:
-            raise self._error(exc) from None
-        if found != str(SCHEMA_VERSION):
-            what = "another program's SQLite database" if found is None else f"schema {found!r}, not {SCHEMA_VERSION}"
-            raise LocalDatabaseError(f"{self.db}: not a gpuwarden local scheduler database ({what}); point the local "
-                                     f"adapter at another file, or move this one aside to start an empty one")
-        self._schema_ok = True
-
-    def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        return self._call(fn, write=False)
-
-    def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        return self._call(fn, write=True)
-
-    def _call(self, fn: Callable[[sqlite3.Connection], Any], write: bool, again: bool = True) -> Any:
-        db = self._connect()
-        try:
-            return write_transaction(db, fn) if write else fn(db)
-        except sqlite3.Error as exc:
-            if again and "no such table" in str(exc):
-                # The file was deleted or emptied since this adapter last looked: start it again, once.
-                self._schema_ok = False
-                db.close()
-                return self._call(fn, write, again=False)
-            raise self._error(exc) from None
-        finally:
-            db.close()
-
-    def _error(self, exc: sqlite3.Error) -> Exception:
-        code = getattr(exc, "sqlite_errorname", "") or ""
-        if code.startswith(_BUSY) or "locked" in str(exc):
-            return Transient(f"{self.db}: held by another process for more than {self.timeout_s:g} s ({exc})")
-        if code.startswith(_PASSING):
-            return Transient(f"{self.db}: {exc} ({code})")
-        self._schema_ok = False  # replaced or damaged since: look again at the next call
-        return LocalDatabaseError(f"{self.db}: cannot be used as the local scheduler's database: {exc}"
-                                  f"{' (' + code + ')' if code else ''}; check it is a readable file, or move it "
-                                  f"aside to start an empty one")
-
-    def _ensure(self, db: sqlite3.Connection, node: str) -> None:
-        db.execute("INSERT OR IGNORE INTO nodes (name, first_seen) VALUES (?, ?)", (node, self._clock()))
-
-    def _get(self, db: sqlite3.Connection, node: str) -> NodeView:
-        row = db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE name = ?", (node,)).fetchone()
-        if row is None:
-            raise Refused(f"{node}: not in the local scheduler ({self.db})")
-        return _view(row)
-
-    def _logged(self, action: str, node: str, change: Callable[[sqlite3.Connection], Any],
-                detail_of: Callable[[Any], dict[str, Any]] | None = None, **detail: Any) -> Any:
-        """Runs `change` (it returns whether it changed the scheduler's state, or (its value, whether)) in one
-        transaction with the actions log's line for it, then writes the line to the log (`_flush`): a crash between
-        the two leaves the line in the database, and the next call writes it. Returns what `change` returned."""
-
-        def step(db: sqlite3.Connection) -> tuple[Any, dict[str, Any]]:
-            out = change(db)
-            changed = out[1] if isinstance(out, tuple) else out
-            entry = {"action": action, "at": self._clock(), "node": node, "changed": bool(changed), **detail,
-                     **(detail_of(out) if detail_of is not None else {})}
-            db.execute("INSERT INTO actions_outbox (log, entry) VALUES (?, ?)",
-                       (self._log_key, json.dumps(entry, sort_keys=True)))
-            # Bounded while the log cannot be written: the oldest lines go first (ids are shared by every log).
-            db.execute("DELETE FROM actions_outbox WHERE log = ? AND id <= (SELECT max(id) FROM actions_outbox) - ?",
-                       (self._log_key, MAX_PENDING))
-            return out, entry
-
-        out, entry = self._write(step)
-        log.info("local scheduler", **entry)
-        self._flush()
-        return out
-
-    def _flush(self) -> None:
-        """Appends the lines the database holds for this log, in order, each with its id, and forgets them, in one
-        transaction: a line written whose row a crash kept is found by its id at the log's end and not written again.
-        A log that cannot be written keeps its lines in the database for the next call (MAX_PENDING at most)."""
-
-        def flush(db: sqlite3.Connection) -> None:
-            rows = db.execute("SELECT id, entry FROM actions_outbox WHERE log = ? ORDER BY id",
-                              (self._log_key,)).fetchall()
-            if not rows:
-                return
-            instance = db.execute("SELECT value FROM gpuwarden_local_scheduler WHERE key = 'instance'").fetchone()[0]
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._lock, open(self.path, "a+b") as f:
-                written, torn = _last_written(f, instance)
-                out = [b""] if not torn else [b"\n"]  # a line a crash cut short stays a line of its own (skipped)
-                for row_id, entry in rows:
-                    if row_id > written:
-                        out.append((json.dumps({**json.loads(entry), "id": f"{instance}:{row_id}"},
-                                               sort_keys=True) + "\n").encode())
-                f.write(b"".join(out))
-                f.flush()
-                os.fsync(f.fileno())  # on disk before its rows are forgotten
-            db.execute("DELETE FROM actions_outbox WHERE log = ? AND id <= ?", (self._log_key, rows[-1][0]))
-
-        try:
-            self._write(flush)
-        except (OSError, Transient, Refused) as exc:
-            # The scheduler's state is the database, and the change stands; its line waits there for the next call.
-            log.error("actions log not written; its lines are kept for the next call", path=str(self.path),
-                      error=str(exc))
-
-
-def _last_written(f: Any, instance: str) -> tuple[int, bool]:
-    """The highest row id of `instance` among the complete lines of the log's last TAIL_BYTES (0: none there), and
-    whether the log ends in a line a crash cut short. The rows not yet forgotten were written after every other line
-    of this database, so the last line with one of its ids is the last written."""
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
-    if size == 0:
-        return 0, False
-    start = max(0, size - TAIL_BYTES)
-    f.seek(start)
-    tail = f.read(size - start)
-    lines = tail.split(b"\n")
-    torn = lines.pop() != b""  # after the last newline: empty, or a line cut short
-    mark = f'"id": "{instance}:'.encode()
-    for line in reversed(lines[1:] if start > 0 else lines):  # the first may be the end of a longer line
-        if mark in line:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            ident = entry.get("id") if isinstance(entry, dict) else None
-            if isinstance(ident, str) and ident.startswith(f"{instance}:") and ident[len(instance) + 1:].isdigit():
-                return int(ident[len(instance) + 1:]), torn
-    return 0, torn
-
-
-def read_views(db: sqlite3.Connection, names: Sequence[str]) -> list[NodeView]:
-    """The views of the nodes `names` that a local scheduler database (`db`, a connection open on it) holds: a
-    reader that keeps its own connection (the fleet simulator reads after each call)."""
-    marks = ",".join("?" * len(names))
-    return [_view(r) for r in db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE name IN ({marks})", list(names))]
-
-
-def _view(row: tuple) -> NodeView:
-    name, hold, reason, since, ours, quarantined, domain, spare, jobs, down = row
-    if down:
-        service = Service.DOWN
-    elif hold == "none":
-        service = Service.IN_SERVICE
-    elif hold == "cordon" or jobs:
-        service = Service.CORDONED  # a drain with work left: no new work, the running work goes on
-    else:
-        service = Service.DRAINED
-    return NodeView(name, service, reason, since, bool(ours), bool(quarantined), domain, bool(spare), jobs)
 
 
 def _text(value: Any, what: str, limit: int) -> str:
