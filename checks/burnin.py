@@ -4,9 +4,10 @@ data corruption). Without PyTorch: DCGM's targeted_stress; without either the ch
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from statistics import median
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.per_gpu import read_each_gpu
@@ -58,7 +59,6 @@ def decide(runs: list[GpuGemm], floor: float | None, policy: Mapping[str, Any]) 
                      "the same GEMM gave a different result at the end of the run than at the start: the GPU "
                      "computes wrong (silent data corruption)") for r in runs if not r.result.stable]
     drop = float(policy["relative_drop"])
-    from statistics import median  # here: the daemon, which imports every check, has no other use for it
 
     medians = {key: median(r.result.tflops for r in members) for key, members in groups.items()}
     for r in runs:
@@ -175,4 +175,9 @@ CHECK = CheckSpec(
     timeout_s=300,
     level="full",
     resources=("gpu",),
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="burnin", order=100, level="full", look="CHECK",
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from gpuwarden.agent.core.check import Concern
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.core.per_gpu import read_each_gpu
@@ -208,4 +209,9 @@ SPEC = PassiveSpec(
     # past max_gap_s: a quiet GPU's window was never credited, and a later slowdown was judged against its own
     # minutes alone.)
     quiet_rejudge_s=15.0,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="clock_events", order=160, level=None, poll="SPEC", poll_order=2,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from gpuwarden.agent.core.check import Analyzer, CheckSpec
+from gpuwarden.agent.core.check import Analyzer, CheckSpec, Concern
 from gpuwarden.agent.core.errors import ConfigError, ParseError, SourceError, ToolError
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.checks.parse_dcgmi_diag import (
@@ -14,10 +14,9 @@ from gpuwarden.checks.parse_dcgmi_diag import (
     TestResult,
     diag_from_json,
     looks_like_dcgmi_diag_json,
-    looks_like_dcgmi_diag_text,
     parse_dcgmi_diag_json,
-    parse_dcgmi_diag_text,
 )
+from gpuwarden.checks.parse_dcgmi_diag_text import looks_like_dcgmi_diag_text, parse_dcgmi_diag_text
 
 CHECK_NAME = "dcgm_diag"
 
@@ -228,4 +227,9 @@ CHECK = CheckSpec(
     resources=("gpu",),
     analyzers=(Analyzer("dcgmi-diag-json", looks_like_dcgmi_diag_json, _analyze(parse_dcgmi_diag_json)),
                Analyzer("dcgmi-diag-text", looks_like_dcgmi_diag_text, _analyze(parse_dcgmi_diag_text))),
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="dcgm_diag", order=140, level="full", look="CHECK", analyze=("dcgmi-diag-json", "dcgmi-diag-text"),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import NvmlError
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.per_gpu import read_each_gpu
@@ -111,4 +111,9 @@ CHECK = CheckSpec(
         "banks_low_spares_warn": 0,  # banks allowed on their last spare row before warning
     },
     timeout_s=20,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="ecc", order=30, level="quick", look="CHECK", poll="ecc_watch.SPEC", poll_order=7,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import ParseError, SourceError, ToolError
 from gpuwarden.agent.core.model import Action, Finding, Status
 from gpuwarden.checks.dcgm_diag import (
@@ -103,4 +103,9 @@ CHECK = CheckSpec(
     timeout_s=600,
     level="full",
     resources=("gpu",),
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="ecc_memtest", order=150, level="full", look="CHECK",
 )

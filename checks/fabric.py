@@ -25,12 +25,13 @@ import weakref
 from collections import Counter
 from typing import Any, Mapping
 
+from gpuwarden.agent.core.check import Concern
 from gpuwarden.agent.core.errors import NotApplicable
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.core.per_gpu import read_each_gpu
 from gpuwarden.agent.core.records import dataclass
-from gpuwarden.agent.sources.nvml import ERROR_NAMES
+from gpuwarden.agent.sources.nvml.errors import ERROR_NAMES
 from gpuwarden.checks.fabric_manager import (
     MODES,
     FmReading,
@@ -225,4 +226,9 @@ SPEC = PassiveSpec(
     # same (the daemon counts the check quiet only while its record has no findings).
     quiet=lambda state: not state.get("not_ready_since") and state.get("fm_inactive_since") is None,
     quiet_rejudge_s=300.0,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="fabric", order=70, level="quick", look="SPEC", poll="SPEC", poll_order=6,
 )

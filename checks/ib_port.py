@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import NotApplicable, SourceError
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.records import dataclass
@@ -156,4 +156,10 @@ CHECK = CheckSpec(
     },
     list_types={"ignore_ports": str},
     timeout_s=10,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="ib_port", order=40, level="quick", look="CHECK", poll="ib_downtime.SPEC", poll_order=1,
+    doom=("ib-port-down",),
 )

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any, Mapping
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import NotApplicable, SourceError
 from gpuwarden.agent.core.job import GpuUse, JobOnNode, jobs_in
 from gpuwarden.agent.core.model import Finding
@@ -146,4 +146,9 @@ SPEC = PassiveSpec(
     # then NVML's process lists alone, with no judgement or commit (a job appearing is a different sample).
     quiet=lambda state: not state.get("jobs") and not state.get("unreadable"),
     quiet_rejudge_s=60.0,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="jobs", order=90, level="quick", look="CHECK", poll="SPEC", poll_order=9,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.core.check import Analyzer, CheckSpec
+from gpuwarden.agent.core.check import Analyzer, CheckSpec, Concern
 from gpuwarden.agent.core.errors import NotApplicable, ParseError
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.records import dataclass
@@ -183,4 +183,9 @@ CHECK = CheckSpec(
     level="full",
     resources=("gpu",),
     analyzers=(Analyzer("nccl-tests", detect, analyze),),
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="nccl_allreduce", order=120, level="full", look="CHECK", analyze=("nccl-tests",),
 )

@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
+from gpuwarden.agent.core.check import Concern
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
 from gpuwarden.agent.core.sweep_names import CHECK_NAME, FORMAT, valid_name
@@ -151,4 +152,9 @@ SPEC = PassiveSpec(
     # record has no findings): a node no sweep has judged, or one a sweep passed, is not judged every 30 s.
     quiet=lambda state: True,
     quiet_rejudge_s=300.0,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="nccl_sweep", order=180, level=None, poll="SPEC", poll_order=8,
 )

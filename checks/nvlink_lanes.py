@@ -39,6 +39,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Mapping
 
+from gpuwarden.agent.core.check import Concern
 from gpuwarden.agent.core.errors import ConfigError, NotApplicable
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
@@ -343,4 +344,9 @@ SPEC = PassiveSpec(
     timeout_s=10.0,
     quiet=quiet,
     quiet_rejudge_s=300.0,  # 8 GPUs x 18 links x 4 counters: judging is most of a tick's cost
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="nvlink_lanes", order=60, level="quick", look="SPEC", poll="SPEC", poll_order=4, doom=("nvlink-down",),
 )

@@ -11,29 +11,25 @@ does the same (NVIDIA/NVSentinel health-monitors/syslog-health-monitor/pkg/sxid)
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Iterable, Iterator, Mapping
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import ParseError
 from gpuwarden.agent.core.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, KernelConsumer, MetricSample, boot_batch
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.checks import unread_lines
+from gpuwarden.checks.line_patterns import load_patterns
 
 SXID_CHECK_NAME = "nvswitch_sxid"
 
-_PCI = r"([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])"
-# "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"; also the "Severity ..." and
-# "Data {...}" detail lines of an event, and SOE messages without severity or link.
 _MAX_LINE = 4096  # the driver's lines are a few hundred characters; a longer one is read cut
-_SXID = re.compile(r"(?:(nvidia-nvswitch\d{1,4}): )?SXid \(PCI:" + _PCI + r"\): (\d{1,6}),? ?(.*)")
-_SEVERITY = re.compile(r"(Fatal|Non-fatal),?\s*(?:Link (\d{1,4})(?!\d)\s*)?(.*)", re.IGNORECASE)
-# Fabric Manager log: "detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus id 00000000:86:00.0
-# physical id 3 port 61"
-_FM = re.compile(r"detected NVSwitch (fatal|non-fatal) error (\d{1,6})(?: on fid \d{1,6})? on NVSwitch pci bus id "
-                 + _PCI + r"(?: physical id (\d{1,4}))?(?: port (\d{1,4}))?", re.IGNORECASE)
+# "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up" and its detail lines; Fabric
+# Manager's "detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus id ...": the patterns, with their
+# sources, are data (checks/data/nvswitch_sxid.toml); {name: its groups} as read below.
+_PATTERNS = load_patterns("nvswitch_sxid", {"kernel": 7, "severity": 3, "fabricmanager": 8})
+_SXID, _SEVERITY, _FM = _PATTERNS["kernel"], _PATTERNS["severity"], _PATTERNS["fabricmanager"]
 
 
 @dataclass(frozen=True)
@@ -204,4 +200,10 @@ SXID_CONSUMER = KernelConsumer(
     list_types=CHECK.list_types,
     interest=("SXid", "NVSwitch"),  # SXid lines and their Severity/Data continuations; Fabric Manager's wording
     quiet=unread_lines.nothing_held,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="nvswitch_sxid", order=20, level="quick", look="CHECK", kernel="SXID_CONSUMER", kernel_order=3,
+    analyze=("kernel-log",), doom=("nvswitch-fatal",),
 )

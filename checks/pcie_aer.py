@@ -4,9 +4,9 @@ handed in by the daemon), named by the GPU or NIC at that BDF."""
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Iterable, Mapping
 
+from gpuwarden.agent.core.check import Concern
 from gpuwarden.agent.core.errors import NotApplicable, ParseError, SourceError
 from gpuwarden.agent.core.kernel_log import LogRecord
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
@@ -14,6 +14,7 @@ from gpuwarden.agent.core.passive import Judgement, KernelConsumer, MetricSample
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.sources.pci import driver_gpu_uuid, nvidia_pci_gpus
 from gpuwarden.agent.sources.sysfs import FileSetProbe
+from gpuwarden.checks.line_patterns import load_patterns
 
 CHECK_NAME = "pcie_aer"
 PCI = "/sys/bus/pci/devices"
@@ -127,18 +128,12 @@ class AerEvent:
     via: str = "root_port"  # root_port | device | ghes (firmware-first, APEI)
 
 
-_BDF = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
-_SEV = r"(Corrected|Correctable|Uncorrected \(Non-Fatal\)|Uncorrectable \(Non-Fatal\)|Uncorrected \(Fatal\)|" \
-       r"Uncorrectable \(Fatal\))"
-# aer.c aer_print_port_info/aer_print_source: "<drv> <port>: AER: [Multiple ]<sev> error received: <bdf>" (4.19+),
-# "... error received: id=<bus><devfn hex>" (older), "... error message received from <bdf>" (6.x).
-_PORT = re.compile(rf"({_BDF}): AER: (?:Multiple )?{_SEV} error (?:received: |message received from )"
-                   rf"(?:({_BDF})|id=([0-9a-f]{{4}}))")
-# aer_print_error / cper_print_aer: "<drv> <bdf>: [AER: ]PCIe Bus Error: severity=<sev>, type=<layer>, ..."
-_DEVICE = re.compile(rf"({_BDF}): (?:AER: )?PCIe Bus Error: severity={_SEV}")
-_GHES_SEV = re.compile(r"\[Hardware Error\]:\s+(?:event severity|Error \d+, type): (corrected|recoverable|fatal)\b")
-_GHES_SECTION = re.compile(r"\[Hardware Error\]:\s+section_type: (.*)")
-_GHES_DEVICE = re.compile(rf"\[Hardware Error\]:\s+device_id: ({_BDF})")
+# The root port's "error received" line, the device's "PCIe Bus Error" line and a firmware-first (GHES) record's
+# lines: the patterns, with the kernel functions that print them, are data (checks/data/pcie_aer.toml); {name: its
+# groups} as read below.
+_PATTERNS = load_patterns("pcie_aer", {"port": 4, "device": 2, "ghes_severity": 1, "ghes_section": 1, "ghes_device": 1})
+_PORT, _DEVICE = _PATTERNS["port"], _PATTERNS["device"]
+_GHES_SEV, _GHES_SECTION, _GHES_DEVICE = _PATTERNS["ghes_severity"], _PATTERNS["ghes_section"], _PATTERNS["ghes_device"]
 _CPER = {"corrected": "correctable", "recoverable": "nonfatal", "fatal": "fatal"}
 
 
@@ -373,3 +368,9 @@ def kernel_quiet(state: Mapping[str, Any]) -> bool:
 KERNEL_CONSUMER = KernelConsumer(name=CHECK_NAME, summary=SPEC.summary, judge=_judge_batch, defaults=SPEC.defaults,
                                  list_types=SPEC.list_types, quiet=kernel_quiet,
                                  interest=("AER", "PCIe Bus Error", "[Hardware Error]:"))
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="pcie_aer", order=80, level="quick", look="SPEC", poll="SPEC", poll_order=5, kernel="KERNEL_CONSUMER",
+    kernel_order=2,
+)

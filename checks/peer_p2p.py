@@ -18,7 +18,7 @@ from dataclasses import replace
 from itertools import permutations
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import (
     ConfigError,
     NotApplicable,
@@ -323,4 +323,9 @@ CHECK = CheckSpec(
     timeout_s=180,
     level="full",
     resources=("gpu",),
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="peer_p2p", order=110, level="full", look="CHECK",
 )

@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from gpuwarden.agent.core.check import Analyzer, CheckSpec
+from gpuwarden.agent.core.check import Analyzer, CheckSpec, Concern
 from gpuwarden.agent.core.errors import ConfigError, NotApplicable, ParseError, SourceError, ToolError, ToolMissing
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.sources.perftest import loopback_pair
 from gpuwarden.checks.ib_port import read_ports
 from gpuwarden.checks.parse_perftest import PerftestRun, last_error_line, parse_perftest
-from gpuwarden.checks.pcie_link import pci_path
+from gpuwarden.checks.pcie_tree import pci_path
 
 CHECK_NAME = "rdma_loopback"
 _SETUP_S = 30  # per port on top of duration_s: server start, device open, connection exchange, teardown
@@ -160,4 +160,9 @@ CHECK = CheckSpec(
     level="full",
     resources=("network",),
     analyzers=(Analyzer("perftest", lambda text: _DETECT.search(text) is not None, analyze),),
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="rdma_loopback", order=130, level="full", look="CHECK", analyze=("perftest",),
 )

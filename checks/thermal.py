@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any, Mapping
 
+from gpuwarden.agent.core.check import Concern
 from gpuwarden.agent.core.errors import NvmlError
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, MetricSample, PassiveSpec
@@ -241,4 +242,9 @@ SPEC = PassiveSpec(
     # temperatures are judged at once; the same ones again only every quiet_rejudge_s.
     quiet=lambda state: not any(g.get("runs") for g in state.get("gpus", {}).values()),
     quiet_rejudge_s=300.0,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="thermal", order=170, level=None, poll="SPEC", poll_order=3,
 )

@@ -13,22 +13,24 @@ form not read here is UNKNOWN with the line: an unknown format is never silence.
 De-duplication of the two daemon sources: an NVML event has no pid, process, text or time of its own, so single
 events cannot be paired. Each incident counts per source, and its count is the larger of the two: an XID seen by
 both counts once, one seen only by NVML (no /dev/kmsg in a container) or dropped by printk's rate limit still counts.
+
+What an incident shows (action, finding, samples) is checks/xid_findings.py's; the last judgements kept for reuse are
+checks/xid_reuse.py's.
 """
 from __future__ import annotations
 
 import heapq
 import json
-import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.check import CheckSpec, Concern
 from gpuwarden.agent.core.errors import ParseError, SourceError
 from gpuwarden.agent.core.kernel_log import LogRecord, parse_log_text
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import Judgement, KernelBatch, KernelConsumer, MetricSample, boot_batch
-from gpuwarden.agent.core.records import dataclass
 from gpuwarden.checks import unread_lines
 from gpuwarden.checks.xid_catalog import XidInfo, load_catalog, recovery_action
+from gpuwarden.checks.xid_findings import _SHOWN, CHECK_NAME, _same_entity, _shown
 from gpuwarden.checks.xid_log import (
     LoggedGpu,
     XidEvent,
@@ -38,12 +40,11 @@ from gpuwarden.checks.xid_log import (
     parse_gpu_preamble,
     parse_xid,
 )
+from gpuwarden.checks.xid_reuse import _LAST, _LAST_LOCK, _judge_touched, _keep, _Last
 
 __all__ = ["CHECK", "CONSUMER", "analyze_text", "collect", "decide", "judge", "judge_records",
            "parse_gpu_preamble", "parse_xid", "run"]
 
-CHECK_NAME = "xid"
-SOURCES = ("kmsg", "nvml")
 _MAX_EVIDENCE = 10
 _UNREAD = "xid-unreadable"
 
@@ -127,13 +128,6 @@ def _take(incidents: dict[str, dict[str, Any]], touched: set[str], latest: dict[
         if tag not in mig and len(mig) < _MAX_EVIDENCE:
             mig.append(tag)
 
-
-def _action(inc: Mapping[str, Any], xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
-            force: set[int]) -> Action:
-    xid, pci = int(inc["xid"]), inc["pci"]
-    others = bool(xids_on.get(pci, set()) - {45, xid})
-    # An NVML-only incident has no driver text: XID 154 then falls back to the catalogue's own action.
-    return xid_action(xid, catalog.get(xid), inc.get("last_detail", ""), xid == 45 and others, xid in force)
 
 
 def _recovered(incidents: dict[str, dict[str, Any]], pci: str, catalog: Mapping[int, XidInfo],
@@ -259,184 +253,6 @@ def judge(state: Mapping[str, Any], batch: KernelBatch, cfg: Mapping[str, Any], 
     return judgement
 
 
-@dataclass
-class _Last:
-    """The last judgement and what judging the next batch from its state reuses (see _judge_touched)."""
-
-    state: dict[str, Any]
-    judgement: Judgement
-    hold: bool
-    cfg: tuple[set[int], set[int], float]
-    nvml_error: str | None
-    gpus: list[Any]
-    entities: dict[str, Entity]  # by PCI address, as judged
-    xids_on: dict[str, set[int]]  # the XIDs each GPU's incidents hold
-    pos: dict[str, int]  # each incident's place in the findings (and in each run of samples)
-    held: dict[str, float]  # the incidents that stand for hold_s, by their last event
-    heap: list[tuple[float, str]]  # (last event, key) of `held`, the earliest first; an entry `held` moved on is stale
-    shown: dict[int, tuple[Any, ...]]
-
-
-# The last judgements' reuse, by the id of the state they made (each holds its state, so the id is not reused while
-# kept); taken by the judgement that uses it. A few: the daemon judges from the state it last got, and a retest or a
-# preflight judging from scratch in between must not cost it its reuse.
-_LAST: dict[int, _Last] = {}
-_LAST_KEPT = 4
-_LAST_LOCK = threading.Lock()
-
-
-def _keep(last: _Last) -> None:
-    with _LAST_LOCK:
-        _LAST[id(last.state)] = last
-        while len(_LAST) > _LAST_KEPT:
-            del _LAST[next(iter(_LAST))]  # the oldest
-
-
-def _judge_touched(last: _Last, incidents: dict[str, dict[str, Any]], touched: set[str], now: float,
-                   catalog: Mapping[int, XidInfo], force: set[int], hold_s: float) -> _Last | None:
-    """The judgement of a batch that only counted onto incidents the last judgement held (none begun or ended, the
-    GPUs, their names and the policy as they were): the last findings and samples with the touched incidents' own
-    replaced in place, so its cost is what the batch touched, not what the node holds. None when an incident's hold
-    has run out (the whole judgement then says which stand)."""
-    findings, metrics = list(last.judgement.findings), list(last.judgement.metrics)
-    n, width = len(last.pos), len(SOURCES)
-    shown, held, heap, hold = last.shown, last.held, last.heap, last.hold
-    before = last.state["incidents"]
-    for key in touched:
-        inc = incidents[key]
-        shown.pop(id(before[key]), None)
-        action, finding, events_sample, source_samples = _shown(inc, last.entities[inc["pci"]], last.xids_on, catalog,
-                                                                force, shown)
-        if hold and action < Action.REBOOT:
-            if now - inc["last_at"] > hold_s:
-                return None
-            held[key] = inc["last_at"]
-            heapq.heappush(heap, (inc["last_at"], key))
-        else:
-            held.pop(key, None)
-        i = last.pos[key]
-        findings[i] = finding
-        metrics[i] = events_sample[0]
-        metrics[n + width * i:n + width * (i + 1)] = source_samples
-    while heap and held.get(heap[0][1]) != heap[0][0]:
-        heapq.heappop(heap)  # stale: its incident moved on or stopped holding by time
-    if len(heap) > 2 * len(held) + 64:
-        heap[:] = [(at, key) for key, at in held.items()]
-        heapq.heapify(heap)
-    wake_at = None
-    if heap:
-        if now - heap[0][0] > hold_s:
-            return None  # the earliest incident's hold ran out
-        wake_at = heap[0][0] + hold_s
-    new_state = {**last.state, "incidents": incidents}
-    _SHOWN[0] = shown
-    last.state, last.judgement = new_state, Judgement(new_state, tuple(findings), tuple(metrics), wake_at=wake_at)
-    return last
-
-
-# An incident's action, finding and samples, by the incident object they were made from: an incident no batch touched
-# is the same object from batch to batch (see _incident), so a node holding many incidents rebuilds only what changed.
-# The mark holds what else they depend on, and a fingerprint of the incident's changing fields guards against a
-# caller that changed an incident in place. Only the last judgement's incidents are kept (its incidents are the next
-# one's): bounded by what a node holds, and a copy an XID replaced is let go.
-_SHOWN: list[dict[int, tuple[Any, ...]]] = [{}]
-# The entity of each GPU as the last judgement made it: an equal one is replaced by that same object, so comparing a
-# cached mark costs an identity test per incident rather than an Entity comparison. Bounded: cleared when it outgrows
-# what any node holds.
-_ENTITIES: dict[str, Entity] = {}
-
-
-def _same_entity(pci: str, entity: Entity) -> Entity:
-    held = _ENTITIES.get(pci)
-    if held is not None and held == entity:
-        return held
-    if len(_ENTITIES) >= 4096:
-        _ENTITIES.clear()
-    _ENTITIES[pci] = entity
-    return entity
-
-
-def _shown(inc: Mapping[str, Any], entity: Entity, xids_on: Mapping[str, set[int]], catalog: Mapping[int, XidInfo],
-           force: set[int], shown: dict[int, tuple[Any, ...]]
-           ) -> tuple[Action, Finding, tuple[MetricSample, ...], tuple[MetricSample, ...]]:
-    """The incident's action, finding, and samples (its gpuwarden_xid_events, then its per-source ones)."""
-    xid = inc["xid"]
-    # What the action depends on besides the incident: for XID 45 whether other XIDs share its GPU; the policy.
-    mark = (entity, xid == 45 and bool(xids_on[inc["pci"]] - {45}), xid in force, inc["count"], inc.get("last_at"))
-    hit = _SHOWN[0].get(id(inc))
-    if hit is not None and hit[0] is inc and hit[1] == mark:
-        shown[id(inc)] = hit
-        return hit[2]
-    action = _action(inc, xids_on, catalog, force)
-    samples = _metrics({"": inc})
-    made = (action, _finding(inc, entity, catalog.get(int(xid)), action, forced=mark[2]), samples[:1], samples[1:])
-    shown[id(inc)] = (inc, mark, made)  # holds the incident: its id is not reused while cached
-    return made
-
-
-def xid_action(xid: int, info: XidInfo | None, last_detail: str, accompanied_45: bool, forced: bool) -> Action:
-    """The recommended action for one GPU's XID: the catalogue's, with the rules the catalogue itself states,
-    raised to at least DRAIN when the operator's policy says so (fail_xids)."""
-    action = info.action if info else Action.MONITOR
-    if xid == 154:
-        # Each 154 reports a change of the GPU's recovery action; the latest one is what holds now.
-        named = recovery_action(last_detail)
-        action = named if named is not None else action
-    if forced:
-        return max(action, Action.DRAIN)
-    if accompanied_45:
-        return Action.NONE  # catalogue, XID 45: "Not Solo: IGNORE (follow guidance in other Xid)"
-    return action
-
-
-def xid_status(action: Action) -> Status:
-    return Status.FAIL if action >= Action.DRAIN else Status.WARN if action > Action.NONE else Status.OK
-
-
-def _seen(inc: Mapping[str, Any], source: str) -> int:
-    """How many events of an incident `source` saw (state from before NVML was a source: all the kernel log's)."""
-    return int(inc.get(f"{source}_count", inc["count"] if source == "kmsg" else 0))
-
-
-def _finding(inc: Mapping[str, Any], entity: Entity, info: XidInfo | None, action: Action, forced: bool) -> Finding:
-    xid = int(inc["xid"])
-    counts = {source: _seen(inc, source) for source in SOURCES}
-    what = f"XID {xid} ({info.description}) on {entity.label()}: {info.name}" if info else (
-        f"XID {xid} on {entity.label()}: not in NVIDIA's XID catalogue; watch for repeats")
-    detail = inc.get("last_detail", "")
-    detail = detail if len(detail) <= 120 else detail[:117] + "..."
-    last = f'last: "{detail}"' if counts["kmsg"] else "seen by NVML only (no driver text)"
-    mig = f" (MIG {', '.join(inc['mig'])})" if inc.get("mig") else ""
-    why = " (policy fail_xids)" if forced else ""
-    message = f"{what}{mig}; {inc['count']} event(s), {last}; recommended: {action.name}{why}"
-    evidence = {
-        "count": inc["count"], "sources": [s for s in SOURCES if counts[s]], "kmsg_count": counts["kmsg"],
-        "nvml_count": counts["nvml"], "source": inc.get("source"), "first_line": inc.get("first_line"),
-        "last_line": inc.get("last_line"), "first_seq": inc["first_seq"], "last_seq": inc.get("last_seq"),
-        # The log's own times (kernel clock or text stamp): the same in every mode and every run, unlike the wall
-        # clock the daemon's state keeps (first_at, last_at).
-        "first_time": inc.get("first_time"), "last_time": inc.get("last_time"),
-        "first_message": inc["first_message"], "bucket": info.bucket if info else None,
-        "pids": inc["pids"], "processes": inc["processes"], "mig_instances": inc.get("mig", []),
-    }
-    return Finding(CHECK_NAME, str(xid), entity, xid_status(action), message, action, evidence)
-
-
-def _metrics(kept: Mapping[str, Mapping[str, Any]]) -> tuple[MetricSample, ...]:
-    out = tuple(MetricSample("gpuwarden_xid_events", "XID events seen this boot, per GPU and XID code.",
-                             {"pci": inc["pci"], "xid": str(inc["xid"])}, float(inc["count"]))
-                for inc in kept.values())
-    return out + tuple(MetricSample("gpuwarden_xid_source_events",
-                                    "XID events each source saw this boot (gpuwarden_xid_events counts each once).",
-                                    {"pci": inc["pci"], "xid": str(inc["xid"]), "source": source},
-                                    float(_seen(inc, source)))
-                       for inc in kept.values() for source in SOURCES)
-
-
-def _when(record: LogRecord | None) -> str | int | None:
-    return None if record is None else record.timestamp if record.timestamp is not None else record.usec
-
-
 # -- the fresh-state modes: preflight and analyze -----------------------------------------------------------------
 def decide(events: Sequence[XidEvent], gpus: Sequence[Any], catalog: Mapping[int, XidInfo] | None,
            policy: Mapping[str, Any]) -> list[Finding]:
@@ -500,4 +316,10 @@ CONSUMER = KernelConsumer(
     # "Xid" rather than "NVRM: Xid": it holds nvswitch_sxid's "SXid" too, so one search finds the lines of both.
     interest=("Xid", "NVRM: GPU at "),
     quiet=unread_lines.nothing_held,
+)
+
+# The concern as a whole, read from this statement without importing the module (gpuwarden.checks).
+CONCERN = Concern(
+    name="xid", order=10, level="quick", look="CHECK", kernel="CONSUMER", kernel_order=1, analyze=("kernel-log",),
+    doom=("xid",),
 )

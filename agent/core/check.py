@@ -48,3 +48,32 @@ class CheckSpec:
     # Keys read from another concern's table, so an operator sets them once: {"ignore_ports": "ib_port"}.
     shared_keys: Mapping[str, str] = field(default_factory=dict)
 
+
+
+@dataclass(frozen=True)
+class Concern:
+    """One check as a whole: its name (its module checks/<name>.py and its one [checks.<name>] table), where it stands
+    in the report, and where each of its parts lives.
+
+    A concern module declares it as `CONCERN = Concern(key=literal, ...)`, a statement of its own that ends in a line
+    `)`: gpuwarden.checks reads that statement from the file without importing the module (a quick preflight imports
+    only the checks it runs). A part is named "ATTR" (in the concern's module) or "module.ATTR" (a submodule of
+    gpuwarden.checks holding that part); "" means the concern has no such part.
+    """
+
+    name: str
+    order: int  # place in the report, and in the order `gpuwarden analyze` asks the analyzers
+    level: str | None = None  # its preflight level: quick or full; None: the daemon's only
+    look: str = ""  # the preflight look: a CheckSpec, or a PassiveSpec judged in one look (agent/core/passive.py)
+    poll: str = ""  # the daemon's poll: a PassiveSpec
+    poll_order: int = 0  # the daemon's polls are listed (its start line, a job's evidence window) in this order
+    kernel: str = ""  # the consumer of the daemon's followed kernel log: a KernelConsumer
+    kernel_order: int = 0  # the kernel-log consumers get each batch in this order
+    # What `gpuwarden analyze` reads with it: the formats of its look's analyzers, and "kernel-log" where analyze
+    # reads a saved kernel log with its kernel-log consumer.
+    analyze: tuple[str, ...] = ()
+    doom: tuple[str, ...] = ()  # the rules of agent/jobs/doom_rules.toml that name this check (a job-doom rule)
+
+    def parts(self) -> dict[str, str]:
+        """{"look": "CHECK", "poll": "ecc_watch.SPEC", ...}: the parts it has, each where it lives."""
+        return {part: where for part in ("look", "poll", "kernel") if (where := getattr(self, part))}

@@ -5,7 +5,7 @@ threshold must never silently fall back to the default. So is a value out of ran
 loaded rather than when a check runs:
 - a number (seconds, threshold) is finite and >= 0; a timeout or the budget is at most a day, any other duration at
   most a year; an integer (a count, a size, a level) is >= 0 and at most 2**53; `_RANGES` lists the keys that differ
-  (-1 allowed, a fraction at most 1);
+  (-1 allowed, a fraction at most 1) (agent/core/config_values.py holds these bounds and checks each value);
 - a setting with a fixed set of values (a spec's `choices`, the agent's log format) is one of them;
 - strings and lists are bounded in length, and the file itself in size (a config is a few KB).
 A file that is not UTF-8, is nested too deeply or holds a number too long to read is rejected the same way.
@@ -13,15 +13,16 @@ A file that is not UTF-8, is nested too deeply or holds a number too long to rea
 from __future__ import annotations
 
 import copy
-import math
 import tomllib
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from gpuwarden.agent.core.check import CheckSpec
+from gpuwarden.agent.core.config_values import _CHOICES, MAX_FILE_BYTES, coerce
 from gpuwarden.agent.core.errors import ConfigError
 from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.sweep_policy import check_policy, parse_baselines  # 0.5 ms, imports nothing more
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
 
@@ -80,8 +81,6 @@ JOBS_DEFAULTS: dict[str, Any] = {
     "signal": "USR1",  # what `signal` sends to every process of the job (and `requeue` first, see signal_before_s)
     "signal_before_s": 0.0,  # requeue: signal first and requeue this long after, so the job can checkpoint (0: at once)
 }
-# The signals `[jobs] signal` may name (scancel --signal takes the name without SIG).
-SIGNAL_NAMES: tuple[str, ...] = ("USR1", "USR2", "TERM", "INT", "HUP", "QUIT", "CONT", "ALRM", "KILL")
 TOPOLOGY_DEFAULTS: dict[str, Any] = {
     "domain": "",  # this node's NVLink domain; "" = read it from NVML (GPU fabric clusterUuid.cliqueId)
 }
@@ -119,38 +118,6 @@ SWEEP_DEFAULTS: dict[str, Any] = {
 }
 _SECTIONS = ("agent", "remediation", "jobs", "topology", "sweep")
 _FREE_TABLES = {"remediation.local", "remediation.slurm", "remediation.kubernetes"}  # keys checked by their users
-_CHOICES: dict[str, tuple[Any, ...]] = {"agent.log_format": ("auto", "json", "console"),
-                                        "agent.log_level": ("debug", "info", "warning", "error"),
-                                        "agent.level": ("quick", "full"),
-                                        "remediation.mode": ("dry-run", "act"),
-                                        "remediation.adapter": ("local", "slurm", "kubernetes"),
-                                        "jobs.on_doomed": ("notify", "signal", "requeue", "cancel"),
-                                        "jobs.signal": SIGNAL_NAMES,
-                                        "sweep.launcher": ("auto", "srun", "mpirun"),
-                                        "sweep.link_action": ("drain", "monitor")}
-
-MAX_FILE_BYTES = 1 << 20
-MAX_STR = 4096  # characters in one string value
-MAX_LIST = 4096  # items in one list value
-INT_MAX = 2**53  # above any count, size or seed the checks use, and exact as a float
-FLOAT_MAX = 1e12  # above any threshold the checks use (GB/s, TFLOP/s, errors per minute, degrees)
-TIMEOUT_MAX_S = 86400.0  # a timeout or a budget: one day
-DURATION_MAX_S = 366 * 86400.0  # any other *_s key (windows, hold times): one year
-# Keys whose range is not the default of their type above: (lowest, highest), both inclusive.
-_RANGES: dict[str, tuple[float, float]] = {
-    "checks.rdma_loopback.roce_gid_index": (-1, 65535),  # -1 = perftest's own default GID (no -x)
-    "checks.burnin.relative_drop": (0.0, 1.0),
-    "checks.rdma_loopback.min_fraction": (0.0, 1.0),
-    "checks.clock_events.hw_fail_ratio": (0.0, 1.0),
-    "checks.clock_events.hw_warn_ratio": (0.0, 1.0),
-    "checks.clock_events.sw_thermal_warn_ratio": (0.0, 1.0),
-    "remediation.breaker.cluster_share": (0.0, 1.0),
-    "remediation.breaker.domain_share": (0.0, 1.0),
-    # (the [sweep] criteria's own ranges are agent/core/sweep_policy.py CRITERIA_RANGES, checked by apply())
-    "sweep.group_nodes": (2, 100_000),
-    "sweep.ranks_per_node": (1, 1024),
-    "sweep.max_tests": (0, 100_000),
-}
 
 
 @dataclass
@@ -309,10 +276,8 @@ def apply(cfg: Config, data: Mapping[str, Any], origin: str, check_names: set[st
             raise ConfigError(f"{origin}: unknown key '{key}' (top-level tables are [agent], [remediation], [jobs], "
                               "[topology], [sweep] and [checks.<name>])")
     # The criteria's keys, against their own ranges (and small below large). A [sweep] that sets nothing but empty
-    # tables (the packaged config's) leaves the defaults, which hold: the sweep's code is then not loaded.
+    # tables (the packaged config's) leaves the defaults, which hold: they are not checked again.
     if any(v != {} for v in data.get("sweep", {}).values()):
-        from gpuwarden.agent.core.sweep_policy import check_policy
-
         check_policy(cfg.sweep, f"{origin}: [sweep]")
     unknown_checks = [c for c in cfg.agent["checks"] if c not in check_names]
     if unknown_checks:
@@ -331,8 +296,6 @@ def _merge(cfg: Config, target: dict[str, Any], values: Mapping[str, Any], prefi
         full = f"{prefix}.{key}"
         if full == "sweep.baselines":  # a table of tables: the sweep's criteria check every entry
             if value != {}:
-                from gpuwarden.agent.core.sweep_policy import parse_baselines
-
                 parse_baselines(_table(value, full, origin), f"{origin}: [{full}]")
             target[key] = {k: dict(v) for k, v in value.items()}
             continue
@@ -365,67 +328,3 @@ def set_flag(cfg: Config, key: str, value: Any, flag: str) -> None:
     """A command-line value for agent.`key`, checked as the file's would be; the error names the flag."""
     cfg.agent[key] = coerce(f"agent.{key}", value, AGENT_DEFAULTS[key], "command line", choices=_CHOICES.get(
         f"agent.{key}"), name=flag)
-
-
-def bounds(key: str, default: Any) -> tuple[float, float]:
-    """The range a number under `key` must lie in (`default` gives its type)."""
-    if key in _RANGES:
-        return _RANGES[key]
-    short = key.rsplit(".", 1)[-1]
-    if short.endswith("_s"):
-        timeout = "timeout" in short or short == "budget_s" or isinstance(default, int)
-        return 0, TIMEOUT_MAX_S if timeout else DURATION_MAX_S
-    return (0, INT_MAX) if isinstance(default, int) else (0.0, FLOAT_MAX)
-
-
-def coerce(key: str, value: Any, default: Any, origin: str, item_type: type | None = None,
-           choices: tuple[Any, ...] | None = None, name: str | None = None) -> Any:
-    """Check `value` has the type of `default` (int is accepted where a float is expected), lies in the key's
-    range and, with `choices`, is one of them. `name`: how the error names the value (default: the key)."""
-    def bad(expected: str) -> ConfigError:
-        shown = repr(value) if not isinstance(value, (str, list)) or len(value) <= 80 else \
-            f"{type(value).__name__} of length {len(value)}"
-        return ConfigError(f"{origin}: '{name or key}' must be {expected}, got {shown}")
-
-    def in_range(number: int | float) -> None:
-        low, high = bounds(key, default)
-        if not math.isfinite(number) or not low <= number <= high:
-            raise bad(f"a number from {low:g} to {high:g}")
-
-    if choices is None:
-        choices = _CHOICES.get(key)
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise bad("true or false")
-    elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad("an integer")
-        if choices is None:
-            in_range(value)
-    elif isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
-        if isinstance(value, int) and abs(value) > INT_MAX:
-            raise bad(f"a number from {bounds(key, default)[0]:g} to {bounds(key, default)[1]:g}")
-        value = float(value)
-        in_range(value)
-    elif isinstance(default, str):
-        if not isinstance(value, str):
-            raise bad("a string")
-        if len(value) > MAX_STR:
-            raise bad(f"a string of at most {MAX_STR} characters")
-    elif isinstance(default, list):
-        if not isinstance(value, list):
-            raise bad("a list")
-        if len(value) > MAX_LIST:
-            raise bad(f"a list of at most {MAX_LIST} items")
-        kind = item_type or (type(default[0]) if default else None)
-        if kind is not None and any(not isinstance(v, kind) or isinstance(v, bool) != (kind is bool) for v in value):
-            raise bad(f"a list of {kind.__name__}")
-        if any(isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= INT_MAX for v in value):
-            raise bad(f"a list of integers from 0 to {INT_MAX}")
-        if any(isinstance(v, str) and len(v) > MAX_STR for v in value):
-            raise bad(f"a list of strings of at most {MAX_STR} characters")
-    if choices is not None and value not in choices:
-        raise bad("one of " + ", ".join(repr(c) if isinstance(c, str) and not c else str(c) for c in choices))
-    return value

@@ -1,6 +1,6 @@
 """The lines of a byte buffer that hold one of a few fixed texts, found at C speed: what the kernel-log readers (a
-saved file, agent/node/kernel_scan.py; the followed kernel log, agent/sources/kmsg.py) decode and parse, while every
-other line is skipped unread.
+saved file, agent/node/kernel_scan.py; the followed kernel log, agent/sources/kmsg_scan.py) decode and parse, while
+every other line is skipped unread.
 
 Each text is looked for by its rarest byte (``bytes.find`` of one byte is memchr), and the text checked where that
 byte is; texts that share their rarest byte at one offset are checked together. Where the byte turns out common

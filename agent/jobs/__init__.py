@@ -4,10 +4,13 @@ signal it, requeue or cancel it) through the scheduler adapter; and explaining a
 - `doom`: the doom rules (doom_rules.toml, data), pure: which findings end which job's collectives;
 - `guard`: the daemon's side (jobs known, rules applied at each observation, one intent per job and incident);
 - `respond`: the engine's side (carrying a job intent out through the adapter, reconciled against the scheduler);
-- explaining a failed job (`gpuwarden explain`): `joblog_lines` (what each line of a job's log means, pure) and
-  `joblog` (reading a log, bounded), `explain` (the reasoning, pure), `node_evidence` (one node's evidence over a
-  window, read from its endpoint or saved stores), `evidence_window` (what the daemon serves at /api/v1/findings),
-  `prometheus_evidence` (the same from Prometheus' series), `analyze_job_log` (`gpuwarden analyze` of a job log).
+- explaining a failed job (`gpuwarden explain`): `joblog_lines` (what each line of a job's log means, pure; its
+  patterns, each with its source, are data: data/joblog_patterns.toml, read by `joblog_patterns`) and `joblog`
+  (reading a log, bounded), `explain` (the verdict, pure) with `explain_steps` (its lines of reasoning) and
+  `explain_places` (where each rank ran), `node_evidence` (one node's evidence over a window, read from its
+  endpoint), `evidence_saved` (the same from saved stores and recordings), `evidence_window` (what the daemon serves
+  at /api/v1/findings), `prometheus_evidence` (the same from Prometheus' series: `prometheus_api` asks, and
+  `prometheus_series` turns the series into evidence), `analyze_job_log` (`gpuwarden analyze` of a job log).
 
 What a job on this node is (`JobOnNode`, `agent/core/job.py`) and NCCL's settings (`agent/core/nccl_env.py`) are in
 the core; finding the jobs on this node and judging their NCCL settings is the `jobs` check

@@ -13,6 +13,7 @@ Lines prefixed by launchers (`[rank3]:`, `[default3]:`, mpirun's `[1,3]<stdout>:
 `3: `, a collector's timestamp) read as bare ones; the prefix gives the line's rank where the line does not."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import stat
@@ -98,8 +99,6 @@ def read_job_file(f: BinaryIO, source: str, deadline_s: float = DEADLINE_S, max_
 
 def read_text(text: str, source: str = "<text>") -> JobLog:
     """The same reading of a log held in memory (tests, and `analyze` of a file already read)."""
-    import io
-
     return _read(io.BytesIO(text.encode()), source, time.monotonic() + DEADLINE_S, MAX_BYTES)
 
 

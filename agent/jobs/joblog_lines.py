@@ -1,6 +1,7 @@
 """What the lines of a distributed job's log mean: the forms PyTorch's ProcessGroupNCCL, NCCL, torchrun and
-srun/slurmstepd print (each form with an example file of ../fixtures/job_logs/ it was read from, and the versions
-that print it where known: see fixtures/job_logs/FACTS.md). Pure: a line in, its events out.
+srun/slurmstepd print (the forms, as patterns, with the example file of fixtures/job_logs/ each was read from, are data:
+agent/jobs/data/joblog_patterns.toml; the versions that print them where known: fixtures/job_logs/FACTS.md). Pure: a
+line in, its events out.
 
 `NEEDLES` are fixed texts of which every line of interest holds one: the reader decodes only those lines."""
 from __future__ import annotations
@@ -9,105 +10,66 @@ import re
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
-NEEDLES: tuple[bytes, ...] = (
-    # Each is searched for in a pass of its own over a buffer (a pass costs about as much as the next), so they are
-    # as few as cover the forms below; not "NCCL" alone, which NCCL_DEBUG=INFO puts on every line of a log
-    # (Channel/Ring/Trees lines, error chains): only the NCCL lines that say something. "rror" is in CUDA's,
-    # srun's, slurmstepd's and Python's errors.
-    b"NCCL WARN", b"ProcessGroupNCCL", b"NCCL work", b" busId ", b"Bootstrap : ", b"NET/IB : Using",
-    b"NCCL version", b"set by environment", b"NCCL operations", b"atchdog", b"Heartbeat monitor", b"dump signal",
-    b"rror", b"collective #", b"Rank  ", b"Root Cause", b"Failures:", b"      :", b"exitcode", b"traceback :",
-    b"Traceback", b"Xid", b"desync",
-)
+from gpuwarden.agent.jobs.joblog_patterns import load_patterns
 
-# ---- the launcher's prefix and NCCL's own ---------------------------------------------------------------------
-_RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")  # torchrun --tee / logs_specs: [rank3]:
-_LOCAL_PREFIX = re.compile(r"\[default(\d+)\]:")  # torchrun per-local-rank: [default3]:
-_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")  # mpirun --tag-output: [jobid,rank]<stdout>:
-_BRACKET_TAG = re.compile(r"^\[(\d+)\] ")  # mpirun rank tag ("[56] ") or a paste's line number ("[80746] ")
-_SRUN_LABEL = re.compile(r"^\s{0,4}(\d{1,6}): ")  # srun --label: "3: "
-# host:pid:tid [cudaDev] (file.cc:line )?NCCL INFO|WARN (NCCL_DEBUG's prefix; the host may be anonymised: <name>)
-_NCCL = re.compile(r"(?:^|(?<=[\s:>\]]))([^\s:\[\]]+):(\d+):(\d+) \[(\d+)\] (?:\S+:\d+ )?NCCL (INFO|WARN) ")
-_GLOG = re.compile(r"\[[EWIF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?")  # [E1002 18:16:40.662329700
-_ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T_](\d\d):(\d\d)(?::(\d\d))?")
+# The patterns, their forms and the sources they were learned from are data (data/joblog_patterns.toml), read
+# once here: module globals, so that a line costs what it cost with the patterns in the code.
+_DATA = load_patterns()
+NEEDLES: tuple[bytes, ...] = _DATA.needles
+HARDWARE_CUDA = _DATA.hardware_cuda  # (text in CUDA's message, part, what it means): the GPU itself failed
 
-# ---- PyTorch ProcessGroupNCCL ---------------------------------------------------------------------------------
-_PG = r"\[(?:PG (?:ID )?(?P<pg>\d+)(?: PG GUID (?P<guid>\d+))?(?:\s*\((?P<pgname>[^)]*)\))? )?Rank (?P<pgrank>\d+)\]"
-# [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, NumelIn=..,
-# NumelOut=.., Timeout(ms)=600000) ran for 600020 milliseconds before timing out.  (basicsr__737, ofa__271: no Numel)
-_WATCHDOG = re.compile(_PG + r" (?:Watchdog caught collective operation timeout|Work): WorkNCCL\(SeqNum=(?P<seq>\d+), "
-                       r"OpType=(?P<op>\w+)(?:, NumelIn=(?P<nin>-?\d+), NumelOut=(?P<nout>-?\d+))?"
-                       r".*?Timeout\(ms\)=(?P<timeout>\d+)\)(?: ran for (?P<ran>\d+) milliseconds)?")
-_BLOCKING = re.compile(_PG + r" Work WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+).*timed out in blocking wait")
-# [PG 1 Rank 0] Exception (either an error or timeout) detected by watchdog at work: 1580, last enqueued NCCL work:
-# 1582, last completed NCCL work: 1579.  /  [PG 0 Rank 1] Timeout at NCCL work: 5, last enqueued ..: 7, ..: 4.
-# [PG ID 1 PG GUID 1 Rank 1]  failure detected by watchdog at work sequence id: 1116 PG status: last enqueued work:
-# 1118, last completed work: 1115
-_PROGRESS = re.compile(_PG + r"\s+(?:Exception \(either an error or timeout\) detected by watchdog at work: |"
-                       r"Timeout at NCCL work: |failure detected by watchdog at work sequence id: )(?P<at>\d+)"
-                       r".*?last enqueued (?:NCCL )?work: (?P<enq>-?\d+), "
-                       r"last completed (?:NCCL )?work: (?P<done>-?\d+)")
-_STUCK = re.compile(_PG + r" ProcessGroupNCCL's watchdog got stuck for (?P<secs>\d+) seconds")
-_HEARTBEAT = re.compile(_PG + r" Heartbeat monitor timed out")
-_DUMP = re.compile(r"Received a dump signal due to a collective timeout from\s+rank (?P<rank>\d+)"
-                   r"(?:.*?last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+))?")
-_DESYNC_HEAD = re.compile(r"lagging/dead/mismatched ranks that caused the desync are")
-_DESYNC_RANK = re.compile(r"\[(?P<rank>\d+)\] (?P<what>(?:finished|joined|is running|completed)[^#]*collective "
-                          r"#(?P<n>\d+)[^\n]*)")
-_FAILED = re.compile(r"\[Rank (?P<pgrank>\d+)\] Some NCCL operations have failed or timed out")
+# ---- the launcher's prefix and NCCL's own ----------------------------------------------------------------------------
+_RANK_PREFIX = _DATA.get("rank_prefix")
+_LOCAL_PREFIX = _DATA.get("local_prefix")
+_MPI_TAG = _DATA.get("mpi_tag")
+_BRACKET_TAG = _DATA.get("bracket_tag")
+_SRUN_LABEL = _DATA.get("srun_label")
+_NCCL = _DATA.get("nccl_prefix")
+_GLOG = _DATA.get("glog_stamp")
+_ISO = _DATA.get("iso_stamp")
 
-# ---- NCCL -----------------------------------------------------------------------------------------------------
-# comm 0x12464df00 rank 6 nranks 8 cudaDev 2 busId b000 - Abort COMPLETE (uniworld__46); ncclCommInitRank comm 0x..
-# rank 3 nranks 4 cudaDev 3 nvmlDev 3 busId e1000 commId 0x.. - Init COMPLETE (FACTS.md)
-_COMM = re.compile(r"comm 0x[0-9a-fA-F]+ rank (?P<rank>\d+) nranks (?P<nranks>\d+) cudaDev (?P<dev>\d+)"
-                   r"(?: nvmlDev (?P<nvml>\d+))? busId (?P<bus>[0-9a-fA-F]+)(?:.*?- (?P<state>Init|Abort|Destroy))?")
-# nccl-tests: #  Rank  1 Group  0 Pid   4940 on ai-worker03 device  0 [0x61] NVIDIA L40 (nccl-tests__227)
-_TESTS_RANK = re.compile(r"#\s+Rank\s+(?P<rank>\d+) Group\s+\d+ Pid\s+(?P<pid>\d+) on (?P<host>\S+) device\s+"
-                         r"(?P<dev>\d+) \[(?P<bus>0x[0-9a-fA-F]+)\]")
-_BOOTSTRAP = re.compile(r"Bootstrap : Using (?P<list>.*)")
-_IFACE_IP = re.compile(r"(?:\[\d+\])?([\w.\-]+):([0-9a-fA-F.:]+?)<\d+>")
-_IB_USING = re.compile(r"NET/IB : Using (?P<list>.*?)(?:; OOB (?P<oob>\S+))?\s*$")
-_IB_PORT = re.compile(r"\[(\d+)\]([\w.\-]+):(\d+)/(\w+)")
-# NET/IB : Got completion from peer 172.17.127.143<49577> with error 12, opcode 1, len 0, vendor err 129 (nccl__733)
-# ... with status=12 opcode=129 len=65536 vendor err 129 (Recv) localGid .. remoteGids.. (nccl__1814)
-_IB_COMPLETION = re.compile(r"NET/IB\s*: Got completion from peer (?P<peer>[^\s<]+)<(?P<port>\d+)> with "
-                            r"(?:error |status=)(?P<status>\d+)[, ].*?vendor err (?P<vendor>\d+)")
-_IB_ASYNC = re.compile(r"NET/IB\s*: (?:IB )?Got async event\s*: (?P<event>[^\n]+)")
-_REFUSED = re.compile(r"Connect to (?P<peer>[^\s<]+)<(?P<port>\d+)> failed : (?P<why>[^\n]+)")
-_PEER_GONE = re.compile(r"(?:Call to (?:recv|send) from|Call to (?:recv|send) to|Connection closed by remote peer|"
-                        r"Connection reset by peer) ?(?P<peer>[^\s<]+)?<(?P<port>\d+)>(?: failed : (?P<why>[^\n]+))?")
-_CUDA_FAILURE = re.compile(r"Cuda failure '(?P<msg>[^']*)'")
-_NCCL_VERSION = re.compile(r"NCCL version (?P<version>\d+\.\d+\.\d+)")
-_NCCL_ENV = re.compile(r"(?P<var>NCCL_\w+) set by environment to (?P<value>[^\s.]+(?:\.\d+)?)")
+# ---- PyTorch ProcessGroupNCCL ----------------------------------------------------------------------------------------
+_WATCHDOG = _DATA.get("watchdog")
+_BLOCKING = _DATA.get("blocking_wait")
+_PROGRESS = _DATA.get("pg_progress")
+_STUCK = _DATA.get("watchdog_stuck")
+_HEARTBEAT = _DATA.get("heartbeat")
+_DUMP = _DATA.get("dump_signal")
+_DESYNC_HEAD = _DATA.get("desync_head")
+_DESYNC_RANK = _DATA.get("desync_rank")
+_FAILED = _DATA.get("nccl_failed")
 
-# ---- CUDA errors raised into the program ----------------------------------------------------------------------
-_CUDA_ERROR = re.compile(r"(?:CUDA error: |cudaError\w*: )(?P<msg>[^\n]+)")
-# What CUDA says when the GPU itself failed (a fatal XID, an ECC error, a GPU off the bus), as opposed to what a
-# program does wrong (an illegal address, out of memory, a device-side assert).
-HARDWARE_CUDA = (
-    ("uncorrectable ECC error", "gpu", "an uncorrectable ECC error: the GPU's memory failed"),
-    ("uncorrectable NVLink error", "nvlink", "an uncorrectable NVLink error"),
-    ("GPU is lost", "gpu", "the GPU is lost (fallen off the bus)"),
-    ("fallen off the bus", "gpu", "the GPU has fallen off the bus"),
-    ("unknown error", "gpu", "CUDA's 'unknown error': what a GPU that hit a fatal XID or fell off the bus answers"),
-    ("ECC error", "gpu", "an ECC error"),
-)
-_XID = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9a-fA-F:.]+)\): (?P<xid>\d+)")
+# ---- NCCL ------------------------------------------------------------------------------------------------------------
+_COMM = _DATA.get("comm")
+_TESTS_RANK = _DATA.get("tests_rank")
+_BOOTSTRAP = _DATA.get("bootstrap")
+_IFACE_IP = _DATA.get("iface_ip")
+_IB_USING = _DATA.get("ib_using")
+_IB_PORT = _DATA.get("ib_port")
+_IB_COMPLETION = _DATA.get("ib_completion")
+_IB_ASYNC = _DATA.get("ib_async")
+_REFUSED = _DATA.get("connect_refused")
+_PEER_GONE = _DATA.get("peer_gone")
+_CUDA_FAILURE = _DATA.get("cuda_failure")
+_NCCL_VERSION = _DATA.get("nccl_version")
+_NCCL_ENV = _DATA.get("nccl_env")
 
-# ---- torchrun / elastic ---------------------------------------------------------------------------------------
-_TR_FIELD = re.compile(r"^\s+(?P<key>time|host|rank|exitcode|traceback)\s*:\s*(?P<value>.*)$")
-_TR_RANK = re.compile(r"(?P<rank>-?\d+)(?: \(local_rank: (?P<local>\d+)\))?")
-_TR_EXIT = re.compile(r"(?P<code>-?\d+)(?: \(pid: (?P<pid>\d+)\))?")
-_SIGNAL = re.compile(r"Signal (?P<num>\d+) \((?P<name>SIG\w+)\)")
+# ---- CUDA errors raised into the program -----------------------------------------------------------------------------
+_CUDA_ERROR = _DATA.get("cuda_error")
+_XID = _DATA.get("xid")
 
-# ---- srun / slurmstepd ----------------------------------------------------------------------------------------
-# slurmstepd: error: *** STEP 1999616.0 ON r6i4n5 CANCELLED AT 2021-05-27T21:42:11 DUE TO TIME LIMIT ***
-_STEPD_CANCEL = re.compile(r"\*\*\* (?P<what>STEP|JOB) (?P<id>\S+) ON (?P<host>\S+) CANCELLED AT (?P<at>\S+)"
-                           r"(?: DUE TO (?P<why>[A-Z ]+?))?(?:,[^*]*)? \*\*\*")
-_STEPD_OOM = re.compile(r"Detected (?P<n>\d+) oom[_-]kill event")
-# srun: error: node12: task 3: Exited with exit code 1 / srun: error: node12: tasks 0-3: Killed
-_SRUN_TASK = re.compile(r"srun: error: (?P<host>[^\s:]+): tasks? (?P<tasks>[\d,\-]+): (?P<how>[^\n]+)")
-_SRUN_NODE_FAIL = re.compile(r"[Nn]ode failure on (?P<host>[^\s,]+)")
+# ---- torchrun / elastic ----------------------------------------------------------------------------------------------
+_TR_FIELD = _DATA.get("torchrun_field")
+_TR_RANK = _DATA.get("torchrun_rank")
+_TR_EXIT = _DATA.get("torchrun_exit")
+_SIGNAL = _DATA.get("signal")
+
+# ---- srun / slurmstepd -----------------------------------------------------------------------------------------------
+_STEPD_CANCEL = _DATA.get("stepd_cancel")
+_STEPD_OOM = _DATA.get("stepd_oom")
+_SRUN_TASK = _DATA.get("srun_task")
+_SRUN_NODE_FAIL = _DATA.get("srun_node_failure")
+_SRUN_EXIT_CODE = _DATA.get("srun_exit_code")
 
 
 class BlockState:
@@ -396,7 +358,7 @@ def _slurm(text: str, ctx: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
     m = _SRUN_TASK.search(text)
     if m:
         how = m.group("how").strip()
-        code = re.search(r"[Ee]xit(?:ed with exit)? code (\d+)", how)
+        code = _SRUN_EXIT_CODE.search(how)
         yield "srun_task", {"host": m.group("host"), "tasks": m.group("tasks"), "how": how,
                             "exit_code": int(code.group(1)) if code else None,
                             "killed": how.startswith(("Killed", "Terminated"))}, ctx

@@ -22,39 +22,21 @@ A server that cannot be reached or answers anything but its JSON API makes every
 and a node that Prometheus holds nothing of in the window is unreachable too: silence there is not health."""
 from __future__ import annotations
 
-import base64
 import ipaddress
-import json
 import math
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlsplit
 
-from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.jobs.node_evidence import NodeEvidence
+from gpuwarden.agent.jobs.prometheus_api import PrometheusError, _Api, _duration
+from gpuwarden.agent.jobs.prometheus_series import Rows, Target, _utc, _value, node_evidence
 
 MAX_POINTS = 11_000  # Prometheus refuses a range query of more points per series (its web API's own limit)
 MIN_STEP_S = 1.0  # finer than any scrape interval in use; a shorter window still costs at most this many points
 BATCH = 32  # nodes per query: a job's thousand nodes are a few dozen queries, each answer bounded
 NO_SERIES = "no gpuwarden series for this node in the window"
 HISTORY_S = 7 * 86400.0  # how far back the target of a node without series in the window is looked for
-_STATUS_NAMES = {"ok": "OK", "warn": "WARN", "fail": "FAIL", "unknown": "UNKNOWN", "skipped": "SKIPPED"}
-
-
-class PrometheusError(Exception):
-    """Prometheus could not be asked, or its answer was not its JSON API's: the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """One scrape target of gpuwarden as Prometheus labels it."""
-
-    job: str
-    instance: str
-    node: str | None  # gpuwarden_node_info's `node` (the scheduler's name); None where only other series were seen
 
 
 def query_prometheus(url: str, hosts: Sequence[str], since: float, until: float, *, timeout_s: float = 10.0,
@@ -163,7 +145,7 @@ def _split(host: str) -> tuple[str, str | None]:
     return host, None
 
 
-def _targets(api: "_Api", since: float, until: float, step: float) -> list[Target]:
+def _targets(api: _Api, since: float, until: float, step: float) -> list[Target]:
     """Every gpuwarden target with a sample in the window: its node_info (whose `node` names it), else its
     build_info (an agent whose node_info Prometheus does not have)."""
     w = _range(since, until, step)
@@ -182,7 +164,7 @@ def _targets(api: "_Api", since: float, until: float, step: float) -> list[Targe
     return out
 
 
-def _why_missing(api: "_Api", hosts: Sequence[str], jobs: set[str], since: float, until: float,
+def _why_missing(api: _Api, hosts: Sequence[str], jobs: set[str], since: float, until: float,
                  step: float) -> dict[str, str]:
     """Why Prometheus has no gpuwarden series of these hosts in the window: a target of theirs it could not scrape
     then (up == 0 throughout), their agent's target it knows from around the window (the week before), or the job
@@ -221,23 +203,7 @@ def _why_missing(api: "_Api", hosts: Sequence[str], jobs: set[str], since: float
 
 
 # -- the queries -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Rows:
-    """What Prometheus answered for one batch of targets, each row {metric: labels, value | values}."""
-
-    findings: tuple[Mapping[str, Any], ...]  # edge first | last | now: the raw time of the first / last sample
-    gpus: tuple[Mapping[str, Any], ...]  # gpuwarden_gpu_info: index <-> UUID
-    events: tuple[Mapping[str, Any], ...]  # the most XID / SXid events this boot in the window
-    before: tuple[Mapping[str, Any], ...]  # the state just before the window, value: since when
-    rises: tuple[Mapping[str, Any], ...]  # range: a state newly 1 at a point, value: since when
-    after: tuple[Mapping[str, Any], ...]  # the state at the window's end
-    down: tuple[Mapping[str, Any], ...]  # edge first | last | now: the points whose scrape failed
-    blind: tuple[Mapping[str, Any], ...]  # the same for each check whose status was unknown
-    jobs: tuple[Mapping[str, Any], ...]  # range: job actions counted at a point, value: how many
-    held: tuple[Mapping[str, Any], ...] = ()  # the jobs seen on the node in the window (gpuwarden_job_gpus)
-
-
-def _ask(api: "_Api", targets: Sequence[Target], since: float, until: float, step: float) -> Rows:
+def _ask(api: _Api, targets: Sequence[Target], since: float, until: float, step: float) -> Rows:
     sel = _selector(targets)
     w, s = _range(since, until, step), _duration(step)
     keys = {(t.job, t.instance) for t in targets}
@@ -306,212 +272,9 @@ def _string(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _duration(seconds: float) -> str:
-    return f"{max(1, round(seconds * 1000))}ms"
-
-
 def _range(since: float, until: float, step: float) -> str:
     """A subquery's range over the window, at the step: at most MAX_POINTS points per series, one at least."""
     return f"{_duration(max(until - since, step))}:{_duration(step)}"
-
-
-# -- series to evidence --------------------------------------------------------------------------------------------
-def node_evidence(host: str, source: str, url: str, targets: Sequence[Target], rows: Rows, since: float,
-                  until: float, step: float) -> NodeEvidence:
-    """One host's evidence from its targets' rows (pure)."""
-    keys = {(t.job, t.instance) for t in targets}
-
-    def of(rs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        return [r for r in rs if (r["metric"].get("job", ""), r["metric"].get("instance", "")) in keys]
-
-    return NodeEvidence(host, source, True, None,
-                        findings=tuple(_findings(of(rows.findings), of(rows.gpus), of(rows.events), url, step)),
-                        transitions=tuple(_transitions(of(rows.before), of(rows.rises), since, until)),
-                        jobs=tuple(_jobs(of(rows.jobs), of(rows.held), step)),
-                        state=_state(of(rows.after), of(rows.before), of(rows.rises)),
-                        unknown=tuple(_unknown(of(rows.down), of(rows.blind), step)))
-
-
-_FINDING_LABELS = ("check", "code", "entity_kind", "entity", "pci", "status", "action")
-
-
-def _findings(rows: list[Mapping[str, Any]], gpus: list[Mapping[str, Any]], events: list[Mapping[str, Any]],
-              url: str, step: float) -> list[dict[str, Any]]:
-    index = {}
-    for r in gpus:
-        m = r["metric"]
-        if m.get("uuid") and str(m.get("gpu", "")).isdigit():
-            index[m["uuid"]] = int(m["gpu"])
-    counts = {}
-    for r in events:
-        m = r["metric"]
-        code = m["xid"] if "xid" in m else f"sxid-{m['sxid']}" if "sxid" in m else None
-        if code is not None and m.get("pci"):
-            key = (code, m["pci"])
-            n = _value(r)
-            if math.isfinite(n):
-                counts[key] = max(counts.get(key, 0), int(n))
-    spans: dict[tuple[str, ...], dict[str, Any]] = {}
-    for r in rows:
-        m = r["metric"]
-        key = tuple(m.get(k, "") for k in _FINDING_LABELS)  # the same finding through two scrape jobs is one
-        span = spans.setdefault(key, {"first": math.inf, "last": -math.inf, "targets": set()})
-        t = _value(r)
-        edge = m.get("edge")
-        if edge in ("first", "now"):
-            span["first"] = min(span["first"], t)
-        if edge in ("last", "now"):
-            span["last"] = max(span["last"], t)
-        span["targets"].add((m.get("job", ""), m.get("instance", "")))
-    out = []
-    for key, span in spans.items():
-        check, code, kind, ident, pci, status, action = key
-        first = span["first"] if math.isfinite(span["first"]) else None
-        last = span["last"] if math.isfinite(span["last"]) else first
-        entity = _entity(kind, ident, pci or None, index)
-        shown = ",".join(f'{k}="{v}"' for k, v in zip(_FINDING_LABELS, key, strict=True) if v)
-        series = f"gpuwarden_finding{{{shown}}}"
-        evidence: dict[str, Any] = {"series": series, "prometheus": url, "message": "not exported (the agent's own: "
-                                    "gpuwarden status on the node)",
-                                    "targets": [f"job={j} instance={i}" for j, i in sorted(span["targets"])],
-                                    "resolution_s": step}
-        count = counts.get((code, pci)) if pci else None
-        if count is not None:
-            evidence["events_this_boot"] = count
-        out.append({"check": check, "code": code, "status": _STATUS_NAMES.get(status, status.upper()),
-                    "action": action or "NONE", "message": _message(check, code, entity, count, first, last),
-                    "entity": entity, "evidence": evidence, "first_at": first, "last_at": last,
-                    "recorded_at": last})
-    out.sort(key=lambda f: (f["first_at"] if f["first_at"] is not None else math.inf, f["check"], f["code"]))
-    return out
-
-
-def _entity(kind: str, ident: str, pci: str | None, index: Mapping[str, int]) -> dict[str, Any]:
-    link = None
-    uuid = ident
-    if kind == "nvlink" and "/link" in ident:  # checks/nvlink_lanes.py: "<GPU UUID>/link<n>"
-        uuid, _, number = ident.rpartition("/link")
-        link = int(number) if number.isdigit() else None
-    return {"kind": kind or "node", "id": ident, "index": index.get(uuid) if kind in ("gpu", "nvlink") else None,
-            "pci": pci, "link": link}
-
-
-def _message(check: str, code: str, entity: Mapping[str, Any], count: int | None, first: float | None,
-             last: float | None) -> str:
-    what = f"XID {code}" if check == "xid" else f"SXid {code.removeprefix('sxid-')}" if check == "nvswitch_sxid" \
-        else code
-    where = {"gpu": "GPU", "nvlink": "NVLink", "ib_port": "IB port", "nvswitch": "NVSwitch"}.get(
-        entity["kind"], entity["kind"])
-    if entity["kind"] == "nvlink" and entity.get("link") is not None:
-        gpu = entity["index"] if entity.get("index") is not None else entity["id"].rpartition("/link")[0]
-        name = f"GPU {gpu} NVLink {entity['link']}"
-    elif entity["kind"] == "gpu" and entity.get("index") is not None:
-        name = f"GPU {entity['index']}"
-    else:
-        name = f"{where} {entity['id']}"
-    if entity.get("pci") and entity["pci"] != entity["id"]:
-        name += f" ({entity['pci']})"
-    events = f", {count} event{'s' if count != 1 else ''} this boot" if count is not None else ""
-    held = f"in Prometheus from {_utc(first)} to {_utc(last)}" if first is not None else "in Prometheus"
-    return f"{what} on {name}{events}; {held}"
-
-
-def _transitions(before: list[Mapping[str, Any]], rises: list[Mapping[str, Any]], since: float,
-                 until: float) -> list[dict[str, Any]]:
-    """The changes of the node's state in the window, in time order; the state just before the window is where the
-    first one comes from."""
-    points: list[tuple[float, str, float]] = []  # (point time, state entered, since when)
-    for r in rises:
-        for t, v in r.get("values", ()):
-            points.append((_number(t), r["metric"].get("state", ""), _number(v)))
-    points.sort()
-    prev = before[0]["metric"].get("state") if before else None
-    out = []
-    for _, to, at in points:
-        if to == prev:
-            continue  # the series came back after a gap in scrapes (an agent restart): not a change
-        if since <= at <= until:
-            out.append({"at": at, "from": prev, "to": to, "reason": "gpuwarden_node_state (the agent's reason is "
-                        "not exported: gpuwarden status on the node)", "actions": []})
-        prev = to
-    return out
-
-
-def _state(after: list[Mapping[str, Any]], before: list[Mapping[str, Any]],
-           rises: list[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The node's state at the window's end (or its last one in the window, where its scrapes stopped before)."""
-    if after:
-        r = after[0]
-        return {"state": r["metric"].get("state", ""), "since": _value(r), "reason": ""}
-    last = max(((_number(t), r["metric"].get("state", ""), _number(v)) for r in rises for t, v in r.get("values", ())),
-               default=None)
-    if last is not None:
-        return {"state": last[1], "since": last[2], "reason": ""}
-    if before:
-        return {"state": before[0]["metric"].get("state", ""), "since": _value(before[0]), "reason": ""}
-    return None
-
-
-def _unknown(down: list[Mapping[str, Any]], blind: list[Mapping[str, Any]], step: float) -> list[dict[str, Any]]:
-    out = []
-    for (job, instance, _), edge in _edges(down, ()).items():
-        out.append({"check": "scrape", "error": f"Prometheus could not scrape the agent ({instance}, job {job}) "
-                    f"from {_utc(edge['first'])} to {_utc(edge['last'])} (up == 0, to within {step:g} s): nothing was "
-                    "seen of the node then",
-                    "recorded_at": edge["last"]})
-    for (_, _, check), edge in _edges(blind, ("check",)).items():
-        out.append({"check": check, "error": f"could not look from {_utc(edge['first'])} to {_utc(edge['last'])} "
-                    "(gpuwarden_check_status unknown; the reason is on the node: gpuwarden status)",
-                    "recorded_at": edge["last"]})
-    return out
-
-
-def _edges(rows: list[Mapping[str, Any]], by: tuple[str, ...]) -> dict[tuple[str, str, str], dict[str, float]]:
-    """first / last of each (job, instance, labels `by`), the instant at the window's end ("now") taken in."""
-    out: dict[tuple[str, str, str], dict[str, float]] = {}
-    for r in rows:
-        m = r["metric"]
-        key = (m.get("job", ""), m.get("instance", ""), "/".join(m.get(k, "") for k in by))
-        e, v, edge = out.setdefault(key, {}), _value(r), m.get("edge", "")
-        if edge in ("first", "now"):
-            e["first"] = min(e.get("first", v), v)
-        if edge in ("last", "now"):
-            e["last"] = max(e.get("last", v), v)
-    return {k: v for k, v in out.items() if "first" in v and "last" in v}
-
-
-def _jobs(rows: list[Mapping[str, Any]], held: list[Mapping[str, Any]], step: float) -> list[dict[str, Any]]:
-    """The job actions the agent counted in the window (gpuwarden_job_actions_total, by action and doom rule).
-    Which job each was on is not exported: `jobs_on_node` lists the jobs the agent saw on the node in the window."""
-    on_node = sorted({r["metric"]["exported_job"] for r in held if r["metric"].get("exported_job")})
-    out = []
-    for r in rows:
-        m = r["metric"]
-        for t, v in r.get("values", ()):
-            at = _number(t)
-            out.append({"key": None, "action": "job", "created": at, "done": at, "outcome": None,
-                        "detail": {"action": m.get("action", ""), "rule": m.get("reason", ""), "count": _number(v),
-                                   "jobs_on_node": on_node, "series": "gpuwarden_job_actions_total",
-                                   "resolution_s": step}})
-    out.sort(key=lambda j: j["created"])
-    return out
-
-
-def _value(r: Mapping[str, Any]) -> float:
-    return _number(r["value"][1])
-
-
-def _number(text: Any) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        raise PrometheusError(f"a sample value {str(text)[:40]!r} is not a number") from None
-
-
-def _utc(t: float | None) -> str:
-    from gpuwarden.agent.core.render import iso_utc
-
-    return (iso_utc(t) or f"{t:.0f}") if t is not None else "?"
 
 
 def _source(url: str, targets: Sequence[Target]) -> str:
@@ -536,164 +299,3 @@ def _url_problem(url: str) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"{url!r} is not an http:// or https:// URL of a Prometheus server"
     return None
-
-
-# -- the HTTP API ----------------------------------------------------------------------------------------------------
-class _Api:
-    """Prometheus' HTTP API (/api/v1/query, /api/v1/query_range), POSTed (a thousand nodes' selector is long). All
-    the queries of one call share `timeout_s`, from the first connect to the last byte."""
-
-    def __init__(self, url: str, auth: tuple[str, str] | None, ca_file: Path | None, timeout_s: float,
-                 max_bytes: int):
-        parts = urlsplit(url)
-        self.url, self.https = url.rstrip("/"), parts.scheme == "https"
-        self.host, self.port = parts.hostname or "", parts.port or (443 if self.https else 80)
-        self.prefix = parts.path.rstrip("/")  # a Prometheus behind a path (--web.route-prefix, a proxy)
-        self.auth, self.ca_file, self.timeout_s, self.max_bytes = auth, ca_file, timeout_s, max_bytes
-        self.deadline = time.monotonic() + timeout_s
-
-    def instant(self, expr: str, at: float) -> list[Mapping[str, Any]]:
-        return self._result(self._post("/api/v1/query", {"query": expr, "time": _stamp(at)}), "vector")
-
-    def range(self, expr: str, start: float, end: float, step: float) -> list[Mapping[str, Any]]:
-        return self._result(self._post("/api/v1/query_range", {"query": expr, "start": _stamp(start),
-                                                               "end": _stamp(end), "step": _duration(step)}),
-                            "matrix")
-
-    def series(self, match: str, start: float, end: float) -> list[Mapping[str, str]]:
-        doc = self._post("/api/v1/series", {"match[]": match, "start": _stamp(start), "end": _stamp(end)})
-        data = doc.get("data")
-        if not isinstance(data, list) or not all(_labels(m) for m in data):
-            raise PrometheusError("the answer is not a list of series of Prometheus' series API")
-        return data
-
-    def _result(self, doc: Any, kind: str) -> list[Mapping[str, Any]]:
-        data = doc.get("data") if isinstance(doc, dict) else None
-        result = data.get("result") if isinstance(data, dict) else None
-        if not isinstance(data, dict) or data.get("resultType") != kind or not isinstance(result, list):
-            raise PrometheusError(f"the answer is not a {kind} of Prometheus' query API")
-        field = "values" if kind == "matrix" else "value"
-        for r in result:
-            if not (isinstance(r, dict) and _labels(r.get("metric")) and isinstance(r.get(field), list)):
-                raise PrometheusError(f"a result of the {kind} is not a series with its {field}")
-            samples = [r["value"]] if kind == "vector" else r["values"]
-            if not all(isinstance(p, list) and len(p) == 2 for p in samples):
-                raise PrometheusError(f"a sample of the {kind} is not [time, value]")
-        return result
-
-    def _post(self, path: str, form: Mapping[str, str]) -> Any:
-        import http.client
-        import ssl
-
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise PrometheusError(f"no complete answer within {self.timeout_s:g} s")
-        form = {**form, "timeout": _duration(left)}  # Prometheus stops evaluating when the caller stops waiting
-        body = urlencode(form).encode()
-        if self.https:
-            try:
-                ctx = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
-            except (OSError, ssl.SSLError) as exc:
-                raise PrometheusError(f"cannot read the CA file {self.ca_file}: {exc}") from None
-            conn: Any = http.client.HTTPSConnection(self.host, self.port, timeout=left, context=ctx)
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=left)
-        headers = {"Content-Type": "application/x-www-form-urlencoded", "Accept": "application/json",
-                   "User-Agent": "gpuwarden-explain"}
-        if self.auth is not None:
-            headers["Authorization"] = "Basic " + base64.b64encode(f"{self.auth[0]}:{self.auth[1]}".encode()).decode()
-        cut = _Cutoff(conn, left)
-        where = f"{self.prefix}{path}"
-        try:
-            conn.request("POST", where, body=body, headers=headers)
-            resp = conn.getresponse()
-            length = resp.getheader("Content-Length")
-            if length and length.isdigit() and int(length) > self.max_bytes:
-                raise PrometheusError(f"an answer of {int(length)} bytes, over the {self.max_bytes} bytes allowed "
-                                      "(a shorter window, or fewer nodes)")
-            data = resp.read(self.max_bytes + 1)
-        except ssl.SSLError as exc:
-            raise PrometheusError(f"TLS failed: {exc.reason or exc}") from None
-        except (OSError, http.client.HTTPException) as exc:
-            if cut.fired:
-                raise PrometheusError(f"no complete answer within {self.timeout_s:g} s") from None
-            raise PrometheusError(_why(exc, self.timeout_s)) from None
-        finally:
-            cut.cancel()
-            conn.close()
-        if cut.fired:
-            raise PrometheusError(f"no complete answer within {self.timeout_s:g} s")
-        if len(data) > self.max_bytes:
-            raise PrometheusError(f"an answer over the {self.max_bytes} bytes allowed (a shorter window, or fewer "
-                                  "nodes)")
-        return _answer(resp.status, resp.reason, data, where, self.auth)
-
-
-def _labels(m: Any) -> bool:
-    """Whether `m` is a label set as Prometheus writes one: names and values strings."""
-    return isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in m.items())
-
-
-def _answer(code: int, reason: str, data: bytes, path: str, auth: tuple[str, str] | None) -> Any:
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        doc = None
-    if isinstance(doc, dict) and doc.get("status") == "error":
-        # Prometheus' own refusal (bad_data, timeout, execution): its words, which name the problem.
-        raise PrometheusError(f"HTTP {code}: the query was refused ({doc.get('errorType', '?')}): "
-                              f"{str(doc.get('error', ''))[:300]}")
-    if code == 401:
-        raise PrometheusError("HTTP 401: the user and password were refused" if auth else
-                              "HTTP 401: it asks for a user and password (basic auth)")
-    if code == 404:
-        raise PrometheusError(f"HTTP 404: no {path} there (is this Prometheus' address, with its route prefix?)")
-    if code != 200:
-        text = data[:200].decode("utf-8", "replace").strip().splitlines()
-        raise PrometheusError(f"HTTP {code} {reason}" + (f": {text[0]}" if text else ""))
-    if not isinstance(doc, dict) or doc.get("status") != "success":
-        text = data[:80].decode("utf-8", "replace").strip().splitlines()
-        raise PrometheusError(f"the answer to {path} is not Prometheus' JSON API"
-                              + (f" (it begins {text[0]!r})" if text else " (it is empty)"))
-    return doc
-
-
-def _stamp(t: float) -> str:
-    return f"{t:.3f}"
-
-
-class _Cutoff:
-    """Cuts a connection off `timeout_s` after it was made, whatever it waits in (the connect, a trickled head, the
-    body): a socket timeout bounds each wait, not the whole answer."""
-
-    def __init__(self, conn: Any, timeout_s: float):
-        self.conn, self.fired = conn, False
-        self._timer = threading.Timer(timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = getattr(self.conn, "sock", None)
-        if sock is not None:
-            try:
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's: a TLS one's state is its own
-            except OSError:
-                pass
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-
-def _why(exc: BaseException, timeout_s: float) -> str:
-    if isinstance(exc, (TimeoutError, socket.timeout)):
-        return f"no answer within {timeout_s:g} s"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (nothing listens there: Prometheus' address and port?)"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the name: {exc.strerror or exc}"
-    if isinstance(exc, ConnectionResetError):
-        return "connection reset before a complete answer (an https server asked in plain http?)"
-    if isinstance(exc, OSError):
-        return exc.strerror or f"{type(exc).__name__}: {exc}"
-    return f"not an HTTP answer: {type(exc).__name__}: {exc}"

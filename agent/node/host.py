@@ -12,10 +12,13 @@ from gpuwarden.agent.core.config import read_toml
 from gpuwarden.agent.core.errors import ConfigError, NvmlError, SourceError
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.core.sku import KNOWN_SKUS, sku_from_gpu_name
-from gpuwarden.agent.sources import confine
+from gpuwarden.agent.sources import confine, ib_events
 from gpuwarden.agent.sources.dcgm import Dcgm
-from gpuwarden.agent.sources.kmsg import DEV_KMSG, Cursor, KernelLog, KmsgFollower
-from gpuwarden.agent.sources.nvml import Gpu, Nvml, XidEvents
+from gpuwarden.agent.sources.kmsg import DEV_KMSG, KernelLog, KmsgFollower
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
+from gpuwarden.agent.sources.nvml import Nvml
+from gpuwarden.agent.sources.nvml.events import XidEvents
+from gpuwarden.agent.sources.nvml.gpu import Gpu
 from gpuwarden.agent.sources.pci import driver_gpu_uuid, nvidia_pci_gpus
 from gpuwarden.agent.sources.sysfs import Sysfs
 from gpuwarden.agent.sources.tools import ToolRunner
@@ -151,8 +154,6 @@ class Node:
         """What says when the IB ports' state may have changed (agent/sources/ib_events.py): live, the RDMA
         `devices`' asynchronous events; on a recorded node, its `port_dirs` (kernel paths) watched for writes.
         Raises SourceError, saying why, where neither can be had (the ports are then looked at every second)."""
-        from gpuwarden.agent.sources import ib_events
-
         if self.root is not None:
             return ib_events.WatchedFolders(self.sysfs.watch(port_dirs))
         return ib_events.open_port_events(devices)

@@ -19,9 +19,14 @@ from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import ConfigError, GpuwardenError, NvmlError, SourceError
 from gpuwarden.agent.node.host import Node
 from gpuwarden.agent.node.record_tools import capture_always, capture_full, tools_recorded
-from gpuwarden.agent.sources.nvml import SNAPSHOT_FORMAT, XidEvents, load_snapshot
+from gpuwarden.agent.sources.nvml.events import XidEvents
+from gpuwarden.agent.sources.nvml.snapshot import SNAPSHOT_FORMAT, load_snapshot
 from gpuwarden.agent.sources.procs import COMM_LEN
 from gpuwarden.agent.sources.sysfs import Sysfs
+from gpuwarden.checks import all_specs
+from gpuwarden.checks import job_discovery as discover
+from gpuwarden.checks.fabric_manager import FM_PROCESS
+from gpuwarden.checks.pcie_tree import pci_path
 
 log = logs.get_logger("gpuwarden.record")
 PARTIAL = ".partial"  # suffix of the hidden folder a recording is written into before it is renamed into place
@@ -52,8 +57,6 @@ def record(node: Node, out: Path, cfg: Any = None, with_tools: bool = False,
         raise ConfigError(f"{out}: is the scenario being re-recorded; write to another folder")
     _check_out(out)
     if cfg is None:
-        from gpuwarden.checks import all_specs
-
         cfg = config_mod.defaults(all_specs())
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,8 +167,6 @@ def _xid_event_support(node: Node, snapshot: dict[str, Any]) -> None:
 def _copy_processes(src: Sysfs, dst: Sysfs) -> list[str]:
     """The process table as far as `fabric` reads it (docs/scenario-format.md, proc/<pid>): PID 1 and 2 (kthreadd
     marks the host's table) and every process whose comm is Fabric Manager's, with its cmdline."""
-    from gpuwarden.checks.fabric_manager import FM_PROCESS  # checks import agent: import at use
-
     fm_comms = (FM_PROCESS, FM_PROCESS[:COMM_LEN])
     problems: list[str] = []
     try:
@@ -199,8 +200,6 @@ def _copy_jobs(node: Node, out: Path) -> list[str]:
     cgroup and stat, the environment's variables the job response reads (nothing else: an environment holds tokens),
     the lines of maps that map NCCL or PyTorch, the files that say their versions (a library only as the bytes around
     its banner, in place), and `scontrol pidinfo`'s answers (as every tool's: agent/node/record_tools.py)."""
-    from gpuwarden.checks import job_discovery as discover
-
     tape = discover.Tape()
     try:
         with tools_recorded(node, out / "tools") as files:
@@ -240,8 +239,6 @@ def _copy_pci(src: Sysfs, dst: Sysfs) -> list[str]:
     and linked the same way; a flat scenario stays flat. The folder is written even when nothing in it is ours: a
     listing that found none is not a listing that could not be made (pcie_link's pcie-sysfs-missing, fabric's "PCI
     device list could not be read")."""
-    from gpuwarden.checks.pcie_link import pci_path  # checks import agent: import at use
-
     problems: list[str] = []
     if not src.exists(PCI_DEVICES):
         return problems  # absent live too: the replay says so the same way

@@ -20,10 +20,12 @@ from typing import Any, Iterator, Sequence
 
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import NvmlError, SourceError, ToolError, ToolMissing
+from gpuwarden.agent.node.runner import run_checks
 from gpuwarden.agent.sources import confine
 from gpuwarden.agent.sources.dcgm import Dcgm
 from gpuwarden.agent.sources.gemm import Gemm, GemmResult
 from gpuwarden.agent.sources.tools import ToolOutput, ToolRunner, ToolTimeout
+from gpuwarden.checks import fabric_manager, pcie_link
 
 log = logs.get_logger("gpuwarden.record")
 TOOL_SUFFIXES = (".out", ".rc", ".hang")
@@ -168,8 +170,6 @@ def tools_recorded(node: Any, folder: Path) -> Iterator[RecordedFiles]:
 
 def capture_always(node: Any, out: Path, cfg: Any) -> list[str]:
     """tools/nvidia-smi-topo-m.* and tools/systemctl-fabricmanager.*, as pcie_link and fabric run them."""
-    from gpuwarden.checks import fabric_manager, pcie_link
-
     files = RecordedFiles(out / "tools")
     tools = RecordingTools(node.tools, files)
     for name, argv, timeout_s in (
@@ -189,7 +189,7 @@ def capture_full(node: Any, out: Path, cfg: Any, budget_s: float | None = None, 
     """Run every full-level check once, recording its tools; returns the problems met. A check not started within
     `budget_s` records nothing (its tools replay as not installed); one cut short records its running tool as hung.
     `gemm`: the burn-in source (default: the node's)."""
-    from gpuwarden.agent.node.runner import run_checks
+    # at use: the full checks' modules, +20 ms (-X importtime) to every recording made without the full checks
     from gpuwarden.checks import ALL, burnin, peer_p2p
 
     files = RecordedFiles(out / "tools")

@@ -78,7 +78,7 @@ def _import_torch() -> Any:
     with warnings.catch_warnings():
         # A torch wheel without numpy warns "Failed to initialize NumPy" at import; nothing here needs numpy.
         warnings.filterwarnings("ignore", message=".*NumPy.*")
-        import torch
+        import torch  # optional dependency: the burnin extra; without it burnin and the peer copies are SKIPPED
     return torch
 
 
@@ -126,7 +126,7 @@ def _sync(torch: Any, *devs: Any) -> None:
 
 def _checksum(tensor: Any) -> str:
     """sha256 of the tensor's bytes, on the CPU (no numpy needed: the bytes are read at the data pointer)."""
-    import hashlib
+    import hashlib  # at use: +4 ms (python -X importtime) to a full check that takes no checksum (no torch)
 
     host = tensor.detach().to("cpu").contiguous()
     return hashlib.sha256(ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())).hexdigest()
@@ -282,6 +282,8 @@ class Gemm:
         unique = list(dict.fromkeys(devices))
         try:
             if parallel and len(unique) > 1:
+                # at use: concurrent.futures (and logging under it) is +10 ms (python -X importtime) to every
+                # command that loads this module; only a parallel run over several GPUs needs it
                 from concurrent.futures import ThreadPoolExecutor
 
                 with ThreadPoolExecutor(max_workers=len(unique), thread_name_prefix="gemm") as pool:

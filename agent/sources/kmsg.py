@@ -3,35 +3,27 @@
 The cursor (last sequence number + boot_id) is what the daemon persists so a restart neither misses
 nor repeats a record; `KmsgFollower` honours it. A record's identity is (boot_id, seq): where a saved cursor
 disagrees with the records the store says were counted, those win (`resume_cursor`), and a cursor ahead of the
-kernel's newest record of its boot is taken back to it once the log has been read (`KmsgFollower.ahead`).
+kernel's newest record of its boot is taken back to it once the log has been read (`KmsgFollower.ahead`). The cursor
+is kmsg_cursor.py's; the scan of the bytes a follower reads, kmsg_scan.py's.
 """
 from __future__ import annotations
 
 import copy
 import errno
 import os
-import re
 import select
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import ParseError, SourceError
-from gpuwarden.agent.core.kernel_log import (
-    KMSG_ROW,
-    KmsgBatch,
-    LogRecord,
-    kmsg_line,
-    kmsg_record,
-    parse_kmsg_filtered,
-    parse_kmsg_text,
-)
-from gpuwarden.agent.core.line_search import ProbeMemory, lines_holding, probes_for
-from gpuwarden.agent.core.records import dataclass
+from gpuwarden.agent.core.kernel_log import KmsgBatch, LogRecord, parse_kmsg_filtered, parse_kmsg_text
+from gpuwarden.agent.core.line_search import ProbeMemory
 from gpuwarden.agent.sources import confine
 from gpuwarden.agent.sources.inotify import FolderWaiter
+from gpuwarden.agent.sources.kmsg_cursor import Cursor
+from gpuwarden.agent.sources.kmsg_scan import MAX_LINE, Interest, KmsgScan, first_seq, numbered_from, unnumbered
 
 DEV_KMSG = "/dev/kmsg"
 _MAX_LOGGED_PARSE_ERRORS = 10  # a corrupt log must not flood the agent's own log
@@ -44,60 +36,7 @@ _POLL_BYTES = 16 << 20  # read per poll at most; the rest is `more` (memory stay
 # judged in batches of about this many, so the daemon's memory stays flat under it (a 16 MiB poll of XID lines would
 # be ~200k records, ~100 MB, and the allocator keeps much of that once freed).
 _POLL_RECORDS = 1024
-_MAX_LINE = 1 << 16  # a "line" this long without a newline is not a kmsg record: reported and skipped
 log = logs.get_logger("gpuwarden.kmsg")
-
-
-@dataclass(frozen=True)
-class Cursor:
-    boot_id: str | None
-    seq: int
-
-
-def resume_cursor(saved: object, counted: "tuple[str | None, int] | None", boot_id: str | None) -> Cursor | None:
-    """Where the follower of boot `boot_id` resumes at a start: after the records counted (`counted`, the store's
-    (boot_id, seq) up to which every record was handed to the consumers, written with their counts), whatever the
-    saved cursor (`saved`, meta kmsg_cursor) says: a cursor edited or rolled back would lose or repeat records.
-    Only where nothing was counted is the saved cursor used (a store that has no such row). None: the boot's log
-    from its start (nothing saved, or another boot's)."""
-    cursor = _as_cursor(saved)
-    if saved is not None and cursor is None:
-        log.warning("kernel-log cursor in the state store is not a cursor; ignored", cursor=repr(saved)[:200])
-    if counted is not None:
-        known = Cursor(*counted)
-        if cursor is not None and cursor != known:
-            log.warning("kernel-log cursor disagrees with the records counted; resuming after the records counted "
-                        "(a record is counted once, by boot id and seq)", cursor_boot_id=cursor.boot_id,
-                        cursor_seq=cursor.seq, counted_boot_id=known.boot_id, counted_seq=known.seq)
-        return known if known.boot_id == boot_id else None
-    return cursor if cursor is not None and cursor.boot_id == boot_id else None
-
-
-def _as_cursor(saved: object) -> Cursor | None:
-    if not isinstance(saved, dict) or set(saved) != {"boot_id", "seq"}:
-        return None
-    boot_id, seq = saved["boot_id"], saved["seq"]
-    if (boot_id is not None and not isinstance(boot_id, str)) or type(seq) is not int:
-        return None
-    return Cursor(boot_id, seq)
-
-
-class Interest:
-    """What the kernel-log consumers read: a message is kept when it holds one of `needles`. Callable on a message
-    (the record-by-record filter); the follower searches the raw bytes it reads for the needles instead, so that only
-    the lines holding one (and malformed lines, which are reported) are decoded and parsed."""
-
-    def __init__(self, needles: "tuple[str, ...] | list[str]"):
-        self.needles = tuple(dict.fromkeys(needles))
-        # One compiled alternation: measured ~3x faster per message than any() over the substrings.
-        self._search = re.compile("|".join(re.escape(n) for n in self.needles)).search
-        # An ASCII needle is found in the bytes exactly where it is in the decoded text (a byte below 0x80 is never
-        # part of a UTF-8 sequence, nor swallowed by a replacement); a needle that is not ASCII turns the byte scan off.
-        self.raw = tuple(n.encode() for n in self.needles) if all(n.isascii() and n for n in self.needles) else None
-        self.probes = probes_for(self.raw) if self.raw is not None else None  # how the follower finds them
-
-    def __call__(self, message: str) -> object:
-        return self._search(message)
 
 
 class KernelLog:
@@ -141,7 +80,7 @@ class KernelLog:
         with no record at all is a SourceError (a booted kernel always has something to say)."""
         records, errors = parse_kmsg_text(self.raw_text(), self.name)
         if self.live:
-            records, errors = _unnumbered(records, errors)
+            records, errors = unnumbered(records, errors)
         self.parse_errors = errors
         if self.after_seq is not None:
             # Records keep their sequence numbers; a record without one (not from /dev/kmsg) cannot be placed and
@@ -225,11 +164,11 @@ class KmsgFollower:
                 last = records[-1].seq if records else None
             else:
                 records, errors, last = parse_kmsg_filtered(text, self.log.name, self.keep)
-            first = _first_seq(text, last) if last is not None else None
+            first = first_seq(text, last) if last is not None else None
             if self.log.live:
-                records, errors = _unnumbered(records, errors)
+                records, errors = unnumbered(records, errors)
             else:
-                records, errors = _numbered_from(self._file_lines, records, errors)
+                records, errors = numbered_from(self._file_lines, records, errors)
                 self._file_lines += text.count("\n")
         if errors:
             self.malformed += len(errors)
@@ -274,7 +213,7 @@ class KmsgFollower:
         data = self._read_live_bytes()
         if not data:
             return None
-        scan = _Scan(self.log.name, self.keep, self._probe_memory, numbered=False)
+        scan = KmsgScan(self.log.name, self.keep, self._probe_memory, numbered=False)
         scan.feed(data, len(data))
         return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
@@ -311,7 +250,7 @@ class KmsgFollower:
             fd = confine.open_file(self.log.path, self.log.inside)
         except OSError as exc:
             raise SourceError(f"{self.log.path}: cannot read kernel log: {exc.strerror or exc}") from None
-        scan = _Scan(self.log.name, self.keep, self._probe_memory, lines=self._file_lines)
+        scan = KmsgScan(self.log.name, self.keep, self._probe_memory, lines=self._file_lines)
         try:
             budget = _POLL_BYTES
             while budget > 0 and len(scan.records) < _POLL_RECORDS:
@@ -332,7 +271,7 @@ class KmsgFollower:
             return None
         return KmsgBatch(scan.records, scan.errors, scan.last), scan.first
 
-    def _piece(self, scan: "_Scan", data: bytes) -> None:
+    def _piece(self, scan: "KmsgScan", data: bytes) -> None:
         if self._skipping:  # the rest of an over-long line
             nl = data.find(b"\n")
             if nl < 0:
@@ -343,122 +282,9 @@ class KmsgFollower:
         if cut:
             scan.feed(data, cut)
         self._pending = data[cut:]
-        if len(self._pending) > _MAX_LINE:
+        if len(self._pending) > MAX_LINE:
             scan.too_long(self._pending)
             self._pending, self._skipping = b"", True
-
-
-# The header KMSG_ROW takes as a record, after a newline that starts a line it would not take (and that is neither
-# blank nor a " KEY=value" continuation): the lines the exact per-line test must see. A literal first byte: the
-# search runs at C speed over a piece and, on a well-formed log, finds nothing.
-_HEADER = rb"[0-9]{1,10}+,[0-9]{1,20}+,[0-9]{1,20}+,[\x00-\t\x0b-:<-\x7f]{0,30}+;"
-_ODD_AFTER_NL = re.compile(rb"\n(?!" + _HEADER + rb"| |\n)")
-_HEADER_AT = re.compile(_HEADER)
-
-
-class _Scan:
-    """The kmsg records of complete lines, piece after piece, building only those a consumer reads: the lines that
-    hold one of the interest's needles, found with bytes.find, and the lines whose header is not the usual shape
-    (malformed, or well-formed past the fast pattern's bounds), found with one search; only those lines are decoded
-    and parsed, each exactly as parse_kmsg_filtered parses it. Line numbers go on from `lines` (the file's lines
-    before these); `numbered` False (live /dev/kmsg, no file): records and errors carry no line."""
-
-    def __init__(self, source: str, keep: Interest, memory: ProbeMemory | None = None, lines: int = 0,
-                 numbered: bool = True):
-        self.source, self.keep, self.probes, self.memory = source, keep, keep.probes or (), memory
-        self.numbered = numbered
-        self.records: list[LogRecord] = []
-        self.errors: list[ParseError] = []
-        self.last: int | None = None
-        self.first: int | None = None
-        self.lines = lines
-
-    def feed(self, buf: bytes, end: int) -> None:
-        """The complete lines buf[:end] (end just after a newline)."""
-        if buf.find(b"\r", 0, end) >= 0:  # as parse_kmsg_filtered: CRLF line ends read as LF
-            buf = buf[:end].replace(b"\r\n", b"\n")
-            end = len(buf)
-        if self.first is None:
-            self.first = _seq_of(buf)
-        starts = {line for line, _ in lines_holding(buf, 0, end, self.probes, self.memory)}
-        find = buf.find
-        if not _HEADER_AT.match(buf, 0, end) and buf[:1] not in (b" ", b"\n"):
-            starts.add(0)
-        starts.update(m.start() + 1 for m in _ODD_AFTER_NL.finditer(buf, 0, end - 1))
-        lines, prev = self.lines, 0
-        for start in sorted(starts):
-            lines += buf.count(b"\n", prev, start)
-            prev = start
-            record = self._line(buf[start:find(b"\n", start, end)], lines + 1 if self.numbered else None)
-            if record is not None and self.keep(record.message):
-                self.records.append(record)
-        self.lines = lines + buf.count(b"\n", prev, end)
-        self._last_seq(buf, end)
-
-    def _line(self, raw: bytes, lineno: int | None) -> LogRecord | None:
-        """The record of one line (decoded as the whole text would be); a malformed one is kept in `errors`."""
-        prio, seq, usec, message = KMSG_ROW.match(raw.decode(errors="replace")).groups(default="")
-        if prio:
-            return kmsg_record(message, lineno, self.source, prio, seq, usec)
-        if not message or message[0] == " ":
-            return None  # blank, or a record's " KEY=value" continuation
-        one = kmsg_line(message, self.source, lineno)
-        if type(one) is ParseError:
-            self.errors.append(one)
-            return None
-        return one
-
-    def _last_seq(self, buf: bytes, end: int) -> None:
-        """The seq of the last well-formed record of the piece (walking back over blank, continuation and malformed
-        lines), kept or not: the follower's cursor moves past every record read."""
-        stop = end - 1  # the newline ending the last line
-        while stop >= 0:
-            start = buf.rfind(b"\n", 0, stop) + 1
-            prio, seq, _usec, message = KMSG_ROW.match(buf[start:stop].decode(errors="replace")).groups(default="")
-            if prio:
-                self.last = int(seq)
-                return
-            if message and message[0] != " ":
-                one = kmsg_line(message, self.source, 0)
-                if type(one) is not ParseError:
-                    self.last = one.seq
-                    return
-            stop = start - 1
-
-    def too_long(self, head: bytes) -> None:
-        self.lines += 1
-        self.errors.append(ParseError(f"a line of more than {_MAX_LINE} bytes without a newline is not a kmsg "
-                                      f"record; skipped: {head[:60].decode(errors='replace')!r}...",
-                                      self.source, self.lines if self.numbered else None))
-
-
-def _unnumbered(records: list[LogRecord], errors: list[ParseError]) -> tuple[list[LogRecord], list[ParseError]]:
-    """Live /dev/kmsg's records and errors with no line: a count of what one read returned is no file's line."""
-    return ([replace(r, line=None) for r in records],
-            [ParseError(e.what, e.source, None) for e in errors])
-
-
-def _numbered_from(before: int, records: list[LogRecord],
-                   errors: list[ParseError]) -> tuple[list[LogRecord], list[ParseError]]:
-    """Records and errors of a text that starts after the file's first `before` lines, numbered as the file's."""
-    if not before:
-        return records, errors
-    return ([replace(r, line=r.line + before) if r.line is not None else r for r in records],
-            [ParseError(e.what, e.source, e.line + before if e.line is not None else None) for e in errors])
-
-
-def _seq_of(buf: bytes) -> int | None:
-    try:
-        return int(buf[:buf.find(b"\n")].split(b",", 2)[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def _first_seq(text: str, default: int) -> int:
-    try:
-        return int(text.split(",", 2)[1])
-    except (IndexError, ValueError):
-        return default
 
 
 def _open_kmsg(path: Path) -> int:

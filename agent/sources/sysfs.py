@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import SourceError
 from gpuwarden.agent.sources import confine
-
-if TYPE_CHECKING:
-    from gpuwarden.agent.sources.inotify import DirWatch
+from gpuwarden.agent.sources.inotify import DirWatch, open_watch
 
 log = logs.get_logger("gpuwarden.sysfs")
 
@@ -93,8 +91,6 @@ class Sysfs:
         """An inotify watch on these folders (under a recorded root, confined to it): readable when a file in one
         of them is written. Live sysfs attributes raise no such event; this is for a recorded node's files, which
         a test or a replay writes. SourceError where no watch can be had."""
-        from gpuwarden.agent.sources.inotify import open_watch
-
         if not kernel_dirs:
             raise SourceError("no folder to watch")
         try:

@@ -2,6 +2,7 @@
 sd_notify(3)). READY=1 once the daemon runs, STATUS= for `systemctl status`, WATCHDOG=1 within WatchdogSec."""
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 
@@ -39,8 +40,6 @@ def name_this_thread(name: str) -> None:
     so an operator (and bench/daemon.py's per-thread breakdown) could not tell the agent's threads apart.
     The kernel keeps 15 bytes. Best effort: nothing happens where prctl is not there."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):

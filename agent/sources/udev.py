@@ -45,6 +45,8 @@ class UdevMonitor:
 
     def __init__(self, subsystems: tuple[str, ...] = SUBSYSTEMS):
         try:
+            # optional dependency: pyudev (or the libudev under it) may be missing on a node, and then the polls
+            # alone serve (SourceError below); +4.5 ms (python -X importtime) to a preflight, which never monitors
             import pyudev
 
             self._monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")

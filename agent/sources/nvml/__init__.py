@@ -4,11 +4,12 @@
 `RecordedNvml` (a scenario's nvml.json served through the same pynvml function names and return
 types). Every failure of a library call (pynvml.NVMLError, a ctypes.ArgumentError, anything else the bindings
 raise) becomes an `NvmlError` naming the call and the GPU: no error type of ctypes or pynvml leaves this package.
-`Nvml.xid_events()` subscribes to NVML's XID events (events.py).
+The translation is errors.py; `Gpu` (gpu.py) is a GPU as NVML enumerates it. `Nvml.xid_events()` subscribes to
+NVML's XID events (events.py); the reads of a GPU's links are links.py's; nvml.json is read by snapshot.py.
 
 Counters a poll reads (NVLink state and error counters, ECC counts and remapped rows) come from one
-nvmlDeviceGetFieldValues call per GPU (`field_values`), not one library call per counter: a field that fails on its
-own inside the call is that counter's error, the others still count.
+nvmlDeviceGetFieldValues call per GPU (`field_values`, decoded by fields.py), not one library call per counter: a
+field that fails on its own inside the call is that counter's error, the others still count.
 
 Works with every nvidia-ml-py from 12.550.52 (the first with nvmlDeviceGetGpuFabricInfoV) to the newest: constants
 are read through `const()`, which undoes the bindings' slips (every release defines `NVML_P2P_CAPS_INDEX_READ = 0,`,
@@ -16,51 +17,22 @@ a tuple, which ctypes refuses), and the fabric info is read into nvml.h's own la
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
-import math
-import struct
 import threading
-from dataclasses import field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import pynvml
-from gpuwarden.agent.core.errors import NvmlError, SourceError
-from gpuwarden.agent.core.model import Entity
-from gpuwarden.agent.core.records import dataclass
-from gpuwarden.agent.sources import confine
-from gpuwarden.agent.sources.nvml.bindings import GPU_FABRIC_INFO_V2, GpuFabricInfoV2, const
+from gpuwarden.agent.core.errors import NvmlError
+from gpuwarden.agent.sources.nvml.bindings import const
+from gpuwarden.agent.sources.nvml.errors import call_nvml
 from gpuwarden.agent.sources.nvml.events import XidEvents
+from gpuwarden.agent.sources.nvml.fields import ECC_FIELDS, FI_MEMORY_TEMP, FIELD_NAMES, decode_field_values
+from gpuwarden.agent.sources.nvml.gpu import Gpu, canonical_bdf
+from gpuwarden.agent.sources.nvml.links import LinkReads
 from gpuwarden.agent.sources.nvml.recorded import RecordedNvml
+from gpuwarden.agent.sources.nvml.snapshot import SNAPSHOT_FORMAT
 
-# NVML error number -> its name without the NVML_ERROR_ prefix, from the installed bindings.
-ERROR_NAMES: dict[int, str] = {
-    const(n): n[len("NVML_ERROR_"):] for n in dir(pynvml) if n.startswith("NVML_ERROR_")
-}
-ERROR_CODES: dict[str, int] = {v: k for k, v in ERROR_NAMES.items()}
-
-NVLINK_COUNTERS = {
-    "replay": const("NVML_NVLINK_ERROR_DL_REPLAY"),
-    "recovery": const("NVML_NVLINK_ERROR_DL_RECOVERY"),
-    "crc_flit": const("NVML_NVLINK_ERROR_DL_CRC_FLIT"),
-    "crc_data": const("NVML_NVLINK_ERROR_DL_CRC_DATA"),
-}
-# Peer-to-peer capabilities NVML reports per ordered GPU pair (nvmlGpuP2PCapsIndex_t).
-P2P_CAPS = {
-    "nvlink": const("NVML_P2P_CAPS_INDEX_NVLINK"),
-    "read": const("NVML_P2P_CAPS_INDEX_READ"),
-    "write": const("NVML_P2P_CAPS_INDEX_WRITE"),
-    "atomics": const("NVML_P2P_CAPS_INDEX_ATOMICS"),
-}
-P2P_STATUS_NAMES: dict[int, str] = {
-    const(n): n[len("NVML_P2P_STATUS_"):] for n in dir(pynvml)
-    if n.startswith("NVML_P2P_STATUS_") and n != "NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED"  # the bindings' typo alias
-}
-P2P_STATUS_CODES: dict[str, int] = {v: k for k, v in P2P_STATUS_NAMES.items()}
-# HBM temperature is only exposed as a field value (no nvmlTemperatureSensors_t for memory).
-FI_MEMORY_TEMP = const("NVML_FI_DEV_MEMORY_TEMP")
 # The limits each GPU reports for itself (nvmlTemperatureThresholds_t; nvidia-smi -q "GPU Shutdown Temp",
 # "GPU Slowdown Temp", "GPU Max Operating Temp", "Memory Max Operating Temp").
 TEMPERATURE_THRESHOLDS = {
@@ -69,7 +41,6 @@ TEMPERATURE_THRESHOLDS = {
     "gpu_max": const("NVML_TEMPERATURE_THRESHOLD_GPU_MAX"),
     "mem_max": const("NVML_TEMPERATURE_THRESHOLD_MEM_MAX"),
 }
-SNAPSHOT_FORMAT = 1
 # A GPU listing no process while this much of its memory is in use is one whose processes NVML did not list (a PID
 # namespace that hides them, MIG instances, bindings that take a SUCCESS size answer for "none"): could not look.
 # nvmlDeviceGetMemoryInfo's "used" counts the driver's reserved memory too (a few hundred MiB on an idle H100 or
@@ -77,102 +48,8 @@ SNAPSHOT_FORMAT = 1
 # below what a job holds (each rank of the bundled gb200-nvl72-job: 67 GiB).
 MEMORY_USED_WITHOUT_PROCESSES_MAX = 2 << 30
 
-# Per-link NVLink fields (nvml.h NVML_FI_DEV_NVLINK_*, scopeId = the link), all in every supported nvidia-ml-py.
-# DL_CRC is the link's flow-control (FLIT) CRC count, the "CRC Errors" nvidia-smi nvlink -e prints; the data CRC count
-# has a field only for links 0-11 (NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L0..L11, unscoped).
-NVLINK_STATE_FIELD = const("NVML_FI_DEV_NVLINK_GET_STATE")
-NVLINK_COUNTER_FIELDS = {
-    "replay": const("NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY"),
-    "recovery": const("NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY"),
-    "crc_flit": const("NVML_FI_DEV_NVLINK_ERROR_DL_CRC"),
-}
-NVLINK_RELEARN_EVERY = 20  # every 20th read asks for every link again (a link the driver offers late is seen)
-NVLINK_CRC_DATA_FIELDS: dict[int, int] = {
-    n: const(f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{n}") for n in range(64)
-    if hasattr(pynvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{n}")
-}
-# ECC counts (single bit = corrected, double bit = uncorrected in NVML's field names), mode and remapped rows.
-ECC_FIELDS = {
-    ("mode", "current"): const("NVML_FI_DEV_ECC_CURRENT"),
-    ("mode", "pending"): const("NVML_FI_DEV_ECC_PENDING"),
-    ("volatile", "corrected"): const("NVML_FI_DEV_ECC_SBE_VOL_TOTAL"),
-    ("volatile", "uncorrected"): const("NVML_FI_DEV_ECC_DBE_VOL_TOTAL"),
-    ("aggregate", "corrected"): const("NVML_FI_DEV_ECC_SBE_AGG_TOTAL"),
-    ("aggregate", "uncorrected"): const("NVML_FI_DEV_ECC_DBE_AGG_TOTAL"),
-    ("remapped", "correctable"): const("NVML_FI_DEV_REMAPPED_COR"),
-    ("remapped", "uncorrectable"): const("NVML_FI_DEV_REMAPPED_UNC"),
-    ("remapped", "pending"): const("NVML_FI_DEV_REMAPPED_PENDING"),
-    ("remapped", "failure"): const("NVML_FI_DEV_REMAPPED_FAILURE"),
-}
-# nvmlFieldValue_t as nvml.h lays it out (fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value: 40
-# bytes, native order): valueType, nvmlReturn and the 8 bytes of the value union.
-_FV_LAYOUT = struct.Struct("=8x8x8xII8s")
-_FV_SIZE = _FV_LAYOUT.size
-# nvmlValueType_t -> how the union holds it (UNSIGNED_SHORT exists only in newer releases; unsigned long is 64-bit
-# on the Linux the agent runs on).
-_VALUE_DECODE = {const(f"NVML_VALUE_TYPE_{t}"): struct.Struct(f"={c}") for t, c in (
-    ("DOUBLE", "d"), ("UNSIGNED_INT", "I"), ("UNSIGNED_LONG", "Q"), ("UNSIGNED_LONG_LONG", "Q"),
-    ("SIGNED_LONG_LONG", "q"), ("SIGNED_INT", "i"), ("UNSIGNED_SHORT", "H"))
-    if hasattr(pynvml, f"NVML_VALUE_TYPE_{t}")}
-_VALUE_UNPACK = {kind: layout.unpack_from for kind, layout in _VALUE_DECODE.items()}
-_DOUBLE = const("NVML_VALUE_TYPE_DOUBLE")
-_SUCCESS = const("NVML_SUCCESS")
-# Field ids by number -> name, for error messages.
-FIELD_NAMES: dict[int, str] = {}
-for _n in dir(pynvml):
-    if _n.startswith("NVML_FI_DEV_") and isinstance(const(_n), int):
-        FIELD_NAMES.setdefault(const(_n), _n)
 
-
-def canonical_bdf(nvml_bus_id: str) -> str:
-    """NVML prints an 8-hex-digit domain ("00000008:01:00.0"); sysfs and findings use 4 ("0008:01:00.0")."""
-    text = nvml_bus_id.strip().lower()
-    domain, sep, rest = text.partition(":")
-    if not sep:
-        return text
-    return f"{int(domain, 16):04x}:{rest}" if domain else rest
-
-
-@dataclass
-class Gpu:
-    """A GPU as NVML enumerates it. Identity fields are None when NVML could not read them."""
-
-    index: int
-    handle: Any = None
-    uuid: str | None = None
-    name: str | None = None
-    serial: str | None = None
-    pci: str | None = None  # canonical BDF, "0008:01:00.0"
-    bus_id: str | None = None  # as NVML prints it, "00000008:01:00.0"
-    error: NvmlError | None = None  # set when the device could not be opened or identified
-    _errors: dict[str, NvmlError] = field(default_factory=dict, repr=False)
-    # The NVLinks the GPU has (fixed by the board), learnt at a read of every link: the reads between ask for those
-    # alone (NVML_NVLINK_MAX_LINKS is 36 in newer bindings, twice what any GPU has).
-    _links: tuple[int, ...] | None = field(default=None, repr=False)
-    _link_reads: int = field(default=0, repr=False)
-
-    @property
-    def entity(self) -> Entity:
-        return Entity("gpu", self.uuid or self.pci or f"index-{self.index}", self.index, self.pci)
-
-
-_ABSENT = object()
-
-
-@functools.lru_cache(maxsize=8)
-def _nvlink_fields(links: tuple[int, ...]) -> tuple[tuple[Any, int, int | None], ...]:
-    """The field read of nvlinks() for these links: (key, field id, scope) of each link's state and counters. The
-    same few link sets are read every poll (all links at a relearn, else the GPU's own), so it is built once."""
-    fields: list[tuple[Any, int, int | None]] = []
-    for link in links:
-        fields.append(((link, "state"), NVLINK_STATE_FIELD, link))
-        fields += [((link, name), fid, link) for name, fid in NVLINK_COUNTER_FIELDS.items()]
-        if link in NVLINK_CRC_DATA_FIELDS:
-            fields.append(((link, "crc_data"), NVLINK_CRC_DATA_FIELDS[link], None))
-    return tuple(fields)  # shared by every caller through the cache: not to be changed
-
-
-class Nvml:
+class Nvml(LinkReads):
     """High-level NVML reads; identical code for the live library and a recorded scenario."""
 
     def __init__(self, backend: Any, origin: str):
@@ -200,22 +77,9 @@ class Nvml:
         except NvmlError:
             pass
 
-    # -- the one place pynvml errors are translated --------------------------------------
+    # -- the one place pynvml errors are translated (errors.py) ---------------------------
     def _call(self, name: str, *args: Any, device: int | None = None) -> Any:
-        try:
-            fn: Callable[..., Any] = getattr(self._lib, name)
-        except AttributeError:
-            raise NvmlError(name, "FUNCTION_NOT_FOUND", device, "not in the installed nvidia-ml-py") from None
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as exc:
-            value = getattr(exc, "value", None)
-            code = ERROR_NAMES.get(value, f"CODE_{value}") if isinstance(value, int) else "UNKNOWN"
-            raise NvmlError(name, code, device) from None
-        except Exception as exc:  # noqa: BLE001 - no library error type may leave the source
-            # ctypes.ArgumentError (a constant the bindings define wrongly), a broken library install, a malformed
-            # recorded scenario: still the project's error, with the reason.
-            raise NvmlError(name, "UNKNOWN", device, f"{type(exc).__name__}: {exc}") from None
+        return call_nvml(self._lib, name, *args, device=device)
 
     def _dev(self, gpu: Gpu, name: str, *args: Any) -> Any:
         if gpu.handle is None:
@@ -273,33 +137,7 @@ class Nvml:
         when the call itself fails (GPU lost, no field values on this driver)."""
         ids = [fid if scope is None else (fid, scope) for _, fid, scope in fields]
         values = self._dev(gpu, "nvmlDeviceGetFieldValues", ids)
-        out: dict[Any, int | float | NvmlError] = {}
-        # The array read as bytes in one pass (nvmlFieldValue_t: the layout every supported release declares),
-        # rather than a few hundred attribute reads through the bindings' structure class.
-        try:
-            raw = bytes(memoryview(values))
-        except TypeError:
-            raw = b""
-        if len(raw) != len(fields) * _FV_SIZE:
-            raise NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index,
-                            f"{len(raw)} bytes for {len(fields)} fields")
-        unpack = _VALUE_UNPACK.get
-        for (key, fid, scope), (kind, ret, value) in zip(fields, _FV_LAYOUT.iter_unpack(raw), strict=True):
-            decode = unpack(kind) if ret == _SUCCESS else None
-            if decode is not None:
-                number = decode(value)[0]
-                if kind != _DOUBLE or math.isfinite(number):  # only a double can be NaN or infinite
-                    out[key] = number
-                    continue
-                what = f"{FIELD_NAMES.get(fid, fid)}: not a finite number ({number})"
-            elif ret != _SUCCESS:
-                where = FIELD_NAMES.get(fid, f"field {fid}") + ("" if scope is None else f" scope {scope}")
-                out[key] = NvmlError("nvmlDeviceGetFieldValues", ERROR_NAMES.get(ret, f"CODE_{ret}"), gpu.index, where)
-                continue
-            else:
-                what = f"{FIELD_NAMES.get(fid, fid)}: value type {kind} not known"
-            out[key] = NvmlError("nvmlDeviceGetFieldValues", "UNKNOWN", gpu.index, what)
-        return out
+        return decode_field_values(values, fields, gpu.index)
 
     def ecc_counters(self, gpu: Gpu) -> dict[str, Any]:
         """ECC mode, counts and remapped rows in one field read: {"ecc_mode", "ecc_errors", "remapped_rows"} in the
@@ -389,90 +227,6 @@ class Nvml:
             out[name] = value if 0 < value < 200 else None
         return out
 
-    def nvlinks(self, gpu: Gpu) -> list[dict[str, Any]]:
-        """Every NVLink the GPU has: {"link", "state", "errors": {counter: count}}, read in one field call. A link
-        NVML answers NOT_SUPPORTED / INVALID_ARGUMENT for is one the SKU does not have: left out. A counter NVML
-        does not offer (NOT_SUPPORTED) is left out of "errors"; one it failed to read is in "unread" with NVML's error
-        name (a lost GPU raises).
-        The data CRC count of a link without a field of its own (12 and up) is the one count read by its own call;
-        where NVML has no field values at all (NOT_SUPPORTED), every value is."""
-        every = gpu._links is None or not gpu._links or gpu._link_reads % NVLINK_RELEARN_EVERY == 0
-        links = tuple(range(const("NVML_NVLINK_MAX_LINKS"))) if every else gpu._links
-        gpu._link_reads += 1
-        try:
-            got = self.field_values(gpu, _nvlink_fields(links))
-        except NvmlError as exc:
-            if not exc.not_supported:
-                raise
-            got = {}  # no field values on this GPU or driver: each value by its own call below
-        out = []
-        for link in links:
-            try:
-                state = got[(link, "state")] if got else int(self._dev(gpu, "nvmlDeviceGetNvLinkState", link))
-            except NvmlError as exc:
-                state = exc
-            if isinstance(state, NvmlError):
-                # Links a SKU does not have answer NOT_SUPPORTED / INVALID_ARGUMENT: not a fault.
-                if state.not_supported or state.code == "INVALID_ARGUMENT":
-                    continue
-                raise state
-            entry: dict[str, Any] = {"link": link, "state": int(state), "errors": {}}
-            for name in NVLINK_COUNTERS:
-                value: Any = got.get((link, name), _ABSENT)
-                if value is _ABSENT:
-                    try:
-                        value = int(self._dev(gpu, "nvmlDeviceGetNvLinkErrorCounter", link, NVLINK_COUNTERS[name]))
-                    except NvmlError as exc:
-                        value = exc
-                if isinstance(value, NvmlError):
-                    if value.gpu_lost:
-                        raise value  # the GPU's fact, not one counter's
-                    if not value.not_supported:
-                        entry.setdefault("unread", {})[name] = value.code
-                    continue
-                entry["errors"][name] = int(value)
-            out.append(entry)
-        if every:
-            gpu._links = tuple(e["link"] for e in out)
-        return out
-
-    def fabric_info(self, gpu: Gpu) -> dict[str, Any]:
-        info = GpuFabricInfoV2(version=GPU_FABRIC_INFO_V2)
-        self._dev(gpu, "nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
-        return {
-            "cluster_uuid": _uuid_text(bytes(info.clusterUuid)),
-            "clique_id": int(info.cliqueId),
-            "state": int(info.state),
-            "status": int(info.status),
-            "health_mask": int(info.healthMask),
-        }
-
-    def pcie_link(self, gpu: Gpu) -> dict[str, int]:
-        """Current vs maximum PCIe generation and width (max = what GPU and slot both support), and the
-        replay counter (link-level retransmissions: a marginal link shows them before it downtrains)."""
-        return {
-            "gen": int(self._dev(gpu, "nvmlDeviceGetCurrPcieLinkGeneration")),
-            "max_gen": int(self._dev(gpu, "nvmlDeviceGetMaxPcieLinkGeneration")),
-            "width": int(self._dev(gpu, "nvmlDeviceGetCurrPcieLinkWidth")),
-            "max_width": int(self._dev(gpu, "nvmlDeviceGetMaxPcieLinkWidth")),
-            "replay": int(self._dev(gpu, "nvmlDeviceGetPcieReplayCounter")),
-        }
-
-    def p2p_status(self, gpu: Gpu, peer: Gpu) -> dict[str, str]:
-        """NVML's peer-to-peer status from `gpu` to `peer` per capability: "OK" or why not
-        (e.g. NOT_SUPPORTED for NVLink on a pair that only reaches over PCIe)."""
-        if peer.handle is None:
-            raise peer.error or NvmlError("nvmlDeviceGetP2PStatus", "UNKNOWN", peer.index, "no device handle")
-        out = {}
-        for name, cap in P2P_CAPS.items():
-            code = int(self._call("nvmlDeviceGetP2PStatus", gpu.handle, peer.handle, cap, device=gpu.index))
-            out[name] = P2P_STATUS_NAMES.get(code, f"CODE_{code}")
-        return out
-
-    def p2p_matrix(self, gpu: Gpu) -> dict[str, dict[str, str]]:
-        """p2p_status from `gpu` to every other GPU NVML can open, keyed by the peer's index."""
-        return {str(peer.index): self.p2p_status(gpu, peer) for peer in self.gpus()
-                if peer.index != gpu.index and peer.handle is not None}
 
     def processes(self, gpu: Gpu) -> list[dict[str, Any]]:
         """The processes NVML counts on the GPU: compute contexts (CUDA, MPS servers) and graphics contexts, each
@@ -550,36 +304,3 @@ class Nvml:
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _uuid_text(raw: bytes) -> str:
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-MAX_SNAPSHOT_BYTES = 64 << 20  # a 72-GPU recording is a few MB; anything far larger is not an nvml.json
-
-
-def load_snapshot(path: Path) -> dict[str, Any]:
-    """nvml.json, read as untrusted input: it must resolve inside its own folder (a scenario is a bundle from another
-    machine), be UTF-8 JSON of bounded size and nesting; every failure is a SourceError naming the file."""
-    try:
-        raw = confine.read_bytes(path, confine.scenario_prefix(Path(path).parent), limit=MAX_SNAPSHOT_BYTES)
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read recorded NVML: {exc.strerror}") from None
-    if len(raw) > MAX_SNAPSHOT_BYTES:
-        raise SourceError(f"{path}: larger than {MAX_SNAPSHOT_BYTES >> 20} MiB; not an nvml.json snapshot")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise SourceError(f"{path}:{line}: not UTF-8 text (byte {exc.start}: {raw[exc.start]:#04x})") from None
-    except json.JSONDecodeError as exc:
-        raise SourceError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
-    except RecursionError:
-        raise SourceError(f"{path}: malformed JSON: nested too deeply") from None
-    except ValueError as exc:  # an integer of more digits than Python converts
-        raise SourceError(f"{path}: malformed JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
-        raise SourceError(f"{path}: not an nvml.json snapshot (no 'gpus' list)")
-    return data

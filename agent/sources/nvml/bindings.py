@@ -17,7 +17,6 @@ def const(name: str) -> Any:
     return value
 
 
-
 class GpuFabricInfoV2(ctypes.Structure):
     """nvmlGpuFabricInfo_v2_t as nvml.h lays it out. The bindings' own copy is wrong in some releases (12.550 to
     12.560 give clusterUuid 80 bytes, shifting every later field), so NVML fills this one instead."""

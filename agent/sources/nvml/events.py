@@ -23,7 +23,8 @@ from gpuwarden.agent.core.errors import NvmlError
 from gpuwarden.agent.core.records import dataclass
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gpuwarden.agent.sources.nvml import Gpu, Nvml
+    from gpuwarden.agent.sources.nvml import Nvml
+    from gpuwarden.agent.sources.nvml.gpu import Gpu
 
 XID_EVENT = pynvml.nvmlEventTypeXidCriticalError
 _DRAIN_MAX = 256  # events taken in one wait() once the first arrived (a burst is handed over as one batch)
