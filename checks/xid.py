@@ -106,7 +106,7 @@ def _take(incidents: dict[str, dict[str, Any]], touched: set[str], latest: dict[
         inc["first_message"] = first.message[:300]
         inc["first_line"] = first.line
         inc["source"] = first.source
-        inc["first_time"] = first.timestamp if first.timestamp is not None else first.usec  # _when(first)
+        inc["first_time"] = first.timestamp if first.timestamp is not None else first.usec
     key = (e.pci, e.xid)
     if at[-1] > latest.get(key, -1):
         latest[key] = at[-1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from gpuwarden.agent.core.kernel_log import LogRecord
 from gpuwarden.agent.core.model import Action, Entity, Finding, Status
 from gpuwarden.agent.core.passive import MetricSample
 from gpuwarden.checks.xid_catalog import XidInfo, recovery_action
@@ -120,7 +119,3 @@ def _metrics(kept: Mapping[str, Mapping[str, Any]]) -> tuple[MetricSample, ...]:
                                     {"pci": inc["pci"], "xid": str(inc["xid"]), "source": source},
                                     float(_seen(inc, source)))
                        for inc in kept.values() for source in SOURCES)
-
-
-def _when(record: LogRecord | None) -> str | int | None:
-    return None if record is None else record.timestamp if record.timestamp is not None else record.usec

@@ -493,7 +493,7 @@ def test_the_real_spare_plan_takes_a_spare_of_the_same_domain(tmp_path):
 
 
 def quarantine_intents(at: float = 1000.0) -> list:
-    """The intents of HEALTHY -> QUARANTINED in a known domain, as the daemon journals them (agent/daemon/loop.py)."""
+    """The intents of HEALTHY -> QUARANTINED in a known domain, as the daemon journals them (agent/act/intents.py)."""
     base = {"at": at, "from": "healthy", "to": "quarantined", "reason": "xid/79 on GPU0"}
     return [(f"{at:.6f}:healthy->quarantined:{a}", a, {**base, **extra})
             for a, extra in (("cordon", {}), ("drain", {}), ("take_spare", {"domain": "rack07"}))]
