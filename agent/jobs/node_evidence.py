@@ -9,13 +9,13 @@ import base64
 import json
 import math
 import socket
-import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode
 
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.core.render import iso_utc
+from gpuwarden.agent.jobs.http_cutoff import Cutoff
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def fetch_nodes(hosts: Sequence[str], since: float, until: float, *, port: int =
     from concurrent.futures import ThreadPoolExecutor, wait
 
     # At most MAX_ASKING at once: a job's thousand nodes do not open a thousand sockets. Each ask cuts itself off at
-    # timeout_s (_Cutoff); the wait below is only the backstop.
+    # timeout_s (Cutoff); the wait below is only the backstop.
     pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_ASKING, len(hosts))), thread_name_prefix="gw-evidence")
     try:
         futures = [pool.submit(ask, i, h) for i, h in enumerate(hosts)]
@@ -238,7 +238,7 @@ def _fetch(host: str, port: int, query: str, ctx: Any, auth: tuple[str, str] | N
         conn: Any = http.client.HTTPSConnection(name, number, timeout=timeout_s, context=ctx)
     else:
         conn = http.client.HTTPConnection(name, number, timeout=timeout_s)
-    cut = _Cutoff(conn, timeout_s)
+    cut = Cutoff(conn, timeout_s)
     try:
         headers = {"Accept": "application/json", "User-Agent": "gpuwarden-explain"}
         if auth is not None:
@@ -273,29 +273,6 @@ def _fetch(host: str, port: int, query: str, ctx: Any, auth: tuple[str, str] | N
         return from_document(doc, url, host=label)
     except DocumentError as exc:
         return NodeEvidence.unreachable(label, url, f"not a gpuwarden window document: {exc}")
-
-
-class _Cutoff:
-    """Cuts a connection off `timeout_s` after it was made, whatever it is waiting in (the connect, a trickled
-    head, the body): a socket timeout bounds each wait, not the whole answer."""
-
-    def __init__(self, conn: Any, timeout_s: float):
-        self.conn, self.fired = conn, False
-        self._timer = threading.Timer(timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = getattr(self.conn, "sock", None)
-        if sock is not None:
-            try:
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's: a TLS one's state is its own
-            except OSError:
-                pass
-
-    def cancel(self) -> None:
-        self._timer.cancel()
 
 
 def _why(exc: BaseException, timeout_s: float) -> str:

@@ -8,11 +8,12 @@ import http.client
 import json
 import socket
 import ssl
-import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlencode, urlsplit
+
+from gpuwarden.agent.jobs.http_cutoff import Cutoff
 
 
 class PrometheusError(Exception):
@@ -79,7 +80,7 @@ class _Api:
                    "User-Agent": "gpuwarden-explain"}
         if self.auth is not None:
             headers["Authorization"] = "Basic " + base64.b64encode(f"{self.auth[0]}:{self.auth[1]}".encode()).decode()
-        cut = _Cutoff(conn, left)
+        cut = Cutoff(conn, left)
         where = f"{self.prefix}{path}"
         try:
             conn.request("POST", where, body=body, headers=headers)
@@ -141,29 +142,6 @@ def _stamp(t: float) -> str:
 
 def _duration(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
-
-
-class _Cutoff:
-    """Cuts a connection off `timeout_s` after it was made, whatever it waits in (the connect, a trickled head, the
-    body): a socket timeout bounds each wait, not the whole answer."""
-
-    def __init__(self, conn: Any, timeout_s: float):
-        self.conn, self.fired = conn, False
-        self._timer = threading.Timer(timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = getattr(self.conn, "sock", None)
-        if sock is not None:
-            try:
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's: a TLS one's state is its own
-            except OSError:
-                pass
-
-    def cancel(self) -> None:
-        self._timer.cancel()
 
 
 def _why(exc: BaseException, timeout_s: float) -> str:
