@@ -306,7 +306,9 @@ def test_a_store_truncated_while_running_shows_at_the_next_scrape_and_is_written
     assert ok == 0.0 or list(a.state.glob("state.db.corrupt-*")), ok
     aside = wait_for(lambda: [p for p in a.state.glob("state.db.corrupt-*") if not p.name.endswith(("-wal", "-shm"))],
                      timeout_s=SEEN_S, what="the truncated file set aside")
-    said = [e["detail"] for e in a.logged("state store set aside")]
+    # The file is renamed before the line that names it is written: wait for the line, not only the file.
+    said = wait_for(lambda: [e["detail"] for e in a.logged("state store set aside")],
+                    timeout_s=SEEN_S, what="the set-aside logged")
     assert any(aside[0].name in d and "truncated to 0 bytes" in d for d in said), said
     wait_for(lambda: a.count(GPU13, 13) == 3, timeout_s=SEEN_S, what="the counts written again from memory")
     wait_for(lambda: a.sample("gpuwarden_store_ok") == 1.0, timeout_s=SEEN_S, what="store_ok back to 1")
