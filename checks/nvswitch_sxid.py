@@ -75,8 +75,13 @@ def sxid_events_from_records(records: Iterable[LogRecord],
     if messages is None:
         records = list(records)
         messages = [r.message for r in records]
+    # Cheap filter before the regexes, on each text once (a flood of other lines repeats a few texts): a pass of C
+    # over the batch finds its texts, and only the lines of the texts that pass are taken, in order.
+    wanted = {m for m in dict.fromkeys(messages) if "SXid" in m or "NVSwitch" in m}
+    if not wanted:
+        return out
     for i, message in enumerate(messages):
-        if "SXid" in message or "NVSwitch" in message:  # cheap filter before the regexes
+        if message in wanted:
             r = records[i]  # type: ignore[index]
             event = parse_sxid(r.message[:_MAX_LINE], r)
             if event is not None:

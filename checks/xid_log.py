@@ -11,6 +11,7 @@ The driver's formats (NVIDIA open-gpu-kernel-modules, src/nvidia/src/kernel/gpu/
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import fields, make_dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -130,44 +131,84 @@ class XidRun:
 
     __slots__ = ("event", "at")  # a plain class: a dataclass costs every start about a millisecond to make
 
-    def __init__(self, event: XidEvent, at: list[int]):
+    def __init__(self, event: XidEvent, at: Sequence[int]):
         self.event = event  # with the first of them as its record
         self.at = at
+
+
+class TextLines(Sequence[int]):
+    """The indices of one text's lines among a batch's messages, in order: their number, the first and the last are
+    known from the passes over the batch that found them (a judge asks no more of a flood's lines); the whole list is
+    made only when it is asked for (a recovery in the batch, or times read line by line)."""
+
+    __slots__ = ("_messages", "_text", "_count", "_first", "_last", "_all")
+
+    def __init__(self, messages: Sequence[str], text: str, count: int, first: int, last: int):
+        self._messages, self._text = messages, text
+        self._count, self._first, self._last = count, first, last
+        self._all: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if k == 0 or k == -self._count:
+            return self._first
+        if k == -1 or k == self._count - 1:
+            return self._last
+        return self._list()[k]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def _list(self) -> list[int]:
+        if self._all is None:
+            text = self._text
+            self._all = [i for i in range(self._first, self._last + 1) if self._messages[i] == text]
+        return self._all
 
 
 def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[LoggedGpu], list[LogRecord]]:
     """The XID lines as runs of one text each, in the order each text first appears; the GPUs the driver named in
     preamble lines; the records that mention an XID in a form not read here (an unknown driver format must surface,
     not vanish)."""
-    runs: dict[str, XidRun] = {}
-    logged: dict[str, LoggedGpu] = {}
-    unread: list[LogRecord] = []
     # A saved log's reader hands its records' messages apart (agent/node/kernel_scan.py RowRecords): a record is then
     # made only for the first line of each text, not for every line of a flood.
     messages = getattr(records, "messages", None)
-    named: dict[str, LoggedGpu] = {}  # preamble lines read in this batch: the same line again names the same GPU
-    for i, message in enumerate(messages if messages is not None else [r.message for r in records]):
+    if messages is None:
+        messages = [r.message for r in records]
+    # Each text is read once: its number of lines, first and last found by passes of C over the batch (a Counter,
+    # two dicts from zip), not by a step of Python for each line. In the order each text first appears.
+    counts = Counter(messages)
+    if not counts:
+        return [], [], []
+    n = len(messages)
+    last = dict(zip(messages, range(n), strict=True))
+    first = dict(zip(reversed(messages), range(n - 1, -1, -1), strict=True))
+    runs: list[XidRun] = []
+    preambles: list[tuple[int, LoggedGpu]] = []  # (last line, the GPU it names)
+    unread_texts: set[str] = set()
+    for message, count in counts.items():
         if "NVRM: " not in message:  # cheap filter: most kernel lines are not the NVIDIA driver's
             continue
-        run = runs.get(message)
-        if run is not None:
-            run.at.append(i)
-            continue
-        gpu = named.get(message)
-        if gpu is not None:
-            logged[gpu.pci] = gpu  # the last line naming an address wins, as when each is read
-            continue
-        r = records[i]
-        event = parse_xid(message, r)
+        event = parse_xid(message, records[first[message]])
         if event is not None:
-            runs[message] = XidRun(event, [i])
+            at = (first[message],) if count == 1 else TextLines(messages, message, count, first[message],
+                                                               last[message])
+            runs.append(XidRun(event, at))
             continue
         preamble = parse_gpu_preamble(message)
         if preamble is not None:
-            logged[preamble[0]] = named[message] = LoggedGpu(preamble[1], preamble[0])
+            preambles.append((last[message], LoggedGpu(preamble[1], preamble[0])))
         elif XID_MARK in message:
-            unread.append(r)
-    return list(runs.values()), list(logged.values()), unread
+            unread_texts.add(message)
+    logged: dict[str, LoggedGpu] = {}
+    for _, gpu in preambles:  # each address where the driver first named it ...
+        logged.setdefault(gpu.pci, gpu)
+    for _, gpu in sorted(preambles, key=lambda p: p[0]):  # ... and the GPU of the last line naming it
+        logged[gpu.pci] = gpu
+    unread = [records[i] for i in range(n) if messages[i] in unread_texts] if unread_texts else []
+    return runs, list(logged.values()), unread
 
 
 def collect(records: Iterable[LogRecord]) -> tuple[list[XidEvent], list[LoggedGpu], list[LogRecord]]:

@@ -1,10 +1,27 @@
 """agent/core/line_search.py: the lines of a buffer that hold one of a few texts, found by a rare byte of each and,
-where that byte is common, by the texts themselves: the same lines as a plain search of every line, whichever way."""
+where that byte is common, by the texts themselves: the same lines as a plain search of every line, whichever way,
+in C (agent/core/_line_scan.c) and in Python alike."""
 from __future__ import annotations
 
-from gpuwarden.agent.core.line_search import FORGET_AFTER, RUN_MIN, ProbeMemory, lines_holding, probes_for
+import pytest
+from gpuwarden.agent.core.line_search import (
+    FORGET_AFTER,
+    RUN_MIN,
+    ProbeMemory,
+    native,
+    probes_for,
+    python_lines_holding,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+
+def c_lines_holding(buf, start, stop, probes, memory=None):
+    return native.lines_holding(buf, start, stop, probes)
+
+
+SEARCHES = [pytest.param(python_lines_holding, id="python"),
+            pytest.param(c_lines_holding, id="c", marks=pytest.mark.skipif(native is None, reason="built without C"))]
 
 TEXTS = (b"NVRM: ", b"SXid", b"NVSwitch", b"AER", b"PCIe Bus Error", b"[Hardware Error]:")
 # Pieces of lines: the texts, their rare bytes alone and in near misses (so a probe byte is common or rare), noise.
@@ -24,7 +41,8 @@ def plain(buf: bytes, texts: tuple[bytes, ...]) -> list[tuple[int, int]]:
 @settings(max_examples=400, deadline=None)
 @given(parts=st.lists(st.sampled_from(PIECES), max_size=400), lead=st.binary(max_size=3),
        texts=st.sampled_from([TEXTS, TEXTS[:3], TEXTS[3:], (b"SXid",), (b"Xid", b"SXid", b"NVRM: Xid", b"NVSwitch")]))
-def test_the_lines_found_are_those_that_hold_a_text(parts, lead, texts):
+@pytest.mark.parametrize("lines_holding", SEARCHES)
+def test_the_lines_found_are_those_that_hold_a_text(lines_holding, parts, lead, texts):
     body = b"".join(parts) + b"\n"
     buf = lead.replace(b"\n", b" ") + b"\n" + body + b"partial line after the last newline, X V R SXid"
     start, stop = len(lead) + 1, len(lead) + 1 + len(body)
@@ -33,7 +51,8 @@ def test_the_lines_found_are_those_that_hold_a_text(parts, lead, texts):
     assert got == want
 
 
-def test_a_common_probe_byte_turns_to_the_texts_and_finds_the_same_lines():
+@pytest.mark.parametrize("lines_holding", SEARCHES)
+def test_a_common_probe_byte_turns_to_the_texts_and_finds_the_same_lines(lines_holding):
     line = b"ROUTER RR: reset R R R\n"  # R is the probe byte of "AER": far more than one a KiB, none a text
     buf = line * 500 + b"pcieport 0000:00:01.0: AER: Corrected error received\n" + line * 500
     probes = probes_for((b"AER",))
@@ -44,7 +63,8 @@ def test_a_common_probe_byte_turns_to_the_texts_and_finds_the_same_lines():
 @settings(max_examples=150, deadline=None)
 @given(buffers=st.lists(st.lists(st.sampled_from(PIECES), max_size=300), min_size=1, max_size=6),
        texts=st.sampled_from([TEXTS, TEXTS[3:], (b"AER",)]))
-def test_a_memory_of_earlier_buffers_changes_no_line_found(buffers, texts):
+@pytest.mark.parametrize("lines_holding", SEARCHES)
+def test_a_memory_of_earlier_buffers_changes_no_line_found(lines_holding, buffers, texts):
     memory, probes = ProbeMemory(), probes_for(texts)
     for parts in buffers:
         buf = b"".join(parts) + b"\n"
@@ -52,6 +72,7 @@ def test_a_memory_of_earlier_buffers_changes_no_line_found(buffers, texts):
 
 
 def test_a_probe_byte_common_in_one_buffer_is_searched_by_its_texts_in_the_next_and_forgotten_later():
+    lines_holding = python_lines_holding  # the Python search's route; the C search needs no memory
     noisy = b"ROUTER RR: reset R R R\n" * 500 + b"pcieport 0000:00:01.0: AER: Corrected error received\n"
     quiet = b"kernel: all well\n" * 50 + b"pcieport 0000:00:01.0: AER: Corrected error received\n"
     memory, probes = ProbeMemory(), probes_for((b"AER",))
@@ -66,7 +87,8 @@ def test_a_probe_byte_common_in_one_buffer_is_searched_by_its_texts_in_the_next_
     assert memory.common == set()
 
 
-def test_a_text_that_holds_another_is_found_with_it():
+@pytest.mark.parametrize("lines_holding", SEARCHES)
+def test_a_text_that_holds_another_is_found_with_it(lines_holding):
     """"SXid" holds "Xid": a line with it holds "Xid" too, so it is not looked for apart (its probe byte, X, would
     be a miss on every XID line, and past the misses allowed the buffer searched again for it)."""
     probes = probes_for((b"Xid", b"NVRM: GPU at ", b"SXid", b"NVSwitch", b"NVRM: Xid"))

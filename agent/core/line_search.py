@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+try:  # the same search in C (agent/core/_line_scan.c), where the package was built with it
+    from gpuwarden.agent.core import _line_scan as native
+except ImportError:  # built without a C compiler: the search below, with the same answers
+    native = None
+
 # Bytes tried first when looking for a text, rarest first: in kernel text upper-case letters are rare, and X and V
 # the rarest of those the checks' texts hold (byte counts over fixtures/logs/kernel and fixtures/nodes/*/kmsg).
 PROBE_ORDER = b"XVQZJKWYUGBFHOPLDMRCESTNAI"
@@ -62,7 +67,40 @@ def lines_holding(buf: bytes | bytearray, start: int, stop: int, probes: Probes,
                   memory: ProbeMemory | None = None) -> list[tuple[int, int]]:
     """(start, end) of each line of buf[start:stop] (complete lines: stop just past a newline) that holds one of the
     probes' texts, in order; end is the offset of the line's newline. `memory`: what earlier buffers of the same
-    stream taught (updated here)."""
+    stream taught (updated here; the C search needs none)."""
+    if native is not None:
+        return native.lines_holding(buf, start, stop, probes)
+    return python_lines_holding(buf, start, stop, probes, memory)
+
+
+def gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: int) -> tuple[bytes, list[int], int]:
+    """The lines of buf[start:stop] (complete lines) that hold one of the probes' texts, joined by newlines with the
+    CR of a CRLF end taken off each; the number of each (``base`` + the newlines before it + 1); the newlines of
+    the region. One call where a reader hands many lines on together."""
+    if native is not None:
+        return native.gather(buf, start, stop, probes, base)
+    return python_gather(buf, start, stop, probes, base)
+
+
+def python_gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes,
+                  base: int) -> tuple[bytes, list[int], int]:
+    """gather in Python: the C search's fallback, and its reference in the tests."""
+    numbers = []
+    at, lines = start, base
+    spans = python_lines_holding(buf, start, stop, probes)
+    for ls, _ in spans:
+        lines += buf.count(b"\n", at, ls)
+        at = ls
+        numbers.append(lines + 1)
+    joined = b"\n".join([buf[ls:le] for ls, le in spans])
+    if b"\r" in joined:
+        joined = joined.replace(b"\r\n", b"\n").removesuffix(b"\r")
+    return joined, numbers, lines - base + buf.count(b"\n", at, stop)
+
+
+def python_lines_holding(buf: bytes | bytearray, start: int, stop: int, probes: Probes,
+                         memory: ProbeMemory | None = None) -> list[tuple[int, int]]:
+    """lines_holding in Python: the C search's fallback, and its reference in the tests."""
     found: dict[int, int] = {}
     find, rfind, startswith = buf.find, buf.rfind, buf.startswith
     limit = max(RUN_MIN, (stop - start) // RUN_BYTES)

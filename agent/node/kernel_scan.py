@@ -67,7 +67,7 @@ from gpuwarden.agent.node.kernel_scan_readers import HANDED_AHEAD, _NoFork, _par
 
 CHUNK = 1 << 20  # bytes read at a time
 LINE_MAX = 1 << 20  # bytes of one line that are read; the rest of a longer line is skipped
-BATCH = 4096  # records handed to the checks' judges at a time ...
+BATCH = 32768  # records handed to the checks' judges at a time ...
 BATCH_BYTES = 8 << 20  # ... or fewer, when their lines add up to this
 PART = 1 << 19  # bytes of a large file read by one process at a time: a part of XID lines only is ~1.5 MiB of rows
 PARALLEL_MIN = 16 << 20  # bytes: a smaller file is read by this process alone

@@ -19,6 +19,7 @@ from gpuwarden.agent.core.kernel_log import (
     kmsg_line,
 )
 from gpuwarden.agent.core.line_search import ProbeMemory, Probes, lines_holding
+from gpuwarden.agent.core.line_search import gather as gather_lines
 
 MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; past this, counted
 
@@ -51,25 +52,18 @@ def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
     def lines_of(start: int, stop: int) -> None:
         """Reads the complete lines buf[start:stop] (stop just past a newline)."""
         nonlocal lines, last, blank
-        at = start
-        spans = lines_holding(buf, start, stop, probes, memory)
         if gather is not None:
-            if spans:
-                numbers = []
-                for ls, _ in spans:
-                    lines += count(b"\n", at, ls)
-                    at = ls
-                    numbers.append(lines + 1)
-                joined = b"\n".join([buf[ls:le] for ls, le in spans])
-                if b"\r" in joined:
-                    joined = joined.replace(b"\r\n", b"\n").removesuffix(b"\r")
+            joined, numbers, newlines = gather_lines(buf, start, stop, probes, lines)
+            if numbers:
                 gather(joined, numbers)
+            lines += newlines
         else:
-            for ls, le in spans:
+            at = start
+            for ls, le in lines_holding(buf, start, stop, probes, memory):
                 lines += count(b"\n", at, ls)
                 at = ls
                 hit(buf[ls:le - 1] if le > ls and buf[le - 1] == 13 else buf[ls:le], lines + 1)
-        lines += count(b"\n", at, stop)
+            lines += count(b"\n", at, stop)
         if final:
             ls = rfind(b"\n", start, stop - 1) + 1 or start
             last = (lines, bytes(buf[ls:stop - 1]))

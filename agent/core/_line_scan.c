@@ -1,0 +1,370 @@
+/* The lines of a byte buffer that hold one of a few fixed texts, found in one pass of C: what
+ * agent/core/line_search.py does with a step of Python for each line found, for the readers of saved and followed
+ * kernel logs and of job logs. The answers are line_search's exactly (tests/test_line_scan_native.py runs both on the
+ * same buffers); where this module is not built, line_search's own code runs.
+ *
+ * Probes are line_search.probes_for's: (probe byte, its offset in each text, the texts). The probe byte is the
+ * rarest byte of its texts, found with memchr (vectorised in every libc the agent runs on, x86_64 and aarch64), and
+ * the texts compared where it is. Each probe keeps the position of its next hit; the lowest one is the next line
+ * found, and a probe whose hit falls inside that line looks on from the line's end: every byte is looked at by each
+ * probe once, and the lines come out in order, each once.
+ *
+ * Newlines are counted eight bytes at a time (an exact count of the bytes equal to '\n' in each word).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE 1 /* memrchr; the value pyconfig.h gives it */
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    unsigned char byte;
+    Py_ssize_t at;         /* offset of the probe byte in each text */
+    Py_ssize_t ntexts;
+    const char **texts;    /* borrowed from the probes' bytes objects, alive for the call */
+    Py_ssize_t *lens;
+    Py_ssize_t next;       /* position of the next line start found by this probe, or -1: none left */
+    Py_ssize_t next_nl;    /* that line's newline */
+} Probe;
+
+typedef struct {
+    Probe *probes;
+    Py_ssize_t n;
+} Probes;
+
+static Py_ssize_t
+count_newlines(const unsigned char *p, Py_ssize_t n)
+{
+    Py_ssize_t count = 0, i = 0;
+    const uint64_t nl = 0x0a0a0a0a0a0a0a0aULL, low7 = 0x7f7f7f7f7f7f7f7fULL;
+    for (; i + 64 <= n; i += 64) {
+        int c = 0;
+        for (int k = 0; k < 8; k++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * k, 8);
+            uint64_t x = w ^ nl;  /* a byte equal to '\n' is 0 here */
+            /* Exact: a byte's high bit is set in t only when the byte is 0 (no borrow crosses bytes). */
+            uint64_t t = ~(((x & low7) + low7) | x | low7);
+            c += __builtin_popcountll(t);
+        }
+        count += c;
+    }
+    for (; i < n; i++)
+        count += p[i] == '\n';
+    return count;
+}
+
+/* The first line start at or after `from` whose line holds one of the probe's texts, its probe byte before `stop`;
+ * its newline (before `stop`, else -1) in *nl_out. -1 if none. `start` is the region's first byte (a line starts
+ * there); `size` the buffer's, past which no text is compared. */
+static Py_ssize_t
+probe_next(const Probe *pr, const unsigned char *buf, Py_ssize_t size, Py_ssize_t start, Py_ssize_t from,
+           Py_ssize_t stop, Py_ssize_t *nl_out)
+{
+    Py_ssize_t i = from + pr->at;
+    while (i < stop) {
+        const unsigned char *hit = memchr(buf + i, pr->byte, (size_t)(stop - i));
+        if (hit == NULL)
+            return -1;
+        i = hit - buf;
+        Py_ssize_t t0 = i - pr->at;
+        for (Py_ssize_t k = 0; k < pr->ntexts; k++) {
+            if (t0 + pr->lens[k] <= size && memcmp(buf + t0, pr->texts[k], (size_t)pr->lens[k]) == 0) {
+                /* The text never holds a newline, so the line is found from the probe byte either way. */
+                const unsigned char *nl = memchr(buf + i, '\n', (size_t)(stop - i));
+                Py_ssize_t le = nl ? nl - buf : -1;
+                const unsigned char *q = memrchr(buf + start, '\n', (size_t)(i - start));
+                *nl_out = le;
+                return q ? q - buf + 1 : start;
+            }
+        }
+        i++;
+    }
+    return -1;
+}
+
+static void
+probes_free(Probes *ps)
+{
+    if (ps->probes) {
+        for (Py_ssize_t i = 0; i < ps->n; i++) {
+            PyMem_Free(ps->probes[i].texts);
+            PyMem_Free(ps->probes[i].lens);
+        }
+        PyMem_Free(ps->probes);
+    }
+    ps->probes = NULL;
+}
+
+/* Reads probes_for's list; 0 on success, -1 with an exception set. */
+static int
+probes_read(PyObject *seq, Probes *ps)
+{
+    ps->probes = NULL;
+    ps->n = 0;
+    PyObject *fast = PySequence_Fast(seq, "probes must be a sequence");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    ps->probes = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Probe));
+    if (ps->probes == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *byte, *texts;
+        Py_ssize_t at;
+        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "SnO!", &byte, &at, &PyTuple_Type, &texts)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "a probe is (bytes, int, tuple of bytes)");
+            goto fail;
+        }
+        Probe *pr = &ps->probes[i];
+        ps->n = i + 1;
+        if (PyBytes_GET_SIZE(byte) != 1 || at < 0) {
+            PyErr_SetString(PyExc_ValueError, "a probe's byte is one byte, at an offset of 0 or more");
+            goto fail;
+        }
+        pr->byte = (unsigned char)PyBytes_AS_STRING(byte)[0];
+        pr->at = at;
+        pr->ntexts = PyTuple_GET_SIZE(texts);
+        pr->texts = PyMem_Calloc(pr->ntexts ? (size_t)pr->ntexts : 1, sizeof(char *));
+        pr->lens = PyMem_Calloc(pr->ntexts ? (size_t)pr->ntexts : 1, sizeof(Py_ssize_t));
+        if (pr->texts == NULL || pr->lens == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t k = 0; k < pr->ntexts; k++) {
+            PyObject *text = PyTuple_GET_ITEM(texts, k);
+            if (!PyBytes_Check(text) || PyBytes_GET_SIZE(text) <= at
+                    || (unsigned char)PyBytes_AS_STRING(text)[at] != pr->byte
+                    || memchr(PyBytes_AS_STRING(text), '\n', (size_t)PyBytes_GET_SIZE(text)) != NULL) {
+                PyErr_SetString(PyExc_ValueError, "a probe's text holds its byte at its offset, and no newline");
+                goto fail;
+            }
+            pr->texts[k] = PyBytes_AS_STRING(text);
+            pr->lens[k] = PyBytes_GET_SIZE(text);
+        }
+    }
+    Py_DECREF(fast);  /* the texts stay alive: the caller's probes hold them */
+    return 0;
+fail:
+    Py_DECREF(fast);
+    probes_free(ps);
+    return -1;
+}
+
+/* The found lines of buf[start:stop] in order, each as (line start, its newline): calls `each` for every one;
+ * returns -1 if `each` failed. The texts are compared only where they fit inside the buffer. */
+typedef int (*each_line)(void *ctx, Py_ssize_t ls, Py_ssize_t le);
+
+static int
+scan(const unsigned char *buf, Py_ssize_t size, Py_ssize_t start, Py_ssize_t stop, Probes *ps, each_line each,
+     void *ctx)
+{
+    if (start < 0)
+        start = 0;
+    if (stop > size)
+        stop = size;
+    if (start >= stop)
+        return 0;
+    for (Py_ssize_t i = 0; i < ps->n; i++) {
+        Probe *pr = &ps->probes[i];
+        pr->next = pr->ntexts ? probe_next(pr, buf, size, start, start, stop, &pr->next_nl) : -1;
+    }
+    for (;;) {
+        Py_ssize_t best = -1, nl = -1;
+        for (Py_ssize_t i = 0; i < ps->n; i++) {
+            Probe *pr = &ps->probes[i];
+            if (pr->next >= 0 && (best < 0 || pr->next < best)) {
+                best = pr->next;
+                nl = pr->next_nl;
+            }
+        }
+        if (best < 0)
+            return 0;
+        if (each(ctx, best, nl) < 0)
+            return -1;
+        if (nl < 0)
+            return 0;  /* the region's last line had no newline: nothing after it */
+        for (Py_ssize_t i = 0; i < ps->n; i++) {
+            Probe *pr = &ps->probes[i];
+            if (pr->next >= 0 && pr->next <= nl)
+                pr->next = probe_next(pr, buf, size, start, nl + 1, stop, &pr->next_nl);
+        }
+    }
+}
+
+static int
+append_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
+{
+    PyObject *pair = Py_BuildValue("(nn)", ls, le);
+    if (pair == NULL)
+        return -1;
+    int rc = PyList_Append((PyObject *)ctx, pair);
+    Py_DECREF(pair);
+    return rc;
+}
+
+PyDoc_STRVAR(lines_holding_doc,
+"lines_holding(buf, start, stop, probes) -> list of (start, end)\n\n"
+"line_search.lines_holding's answer: each line of buf[start:stop] that holds one of the probes' texts, in order;\n"
+"end is the offset of the line's newline.");
+
+static PyObject *
+lines_holding(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t start, stop;
+    PyObject *probes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnO", &view, &start, &stop, &probes))
+        return NULL;
+    Probes ps;
+    if (probes_read(probes, &ps) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out != NULL && scan(view.buf, view.len, start, stop, &ps, append_span, out) < 0)
+        Py_CLEAR(out);
+    probes_free(&ps);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+typedef struct {
+    const unsigned char *buf;
+    Py_ssize_t at;        /* newlines are counted up to here */
+    Py_ssize_t lines;     /* newlines before `at` (with the caller's base) */
+    PyObject *numbers;
+    /* the found lines, CR of a CRLF end taken off: (start, length) pairs, joined at the end */
+    Py_ssize_t *spans;
+    Py_ssize_t nspans, cap;
+    Py_ssize_t bytes;
+} Gather;
+
+static int
+gather_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
+{
+    Gather *g = ctx;
+    g->lines += count_newlines(g->buf + g->at, ls - g->at);
+    g->at = ls;
+    PyObject *number = PyLong_FromSsize_t(g->lines + 1);
+    if (number == NULL)
+        return -1;
+    int rc = PyList_Append(g->numbers, number);
+    Py_DECREF(number);
+    if (rc < 0)
+        return -1;
+    if (g->nspans == g->cap) {
+        Py_ssize_t cap = g->cap ? 2 * g->cap : 256;
+        Py_ssize_t *spans = PyMem_Realloc(g->spans, (size_t)cap * 2 * sizeof(Py_ssize_t));
+        if (spans == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        g->spans = spans;
+        g->cap = cap;
+    }
+    Py_ssize_t end = le;
+    if (end > ls && g->buf[end - 1] == '\r')
+        end--;
+    g->spans[2 * g->nspans] = ls;
+    g->spans[2 * g->nspans + 1] = end - ls;
+    g->nspans++;
+    g->bytes += end - ls;
+    return 0;
+}
+
+PyDoc_STRVAR(gather_doc,
+"gather(buf, start, stop, probes, base) -> (joined, numbers, newlines)\n\n"
+"The found lines of buf[start:stop] (complete lines: stop just past a newline) joined by newlines, the CR of a\n"
+"CRLF end taken off each; the line number of each (base + the newlines before it + 1); the newlines in the\n"
+"region.");
+
+static PyObject *
+gather(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t start, stop, base;
+    PyObject *probes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnOn", &view, &start, &stop, &probes, &base))
+        return NULL;
+    if (start < 0 || stop > view.len || start > stop) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "start and stop lie inside the buffer, start first");
+        return NULL;
+    }
+    Probes ps;
+    if (probes_read(probes, &ps) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Gather g = {view.buf, start, base, PyList_New(0), NULL, 0, 0, 0};
+    PyObject *joined = NULL, *out = NULL;
+    if (g.numbers == NULL || scan(view.buf, view.len, start, stop, &ps, gather_span, &g) < 0)
+        goto done;
+    Py_ssize_t size = g.bytes + (g.nspans ? g.nspans - 1 : 0);
+    joined = PyBytes_FromStringAndSize(NULL, size);
+    if (joined == NULL)
+        goto done;
+    char *w = PyBytes_AS_STRING(joined);
+    for (Py_ssize_t i = 0; i < g.nspans; i++) {
+        if (i)
+            *w++ = '\n';
+        memcpy(w, (const char *)view.buf + g.spans[2 * i], (size_t)g.spans[2 * i + 1]);
+        w += g.spans[2 * i + 1];
+    }
+    Py_ssize_t newlines = g.lines - base + count_newlines((const unsigned char *)view.buf + g.at, stop - g.at);
+    out = Py_BuildValue("(NOn)", joined, g.numbers, newlines);
+    joined = NULL;
+done:
+    Py_XDECREF(joined);
+    Py_XDECREF(g.numbers);
+    PyMem_Free(g.spans);
+    probes_free(&ps);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+PyDoc_STRVAR(count_doc, "count_newlines(buf, start, stop) -> the newlines in buf[start:stop]");
+
+static PyObject *
+count(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t start, stop;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nn", &view, &start, &stop))
+        return NULL;
+    if (start < 0)
+        start = 0;
+    if (stop > view.len)
+        stop = view.len;
+    Py_ssize_t n = start < stop ? count_newlines((const unsigned char *)view.buf + start, stop - start) : 0;
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyMethodDef methods[] = {
+    {"lines_holding", lines_holding, METH_VARARGS, lines_holding_doc},
+    {"gather", gather, METH_VARARGS, gather_doc},
+    {"count_newlines", count, METH_VARARGS, count_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_line_scan",
+    "line_search's search in C: the lines of a buffer that hold one of a few texts, found in one pass.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__line_scan(void)
+{
+    return PyModule_Create(&module);
+}
