@@ -1,6 +1,12 @@
 """The lines of a byte buffer that hold one of a few fixed texts, found at C speed: what the kernel-log readers (a
-saved file, agent/node/kernel_scan.py; the followed kernel log, agent/sources/kmsg_scan.py) decode and parse, while
-every other line is skipped unread.
+saved file, agent/node/kernel_scan.py; the followed kernel log, agent/sources/kmsg_scan.py) and the job-log reader
+(agent/jobs/joblog.py) decode and parse, while every other line is skipped unread.
+
+Where the package was built with its C part (agent/core/_line_scan.c: a C compiler and Python's headers at build
+time; the Debian package and CI have both), lines_holding and gather are that module's: one pass of C finds the
+lines, counts the newlines between them and joins them, with no step of Python per line (on a log with 10 % XID
+lines that step was most of analyze's time). Otherwise the search below runs, with the same answers
+(tests/test_line_scan_native.py compares both).
 
 Each text is looked for by its rarest byte (``bytes.find`` of one byte is memchr), and the text checked where that
 byte is; texts that share their rarest byte at one offset are checked together. Where the byte turns out common
