@@ -142,3 +142,19 @@ def test_without_the_c_search_the_readers_give_the_same_findings(tmp_path):
     if native is None:
         pytest.skip("the package was built without its C search: only the fallback is here")
     assert analyze(hide=True) == analyze(hide=False)
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(noise=st.lists(st.sampled_from([b"a", b"aa ", b"banana ", b"atchdo ", b"\n", b"watchdog", b"desync", b"X"]),
+                      min_size=100, max_size=2000),
+       every=st.integers(1, 400))
+def test_a_probe_byte_common_in_the_buffer_turns_to_the_texts_and_finds_the_same_lines(noise, every):
+    """Past a run of misses the C search looks for the texts themselves (memmem): the same lines as before it."""
+    parts = [p for i, p in enumerate(noise) for p in ((p, b"\n[rank3]: Watchdog caught collective operation timeout\n")
+                                                       if i % every == every - 1 else (p,))]
+    buf = b"".join(parts) + b"\n"
+    for texts in ((b"atchdog",), (b"atchdog", b"desync", b"Xid"), (b"ana",)):
+        probes = probes_for(texts)
+        assert native.lines_holding(buf, 0, len(buf), probes) == python_lines_holding(buf, 0, len(buf), probes)
+        assert native.gather(buf, 0, len(buf), probes, 3) == python_gather(buf, 0, len(buf), probes, 3)

@@ -12,7 +12,7 @@
  * Newlines are counted eight bytes at a time (an exact count of the bytes equal to '\n' in each word).
  */
 #define PY_SSIZE_T_CLEAN
-#define _GNU_SOURCE 1 /* memrchr; the value pyconfig.h gives it */
+#define _GNU_SOURCE 1 /* memrchr, memmem; the value pyconfig.h gives it */
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +23,7 @@ typedef struct {
     Py_ssize_t ntexts;
     const char **texts;    /* borrowed from the probes' bytes objects, alive for the call */
     Py_ssize_t *lens;
+    int by_text;           /* the probe byte turned out common: the texts themselves are searched for (memmem) */
     Py_ssize_t next;       /* position of the next line start found by this probe, or -1: none left */
     Py_ssize_t next_nl;    /* that line's newline */
 } Probe;
@@ -57,12 +58,14 @@ count_newlines(const unsigned char *p, Py_ssize_t n)
 /* The first line start at or after `from` whose line holds one of the probe's texts, its probe byte before `stop`;
  * its newline (before `stop`, else -1) in *nl_out. -1 if none. `start` is the region's first byte (a line starts
  * there); `size` the buffer's, past which no text is compared. */
+#define MISSES_MAX 64
+
 static Py_ssize_t
-probe_next(const Probe *pr, const unsigned char *buf, Py_ssize_t size, Py_ssize_t start, Py_ssize_t from,
+probe_next(Probe *pr, const unsigned char *buf, Py_ssize_t size, Py_ssize_t start, Py_ssize_t from,
            Py_ssize_t stop, Py_ssize_t *nl_out)
 {
-    Py_ssize_t i = from + pr->at;
-    while (i < stop) {
+    Py_ssize_t i = from + pr->at, misses = 0;
+    while (i < stop && !pr->by_text) {
         const unsigned char *hit = memchr(buf + i, pr->byte, (size_t)(stop - i));
         if (hit == NULL)
             return -1;
@@ -78,9 +81,32 @@ probe_next(const Probe *pr, const unsigned char *buf, Py_ssize_t size, Py_ssize_
                 return q ? q - buf + 1 : start;
             }
         }
+        /* A byte common in the text around (a lower-case letter in a job log) is a call for each few bytes: past
+         * MISSES_MAX misses in a row the texts themselves are searched for, here and in the rest of the region. */
+        if (++misses > MISSES_MAX)
+            pr->by_text = 1;
         i++;
     }
-    return -1;
+    if (!pr->by_text)
+        return -1;
+    /* The first text found at or after i - at (no hit before it held one), its line: the earliest over the texts. */
+    Py_ssize_t from_text = i - pr->at < from ? from : i - pr->at, best = -1;
+    for (Py_ssize_t k = 0; k < pr->ntexts; k++) {
+        Py_ssize_t end = best >= 0 ? best + pr->lens[k] : stop - pr->at + pr->lens[k];
+        if (end > size)
+            end = size;
+        if (end - from_text < pr->lens[k])
+            continue;
+        const unsigned char *t = memmem(buf + from_text, (size_t)(end - from_text), pr->texts[k], (size_t)pr->lens[k]);
+        if (t != NULL && t - buf + pr->at < stop && (best < 0 || t - buf < best))
+            best = t - buf;
+    }
+    if (best < 0)
+        return -1;
+    const unsigned char *nl = memchr(buf + best, '\n', (size_t)(stop - best));
+    const unsigned char *q = memrchr(buf + start, '\n', (size_t)(best - start));
+    *nl_out = nl ? nl - buf : -1;
+    return q ? q - buf + 1 : start;
 }
 
 static void
