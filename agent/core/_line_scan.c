@@ -23,6 +23,8 @@ typedef struct {
     Py_ssize_t ntexts;
     const char **texts;    /* borrowed from the probes' bytes objects, alive for the call */
     Py_ssize_t *lens;
+    Py_ssize_t *text_at;   /* by_text: where each text is next found (-1: nowhere before the region's end; -2: not
+                            * looked for yet); the positions only grow, so each text is searched for once a region */
     int by_text;           /* the probe byte turned out common: the texts themselves are searched for (memmem) */
     Py_ssize_t next;       /* position of the next line start found by this probe, or -1: none left */
     Py_ssize_t next_nl;    /* that line's newline */
@@ -55,6 +57,17 @@ count_newlines(const unsigned char *p, Py_ssize_t n)
     return count;
 }
 
+/* The line that holds position `pos` of buf[start:stop]: its start, and its newline (-1: none before stop) in
+ * *nl_out. */
+static Py_ssize_t
+line_at(const unsigned char *buf, Py_ssize_t start, Py_ssize_t pos, Py_ssize_t stop, Py_ssize_t *nl_out)
+{
+    const unsigned char *nl = memchr(buf + pos, '\n', (size_t)(stop - pos));
+    const unsigned char *q = memrchr(buf + start, '\n', (size_t)(pos - start));
+    *nl_out = nl ? nl - buf : -1;
+    return q ? q - buf + 1 : start;
+}
+
 /* The first line start at or after `from` whose line holds one of the probe's texts, its probe byte before `stop`;
  * its newline (before `stop`, else -1) in *nl_out. -1 if none. `start` is the region's first byte (a line starts
  * there); `size` the buffer's, past which no text is compared. */
@@ -72,14 +85,8 @@ probe_next(Probe *pr, const unsigned char *buf, Py_ssize_t size, Py_ssize_t star
         i = hit - buf;
         Py_ssize_t t0 = i - pr->at;
         for (Py_ssize_t k = 0; k < pr->ntexts; k++) {
-            if (t0 + pr->lens[k] <= size && memcmp(buf + t0, pr->texts[k], (size_t)pr->lens[k]) == 0) {
-                /* The text never holds a newline, so the line is found from the probe byte either way. */
-                const unsigned char *nl = memchr(buf + i, '\n', (size_t)(stop - i));
-                Py_ssize_t le = nl ? nl - buf : -1;
-                const unsigned char *q = memrchr(buf + start, '\n', (size_t)(i - start));
-                *nl_out = le;
-                return q ? q - buf + 1 : start;
-            }
+            if (t0 + pr->lens[k] <= size && memcmp(buf + t0, pr->texts[k], (size_t)pr->lens[k]) == 0)
+                return line_at(buf, start, i, stop, nl_out);  /* a text holds no newline: its line is the byte's */
         }
         /* A byte common in the text around (a lower-case letter in a job log) is a call for each few bytes: past
          * MISSES_MAX misses in a row the texts themselves are searched for, here and in the rest of the region. */
@@ -89,24 +96,24 @@ probe_next(Probe *pr, const unsigned char *buf, Py_ssize_t size, Py_ssize_t star
     }
     if (!pr->by_text)
         return -1;
-    /* The first text found at or after i - at (no hit before it held one), its line: the earliest over the texts. */
+    /* The earliest text at or after i - at (no hit before it held one), and its line. A text found past `from_text`
+     * before is still the next one: only a text found before `from_text` (or never looked for) is searched again. */
     Py_ssize_t from_text = i - pr->at < from ? from : i - pr->at, best = -1;
     for (Py_ssize_t k = 0; k < pr->ntexts; k++) {
-        Py_ssize_t end = best >= 0 ? best + pr->lens[k] : stop - pr->at + pr->lens[k];
-        if (end > size)
-            end = size;
-        if (end - from_text < pr->lens[k])
-            continue;
-        const unsigned char *t = memmem(buf + from_text, (size_t)(end - from_text), pr->texts[k], (size_t)pr->lens[k]);
-        if (t != NULL && t - buf + pr->at < stop && (best < 0 || t - buf < best))
-            best = t - buf;
+        Py_ssize_t t = pr->text_at[k];
+        if (t != -1 && t < from_text) {
+            Py_ssize_t end = stop - pr->at + pr->lens[k];  /* a text whose probe byte is before stop */
+            if (end > size)
+                end = size;
+            const unsigned char *found = end - from_text < pr->lens[k] ? NULL
+                : memmem(buf + from_text, (size_t)(end - from_text), pr->texts[k], (size_t)pr->lens[k]);
+            t = found != NULL && found - buf + pr->at < stop ? found - buf : -1;
+            pr->text_at[k] = t;
+        }
+        if (t >= 0 && (best < 0 || t < best))
+            best = t;
     }
-    if (best < 0)
-        return -1;
-    const unsigned char *nl = memchr(buf + best, '\n', (size_t)(stop - best));
-    const unsigned char *q = memrchr(buf + start, '\n', (size_t)(best - start));
-    *nl_out = nl ? nl - buf : -1;
-    return q ? q - buf + 1 : start;
+    return best < 0 ? -1 : line_at(buf, start, best, stop, nl_out);
 }
 
 static void
@@ -116,6 +123,7 @@ probes_free(Probes *ps)
         for (Py_ssize_t i = 0; i < ps->n; i++) {
             PyMem_Free(ps->probes[i].texts);
             PyMem_Free(ps->probes[i].lens);
+            PyMem_Free(ps->probes[i].text_at);
         }
         PyMem_Free(ps->probes);
     }
@@ -158,7 +166,8 @@ probes_read(PyObject *seq, Probes *ps)
         pr->ntexts = PyTuple_GET_SIZE(texts);
         pr->texts = PyMem_Calloc(pr->ntexts ? (size_t)pr->ntexts : 1, sizeof(char *));
         pr->lens = PyMem_Calloc(pr->ntexts ? (size_t)pr->ntexts : 1, sizeof(Py_ssize_t));
-        if (pr->texts == NULL || pr->lens == NULL) {
+        pr->text_at = PyMem_Calloc(pr->ntexts ? (size_t)pr->ntexts : 1, sizeof(Py_ssize_t));
+        if (pr->texts == NULL || pr->lens == NULL || pr->text_at == NULL) {
             PyErr_NoMemory();
             goto fail;
         }
@@ -172,6 +181,7 @@ probes_read(PyObject *seq, Probes *ps)
             }
             pr->texts[k] = PyBytes_AS_STRING(text);
             pr->lens[k] = PyBytes_GET_SIZE(text);
+            pr->text_at[k] = -2;
         }
     }
     Py_DECREF(fast);  /* the texts stay alive: the caller's probes hold them */
