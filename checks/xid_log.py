@@ -193,9 +193,7 @@ def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[Logge
             continue
         event = parse_xid(message, records[first[message]])
         if event is not None:
-            at = (first[message],) if count == 1 else TextLines(messages, message, count, first[message],
-                                                               last[message])
-            runs.append(XidRun(event, at))
+            runs.append(XidRun(event, TextLines(messages, message, count, first[message], last[message])))
             continue
         preamble = parse_gpu_preamble(message)
         if preamble is not None:

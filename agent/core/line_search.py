@@ -79,21 +79,22 @@ def lines_holding(buf: bytes | bytearray, start: int, stop: int, probes: Probes,
     return python_lines_holding(buf, start, stop, probes, memory)
 
 
-def gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: int) -> tuple[bytes, list[int], int]:
+def gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: int,
+           memory: ProbeMemory | None = None) -> tuple[bytes, list[int], int]:
     """The lines of buf[start:stop] (complete lines) that hold one of the probes' texts, joined by newlines with the
     CR of a CRLF end taken off each; the number of each (``base`` + the newlines before it + 1); the newlines of
-    the region. One call where a reader hands many lines on together."""
+    the region. One call where a reader hands many lines on together. `memory`: as for lines_holding."""
     if native is not None:
         return native.gather(buf, start, stop, probes, base)
-    return python_gather(buf, start, stop, probes, base)
+    return python_gather(buf, start, stop, probes, base, memory)
 
 
-def python_gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes,
-                  base: int) -> tuple[bytes, list[int], int]:
+def python_gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: int,
+                  memory: ProbeMemory | None = None) -> tuple[bytes, list[int], int]:
     """gather in Python: the C search's fallback, and its reference in the tests."""
     numbers = []
     at, lines = start, base
-    spans = python_lines_holding(buf, start, stop, probes)
+    spans = python_lines_holding(buf, start, stop, probes, memory)
     for ls, _ in spans:
         lines += buf.count(b"\n", at, ls)
         at = ls

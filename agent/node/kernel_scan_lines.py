@@ -53,7 +53,7 @@ def _read_lines(read: Callable[[memoryview], int], needles: Sequence[bytes],
         """Reads the complete lines buf[start:stop] (stop just past a newline)."""
         nonlocal lines, last, blank
         if gather is not None:
-            joined, numbers, newlines = gather_lines(buf, start, stop, probes, lines)
+            joined, numbers, newlines = gather_lines(buf, start, stop, probes, lines, memory)
             if numbers:
                 gather(joined, numbers)
             lines += newlines
