@@ -185,6 +185,10 @@ class Store(StoreReads):
                     os.close(fd)
             except OSError as exc:
                 return f"cannot be read ({exc.strerror or exc})"
+            if head != _SQLITE_HEADER and not head.strip(b"\0"):
+                # Cut under the daemon, then written past its start by SQLite's own checkpoint before this look:
+                # the file is as long as before, its start a hole of zeros.
+                return "was truncated while in use (its first bytes are zeros: it was cut and written past its start)"
             if head != _SQLITE_HEADER:
                 return "was overwritten while in use (its first bytes are not SQLite's header)"
         return None
