@@ -11,11 +11,11 @@ The driver's formats (NVIDIA open-gpu-kernel-modules, src/nvidia/src/kernel/gpu/
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import fields, make_dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
 from gpuwarden.agent.core.kernel_log import LogRecord
+from gpuwarden.agent.core.log_rows import text_runs
 from gpuwarden.agent.core.model import Entity
 from gpuwarden.agent.core.records import dataclass
 
@@ -177,27 +177,24 @@ def collect_runs(records: Sequence[LogRecord]) -> tuple[list[XidRun], list[Logge
     messages = getattr(records, "messages", None)
     if messages is None:
         messages = [r.message for r in records]
-    # Each text is read once: its number of lines, first and last found by passes of C over the batch (a Counter,
-    # two dicts from zip), not by a step of Python for each line. In the order each text first appears.
-    counts = Counter(messages)
-    if not counts:
+    # Each text is read once: its number of lines, first and last found in one pass of C over the batch
+    # (agent/core/log_rows.py), not by a step of Python for each line. In the order each text first appears.
+    if not messages:
         return [], [], []
     n = len(messages)
-    last = dict(zip(messages, range(n), strict=True))
-    first = dict(zip(reversed(messages), range(n - 1, -1, -1), strict=True))
     runs: list[XidRun] = []
     preambles: list[tuple[int, LoggedGpu]] = []  # (last line, the GPU it names)
     unread_texts: set[str] = set()
-    for message, count in counts.items():
+    for message, (count, first, last) in text_runs(messages if type(messages) is list else list(messages)).items():
         if "NVRM: " not in message:  # cheap filter: most kernel lines are not the NVIDIA driver's
             continue
-        event = parse_xid(message, records[first[message]])
+        event = parse_xid(message, records[first])
         if event is not None:
-            runs.append(XidRun(event, TextLines(messages, message, count, first[message], last[message])))
+            runs.append(XidRun(event, TextLines(messages, message, count, first, last)))
             continue
         preamble = parse_gpu_preamble(message)
         if preamble is not None:
-            preambles.append((last[message], LoggedGpu(preamble[1], preamble[0])))
+            preambles.append((last, LoggedGpu(preamble[1], preamble[0])))
         elif XID_MARK in message:
             unread_texts.add(message)
     logged: dict[str, LoggedGpu] = {}

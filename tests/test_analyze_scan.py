@@ -354,14 +354,14 @@ def test_a_process_that_fails_is_an_error_naming_the_file(tmp_path, monkeypatch,
 
     real = kernel_scan_lines._text_rows  # what a reader calls on each part's lines it reads
 
-    def failing(raws, linenos, rows):
+    def failing(raws, linenos):
         if any(b"0000:db:00" in raw for raw in raws):  # a part in the middle of the file
             if how == "raises":
                 raise MemoryError("no room")
             if how == "dies":
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(raws, linenos, rows)
+        return real(raws, linenos)
 
     data = generated(8, "syslog", 3000)
     path = tmp_path / "f.log"
@@ -618,10 +618,10 @@ def test_a_reader_started_ahead_that_fails_makes_the_file_unknown(tmp_path, monk
         pytest.skip("read in parts only where this process may use more than one CPU")
     real = kernel_scan_lines._text_rows
 
-    def failing(raws, linenos, rows):
+    def failing(raws, linenos):
         if any(b"0000:db:00" in raw for raw in raws):
             os._exit(3)
-        return real(raws, linenos, rows)
+        return real(raws, linenos)
 
     monkeypatch.setattr(kernel_scan_lines, "_text_rows", failing)
     monkeypatch.setattr(kernel_scan, "PARALLEL_MIN", 0)

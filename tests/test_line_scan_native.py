@@ -69,8 +69,15 @@ def test_c_and_python_agree_on_every_recorded_kernel_and_job_log():
 def test_counting_newlines_is_exact_at_every_alignment_and_length():
     data = bytes(range(256)) * 3 + b"\n\n\x0a\x8a\x0b\x09" * 40
     for start in range(0, 70):
-        for stop in (start, start + 1, start + 63, start + 64, start + 65, len(data)):
+        for stop in (start, start + 1, start + 15, start + 16, start + 17, start + 63, start + 64, start + 65,
+                     len(data)):
             assert native.count_newlines(data, start, stop) == data.count(b"\n", start, stop)
+    # Across the blocks of 255 rows of 16 bytes the count is kept in, and with every byte a newline (each lane's
+    # count at its most, 255).
+    for data in (b"\n" * 20_000, (b"ab\ncd" * 4000)):
+        for start in (0, 1, 15):
+            for stop in (4079 + start, 4080 + start, 4081 + start, 8160 + start, 8161 + start, len(data)):
+                assert native.count_newlines(data, start, stop) == data.count(b"\n", start, stop)
 
 
 @needs_c
@@ -115,8 +122,8 @@ def test_a_region_outside_the_buffer_is_refused_by_gather_and_bounded_by_lines_h
 
 
 def test_without_the_c_search_the_readers_give_the_same_findings(tmp_path):
-    """The fallback is what runs where no compiler was: `analyze --json` of a dense log with the C search hidden
-    from the process gives the findings it gives with it."""
+    """The fallback is what runs where no compiler was: `analyze --json` of a dense log with the C search or the C
+    rows (or both) hidden from the process gives the findings it gives with them."""
     log = tmp_path / "kern.log"
     lines = []
     for i in range(30_000):
@@ -127,11 +134,12 @@ def test_without_the_c_search_the_readers_give_the_same_findings(tmp_path):
             lines.append(f"[{i / 1000:12.6f}] usb 1-{i % 9}: new high-speed USB device number {i}")
     log.write_text("\n".join(lines) + "\n")
 
-    def analyze(hide: bool) -> str:
+    def analyze(*hidden: str) -> str:
         code = ("import sys\n"
-                + ("sys.modules['gpuwarden.agent.core._line_scan'] = None\n" if hide else "")
-                + "from gpuwarden.agent.core import line_search\n"
-                + f"assert (line_search.native is None) is {hide}\n"
+                + "".join(f"sys.modules['gpuwarden.agent.core.{name}'] = None\n" for name in hidden)
+                + "from gpuwarden.agent.core import line_search, log_rows\n"
+                + f"assert (line_search.native is None) is {'_line_scan' in hidden}\n"
+                + f"assert (log_rows.native is None) is {'_log_rows' in hidden}\n"
                 + "from gpuwarden.agent.cli.main import main\n"
                 + f"sys.exit(main(['analyze', '--json', {str(log)!r}]))\n")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -141,7 +149,10 @@ def test_without_the_c_search_the_readers_give_the_same_findings(tmp_path):
 
     if native is None:
         pytest.skip("the package was built without its C search: only the fallback is here")
-    assert analyze(hide=True) == analyze(hide=False)
+    found = analyze()
+    # the search in Python, the rows in Python (agent/core/_log_rows.c), or both
+    assert analyze("_line_scan") == found and analyze("_log_rows") == found
+    assert analyze("_line_scan", "_log_rows") == found
 
 
 @needs_c

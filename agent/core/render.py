@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import textwrap
 import threading
@@ -56,6 +55,8 @@ def when(t: float | None, now: float) -> str:
 
 def table(report: Report) -> str:
     """One line per check (or per finding), then the finding's message indented under it, wrapped."""
+    import shutil  # at use: with the archives it loads, 2 ms of every start, and --json draws no table
+
     width = max(80, shutil.get_terminal_size((120, 24)).columns)
     lines = [f"gpuwarden {report.tool}: {report.node}  ({report.source})", ""]
     cw = max([len("CHECK"), *(len(r.check) for r in report.results)])

@@ -7,10 +7,11 @@ every other line is one they skip unread. So the file is read in fixed chunks in
 pages of a mapped file that are touched count in the process's memory), each chunk's complete lines are searched for
 those texts with ``bytes.find`` (C), and only a line that holds one is decoded and parsed as a whole-file parse reads
 it (agent/core/kernel_log.py parse_line; in a reader process, a part's lines with one findall of the pattern of their
-form, kernel_log's DMESG_LINES, FORM_LINES or KMSG_ROW, built from the patterns parse_line reads them with). The
-newlines between two such lines are counted (``bytes.count``, C) for their line numbers, which are exact. The search
-looks first for one rare byte of each text (``memchr``: X, V) and checks the text there; where that byte is common it
-searches for the texts themselves (agent/core/line_search.py, which the followed kernel log's reader shares).
+form, kernel_log's DMESG_LINES, FORM_LINES or KMSG_ROW, built from the patterns parse_line reads them with; a part in
+dmesg form is read in C where the package was built with it, agent/core/log_rows.py, and sent as columns). The
+newlines between two such lines are counted for their line numbers, which are exact. The search looks first for one
+rare byte of each text (``memchr``: X, V) and checks the text there; where that byte is common it searches for the
+texts themselves (agent/core/line_search.py, in C, which the followed kernel log's reader shares).
 
 What is read is what a parse of the whole file reads, and so the findings are the same (tests/test_analyze_scan.py
 compares both on every recorded log and on generated ones):
@@ -62,7 +63,7 @@ from gpuwarden.agent.core.kernel_log import (
 )
 from gpuwarden.agent.core.line_search import probes_for
 from gpuwarden.agent.core.records import dataclass
-from gpuwarden.agent.node.kernel_scan_lines import MAX_NOTES, _read_lines, _read_part
+from gpuwarden.agent.node.kernel_scan_lines import MAX_NOTES, Rows, _read_lines, _read_part, stamp_texts
 from gpuwarden.agent.node.kernel_scan_readers import HANDED_AHEAD, _NoFork, _parts, _Readers
 
 CHUNK = 1 << 20  # bytes read at a time
@@ -275,47 +276,78 @@ def _threads() -> int:
 
 
 class RowRecords(Sequence[LogRecord]):
-    """A batch of the readers' records as they sent them (rows, numbered from their part's first line): each record
-    is made when it is asked for, and ``messages`` holds every record's message at once. A judge that reads the
-    messages and only some records (the xid check: the first and last line of each text) makes only those; one
-    that reads them all gets them all, the same as a list's."""
+    """A batch of the readers' records as they sent them (kernel_scan_lines.Rows: rows, or a dmesg part's columns,
+    numbered from their part's first line): each record is made when it is asked for, and ``messages`` holds every
+    record's message at once. A judge that reads the messages and only some records (the xid check: the first and
+    last line of each text) makes only those; one that reads them all gets them all, the same as a list's."""
 
-    __slots__ = ("messages", "_rows", "_offsets", "_starts", "_source")
+    __slots__ = ("messages", "_segments", "_starts", "_source", "_count")
 
     def __init__(self, source: str) -> None:
         self.messages: list[str] = []
-        self._rows: list[tuple[Any, ...]] = []
-        self._offsets: list[int] = []  # lines before each segment's part
-        self._starts: list[int] = []  # index of each segment's first row
+        # (rows, or the columns with their numbers and ends as int64 views; lines before their part)
+        self._segments: list[tuple[Any, int]] = []
+        self._starts: list[int] = []  # index of each segment's first record
         self._source = source
+        self._count = 0
 
-    def add(self, rows: list[tuple[Any, ...]], offset: int) -> None:
-        self._starts.append(len(self._rows))
-        self._offsets.append(offset)
-        self._rows += rows
-        self.messages += [r[0] for r in rows]
+    def add(self, rows: Rows, offset: int) -> None:
+        self._starts.append(self._count)
+        if type(rows) is tuple:  # columns
+            messages, numbers, stamps, ends = rows
+            self._segments.append(((messages, memoryview(numbers).cast("q"), stamps, memoryview(ends).cast("q")),
+                                   offset))
+            self.messages += messages
+            self._count += len(messages)
+        else:
+            self._segments.append((rows, offset))
+            self.messages += [r[0] for r in rows]
+            self._count += len(rows)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._count
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self._rows)))]
+            return [self[j] for j in range(*i.indices(self._count))]
         if i < 0:
-            i += len(self._rows)
-        message, line, seq, usec, priority, timestamp, facility = self._rows[i]
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError("record index out of range")
+        k = bisect.bisect_right(self._starts, i) - 1
+        rows, offset = self._segments[k]
+        j = i - self._starts[k]
+        if type(rows) is tuple:
+            messages, numbers, stamps, ends = rows
+            message, line, seq, priority, timestamp, facility = messages[j], numbers[j], None, None, None, None
+            usec = stamps[ends[j - 1] if j else 0:ends[j]].decode("ascii")
+        else:
+            message, line, seq, usec, priority, timestamp, facility = rows[j]
         if type(usec) is str:  # as the reader found it (see _text_rows): made a number only for a record made
             secs, _, frac = usec.partition(".")
             usec = stamp_usec(secs, frac) if frac else int(secs)
         if type(seq) is str:
             seq = int(seq)
-        offset = self._offsets[bisect.bisect_right(self._starts, i) - 1]
         r = LogRecordBuilder(message, line + offset, self._source, seq, usec, priority, timestamp, facility)
         r.__class__ = LogRecord
         return r
 
     def __iter__(self) -> Iterator[LogRecord]:
-        return (self[i] for i in range(len(self._rows)))
+        return (self[i] for i in range(self._count))
+
+
+def _rows_count(rows: Rows) -> int:
+    return len(rows[0]) if type(rows) is tuple else len(rows)
+
+
+def _rows_slice(rows: Rows, at: int, stop: int) -> Rows:
+    """rows[at:stop]; columns are made rows for it (a part holds more records than a batch only where its lines
+    are a few bytes each)."""
+    if type(rows) is tuple:
+        messages, numbers, stamps, ends = rows
+        rows = [(message, line, None, stamp, None, None, None) for message, line, stamp in
+                zip(messages, memoryview(numbers).cast("q"), stamp_texts(stamps, ends), strict=True)]
+    return rows[at:stop]
 
 
 def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) -> ScanResult:
@@ -340,10 +372,11 @@ def _take_parts(readers: _Readers, judges: _Judges, source: str, line_max: int) 
                 notes.append(_cut_note(source, line + offset, size, line_max))
         cut += part_cut - len(cuts)
         blank = blank and part_blank
-        for at in range(0, len(rows), BATCH):
-            some = rows[at:at + BATCH] if at or len(rows) > BATCH else rows
+        count = _rows_count(rows)
+        for at in range(0, count, BATCH):
+            some = _rows_slice(rows, at, at + BATCH) if at or count > BATCH else rows
             records.add(some, offset)
-            held += sum(map(len, records.messages[-len(some):]))
+            held += sum(map(len, records.messages[-_rows_count(some):]))
             if len(records) >= BATCH or held >= BATCH_BYTES:
                 judges.judge(records)  # type: ignore[arg-type]  # a Sequence of LogRecords
                 records = RowRecords(source)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
 from typing import Any, Callable, Sequence
 
+from gpuwarden.agent.core import log_rows
 from gpuwarden.agent.core.errors import ParseError
 from gpuwarden.agent.core.kernel_log import (
     DMESG_LINES,
@@ -22,6 +24,13 @@ from gpuwarden.agent.core.line_search import ProbeMemory, Probes, lines_holding
 from gpuwarden.agent.core.line_search import gather as gather_lines
 
 MAX_NOTES = 1000  # malformed records, and lines read cut, named one by one; past this, counted
+
+# A part's records: a row a record, (message, line, seq, usec, priority, timestamp, facility), or for a part in dmesg
+# form read in C the columns (messages, line numbers, stamps, ends): the numbers and the ends as bytes of native
+# int64s (array "q"), every record's stamp "secs.frac" one after the other in the bytes stamps, record k's ending at
+# ends[k]; seq, priority, timestamp and facility are None. marshal sends the columns as a few objects where the rows
+# are a tuple, an int and a str a record. kernel_scan.RowRecords takes either.
+Rows = list[tuple[Any, ...]] | tuple[list[str], bytes, bytes, bytes]
 
 
 # A byte that is text and no white space whatever the bytes around it (ASCII, and not one str.isspace takes): where
@@ -135,7 +144,7 @@ def _read_part(fd: int, start: int, stop: int, final: bool, kmsg: bool, needles:
     """One part's result: (rows of the records, malformed kmsg records (what, line), their count, lines read cut
     (line, length), their count, lines, blank); line numbers from 1 at the part's first line (the file's name and
     the lines before the part are put to them where the parts are taken)."""
-    rows: list[tuple[Any, ...]] = []
+    rows: Rows = []
     errs: list[tuple[str, int]] = []
     cuts: list[tuple[int, int]] = []
     counts = [0, 0]  # malformed, cut
@@ -173,24 +182,30 @@ def _read_part(fd: int, start: int, stop: int, final: bool, kmsg: bool, needles:
                                gather)
     if raws:
         if kmsg:
-            _kmsg_rows(raws, linenos, rows, errs, counts)
+            rows = _kmsg_rows(raws, linenos, errs, counts)
         else:
-            _text_rows(raws, linenos, rows)
+            rows = _text_rows(raws, linenos)
     return rows, errs, counts[0], cuts, counts[1], lines, blank
 
 
-def _text_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tuple[Any, ...]]) -> None:
+def _text_rows(raws: list[bytes | bytearray], linenos: list[int]) -> Rows:
     """The rows of a text file's lines, as parse_line's text branch reads them: the lines in the part's form (its
     first line's: dmesg, dmesg -T, ISO, syslog/journal) read by one findall of kernel_log's pattern of that form
     over them all, any other line through classify_line: one pattern over the part's lines instead of several
-    matches and a function call for each line."""
-    text = b"\n".join(raws).decode("utf-8", "replace")
+    matches and a function call for each line. A dmesg part is read in C where it is built (_dmesg_rows_native)."""
+    rows: list[tuple[Any, ...]] = []
+    joined = b"\n".join(raws)
     # One object for each text that repeats (a flood's lines do): marshal sends it once and refers to it after, and
     # the judges here find the hash of a text they look up already made. A stamp goes as its text ("secs.frac"):
     # RowRecords makes it a number for the records a judge asks for, most of a flood's never are.
     same: dict[str, str] = {}
-    form = classify_line(text[:text.find("\n")] if "\n" in text else text)[0]
+    first = joined.find(b"\n")
+    # The first line decoded alone reads as it does in the whole (a newline ends any bad UTF-8 before it).
+    form = classify_line((joined if first < 0 else joined[:first]).decode("utf-8", "replace"))[0]
     lines = FORM_LINES.get({"journal": "dmesg-ctime", "journal-iso": "dmesg-iso"}.get(form, form))
+    if lines is None and log_rows.native is not None:
+        return _dmesg_rows_native(joined, linenos, same)
+    text = joined.decode("utf-8", "replace")
     # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
     if lines is None:
         for (secs, frac, message), lineno in zip(DMESG_LINES.findall(text), linenos, strict=True):
@@ -199,7 +214,7 @@ def _text_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tup
             elif message and not message.isspace():
                 _, message, timestamp, usec, priority, seq = classify_line(message)
                 rows.append((message, lineno, seq, usec, priority, timestamp, None))
-        return
+        return rows
     for (timestamp, secs, frac, message), lineno in zip(lines.findall(text), linenos, strict=True):
         if timestamp:
             rows.append((same.setdefault(message, message), lineno, None, f"{secs}.{frac}" if secs else None, None,
@@ -207,14 +222,42 @@ def _text_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tup
         elif message and not message.isspace():
             _, message, timestamp, usec, priority, seq = classify_line(message)
             rows.append((message, lineno, seq, usec, priority, timestamp, None))
+    return rows
 
 
-def _kmsg_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tuple[Any, ...]],
-               errs: list[tuple[str, int]], counts: list[int]) -> None:
+def _dmesg_rows_native(joined: bytes, linenos: list[int], same: dict[str, str]) -> Rows:
+    """_text_rows' dmesg branch in C (agent/core/_log_rows.c), as columns (see Rows) where every line is a record
+    with a stamp. The lines the C code is not sure of come back deferred and are read here by the pattern, so the
+    rows are the pattern's; where there are such lines the part goes as rows."""
+    messages, stamps, ends, deferred = log_rows.native.dmesg_rows(joined, linenos, same)
+    if not deferred:
+        return (messages, array("q", linenos).tobytes(), stamps, ends)
+    rows: list[tuple[Any, ...] | None] = [
+        None if message is None else (message, lineno, None, stamp, None, None, None)
+        for message, lineno, stamp in zip(messages, linenos, stamp_texts(stamps, ends), strict=True)]
+    text = b"\n".join(raw for _, raw in deferred).decode("utf-8", "replace")
+    for (k, _), (secs, frac, message) in zip(deferred, DMESG_LINES.findall(text), strict=True):
+        if secs:
+            rows[k] = (same.setdefault(message, message), linenos[k], None, f"{secs}.{frac}", None, None, None)
+        elif message and not message.isspace():
+            _, message, timestamp, usec, priority, seq = classify_line(message)
+            rows[k] = (message, linenos[k], seq, usec, priority, timestamp, None)
+    return [row for row in rows if row is not None]  # a line of white space only is no record, as in the loop
+
+
+def stamp_texts(stamps: bytes, ends: bytes) -> list[str]:
+    """Each record's stamp text of dmesg columns (see Rows)."""
+    cut = memoryview(ends).cast("q")
+    return [stamps[cut[k - 1] if k else 0:cut[k]].decode("ascii") for k in range(len(cut))]
+
+
+def _kmsg_rows(raws: list[bytes | bytearray], linenos: list[int], errs: list[tuple[str, int]],
+               counts: list[int]) -> list[tuple[Any, ...]]:
     """The rows of a raw kmsg file's lines, as parse_line's kmsg branch reads them: the well-formed records by one
     findall of KMSG_ROW over them all, any other line (a malformed record, one past the pattern's bounds) through
     kmsg_line, the exact test."""
     read = KMSG_ROW.findall(b"\n".join(raws).decode("utf-8", "replace"))
+    rows: list[tuple[Any, ...]] = []
     same: dict[str, str] = {}
     for (prio, seq, usec, message), lineno in zip(read, linenos, strict=True):
         if prio:
@@ -231,3 +274,4 @@ def _kmsg_rows(raws: list[bytes | bytearray], linenos: list[int], rows: list[tup
                     errs.append((one.what, lineno))
             else:
                 rows.append((one.message, lineno, one.seq, one.usec, one.priority, one.timestamp, one.facility))
+    return rows
