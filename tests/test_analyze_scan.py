@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -662,3 +663,30 @@ def test_a_flood_read_in_parts_makes_records_only_for_the_lines_the_judges_ask_f
     assert sorted((f.code, f.evidence["count"], f.evidence["first_line"], f.evidence["last_line"])
                   for f in findings if f.check == "xid") == sorted(
         (f.code, f.evidence["count"], f.evidence["first_line"], f.evidence["last_line"]) for f in whole)
+
+
+def test_a_reader_holds_its_results_past_a_full_pipe_up_to_its_bound_and_sends_them_in_order(monkeypatch):
+    """While this process is busy (loading the checks) a reader reads on, its results held past a full pipe, but
+    no more than OUTBOX_BYTES of them: then it waits for the pipe. What arrives is every result, in order."""
+    import threading
+
+    r, w = os.pipe()
+    monkeypatch.setattr(kernel_scan_readers, "OUTBOX_BYTES", 1 << 20)
+    outbox = kernel_scan_readers._Outbox(w)
+    messages = [("part", i, [f"{i} {k} " + "x" * 1000 for k in range(50)]) for i in range(8)]  # ~50 KB each
+    for message in messages:
+        outbox.send(message)  # nobody reads (the pipe holds 64 KiB): held here, not waited for
+    assert outbox.held > 0 and outbox.held <= 1 << 20
+    got = []
+    taker = threading.Thread(target=lambda: got.extend(kernel_scan_readers._receive(r) for _ in range(40)))
+    taker.start()
+    monkeypatch.setattr(kernel_scan_readers, "OUTBOX_BYTES", 100_000)
+    more = [("part", i, [f"{i} {k} " + "y" * 1000 for k in range(50)]) for i in range(8, 40)]
+    for message in more:
+        outbox.send(message)  # past the bound: waits for the taker
+        assert outbox.held <= 100_000 + 60_000
+    outbox.flush()
+    taker.join(10)
+    os.close(w)
+    assert [tuple(m) for m in got] == messages + more and os.read(r, 1) == b""
+    os.close(r)

@@ -22,6 +22,10 @@ from gpuwarden.agent.core.line_search import ProbeMemory
 HANDED_AHEAD = 1 << 14
 READER_NICE = 5  # the readers' niceness, above this process's
 PIPE_SIZE = 1 << 20  # bytes a reader's pipe holds (Linux's default pipe-max-size)
+# Bytes of results a reader holds itself once its pipe is full, reading on meanwhile: while this process loads the
+# checks (a few tens of ms) it takes nothing, and a log dense in XIDs (1M lines, 10 % of them) has more results
+# than the pipes hold. Past this the reader waits, so that memory stays flat in the file's size.
+OUTBOX_BYTES = 4 << 20
 
 
 class ScanError(GpuwardenError):
@@ -208,6 +212,7 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
     pipe ends; exits without returning (nothing of the parent's, its buffers or exit handlers, runs twice)."""
     code = 1
     i = -1
+    outbox: _Outbox | None = None
     try:
         gc.disable()  # the rows hold only str, int and None: no cycles to collect
         # This process judges every part in order and is the one the readers wait for: where CPUs are short, it
@@ -218,17 +223,22 @@ def _reader_process(claims: int, out: int, held: Any, slot: int, parts: list[tup
         memory = ProbeMemory()  # the parts are one log's: what one taught of its probe bytes holds for the next
         at = _HELD.size * slot
         last = len(parts) - 1
+        outbox = _Outbox(out)
         while number := os.read(claims, _PART_NO.size):
             i = _PART_NO.unpack(number)[0]
             held[at:at + _HELD.size] = _HELD.pack(i)
             start, stop = parts[i]
             result = read_part(fd, start, stop, i == last, kmsg, needles, probes, buf, chunk, line_max, memory)
-            _send(out, ("part", i, result))
+            outbox.send(("part", i, result))
             held[at:at + _HELD.size] = _HELD.pack(-1)
             i = -1
+        outbox.flush()
         code = 0
     except BaseException as exc:  # noqa: BLE001  # any failure is reported to the parent, which names the file
         try:
+            os.set_blocking(out, True)
+            if outbox is not None:
+                outbox.flush()  # the parts read before it, in order
             _send(out, ("error", i, f"{type(exc).__name__}: {exc}"))
         except BaseException:  # noqa: BLE001  # the parent is gone or the pipe is broken: the exit status says it
             pass
@@ -242,6 +252,44 @@ def _send(fd: int, message: tuple[Any, ...]) -> None:
     for data in (memoryview(_HEADER.pack(len(body))), memoryview(body)):  # not joined: a copy of a part's result
         while data:
             data = data[os.write(fd, data):]
+
+
+class _Outbox:
+    """A reader's results on their way to this process, in order: written as far as the pipe takes them without
+    waiting, the rest held here (up to OUTBOX_BYTES, then waited for) while the reader reads its next part."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.queue: list[memoryview] = []
+        self.held = 0
+        os.set_blocking(fd, False)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        body = marshal.dumps(message)
+        self.queue += [memoryview(_HEADER.pack(len(body))), memoryview(body)]  # not joined: a copy of the result
+        self.held += _HEADER.size + len(body)
+        self._write()
+        while self.held > OUTBOX_BYTES:
+            select.select([], [self.fd], [])
+            self._write()
+
+    def flush(self) -> None:
+        while self.queue:
+            select.select([], [self.fd], [])
+            self._write()
+
+    def _write(self) -> None:
+        while self.queue:
+            data = self.queue[0]
+            try:
+                n = os.write(self.fd, data)
+            except BlockingIOError:
+                return
+            self.held -= n
+            if n < len(data):
+                self.queue[0] = data[n:]
+                return
+            self.queue.pop(0)
 
 
 def _receive(fd: int) -> Any:
