@@ -80,6 +80,19 @@ def test_preflight_on_a_recorded_node_loads_nothing_heavy(config):
     assert "gpuwarden.checks.xid" in modules  # it did run the checks
 
 
+def test_explain_of_a_log_alone_loads_no_source_of_node_evidence():
+    """`gpuwarden explain LOG` asks no node, no Slurm, no Prometheus and reads no saved store: it loads none of their
+    modules (with them, the node's sources and NVML, 100 of its 160 ms of start)."""
+    log = ROOT / "fixtures" / "job_logs"
+    modules, proc = loaded_by("explain", "--json", str(sorted(log.glob("*.log"))[0]))
+    assert proc.returncode in (0, 1, 2) and json.loads(proc.stdout)["culprit"] is not None, proc.stderr
+    unused = {"gpuwarden.agent.jobs.evidence_saved", "gpuwarden.agent.jobs.prometheus_evidence",
+              "gpuwarden.agent.act.adapters.slurm_job", "gpuwarden.agent.node.host", "gpuwarden.agent.sources.nvml",
+              "pynvml", "http.client", "ssl"}
+    assert not modules & {*HEAVY, *unused}, sorted(modules & {*HEAVY, *unused})
+    assert "gpuwarden.agent.jobs.joblog" in modules  # it did read the log
+
+
 def test_plan_part_loads_only_its_own_module():
     modules, proc = loaded_by("plan", "capacity", "--help")
     assert proc.returncode == 0 and "usage: gpuwarden plan capacity" in proc.stdout

@@ -13,15 +13,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpuwarden.agent.act.adapters.slurm_job import locate_outputs, slurm_job
 from gpuwarden.agent.cli.flags import log_flags
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.core.errors import GpuwardenError
-from gpuwarden.agent.jobs.evidence_saved import read_dirs
 from gpuwarden.agent.jobs.explain import Explanation, explain
 from gpuwarden.agent.jobs.joblog import read_job_log
-from gpuwarden.agent.jobs.node_evidence import fetch_nodes
-from gpuwarden.agent.jobs.prometheus_evidence import query_prometheus
 
 DEFAULT_WINDOW_S = 24 * 3600.0  # --nodes without --since and without a job: the last day
 MARGIN_S = 300.0  # the window around a job's start/end (a fault seen just before the job's collectives stopped)
@@ -80,6 +76,9 @@ def _run(args: argparse.Namespace) -> int:
     since, until = parse_time(args.since, "--since"), parse_time(args.until, "--until")
     job_info: dict[str, Any] | None = None
     if args.job:
+        # at use, as each source of evidence below: a log read alone loads none of them (Slurm's, the saved
+        # stores' with the node's sources, Prometheus's and the endpoints' HTTP: 100 of 160 ms of its start)
+        from gpuwarden.agent.act.adapters.slurm_job import locate_outputs, slurm_job
 
         window = slurm_job(str(args.job))
         job_info = {"id": window.job_id, "state": window.state, "exit_code": window.exit_code,
@@ -121,17 +120,20 @@ def _node_evidence(args: argparse.Namespace, nodes: Sequence[str], since: float,
     out: list[Any] = []
     auth = _auth(args.basic_auth)
     if args.evidence:
+        from gpuwarden.agent.jobs.evidence_saved import read_dirs
 
         out += read_dirs(list(args.evidence), since, until)
     if args.prometheus:
+        from gpuwarden.agent.jobs.prometheus_evidence import query_prometheus
 
         out += query_prometheus(args.prometheus, list(nodes), since, until, timeout_s=max(args.timeout, 10.0),
                                 auth=auth, ca_file=args.ca)
     elif nodes:
-
         have = {e.host for e in out}
         ask = [n for n in nodes if n not in have]
         if ask:
+            from gpuwarden.agent.jobs.node_evidence import fetch_nodes
+
             out += fetch_nodes(ask, since, until, port=args.port, tls=args.https, ca_file=args.ca, auth=auth,
                                timeout_s=args.timeout)
     return out

@@ -5,17 +5,13 @@ A node that could not be asked is kept, with the reason (`reachable` False): exp
 its silence for health."""
 from __future__ import annotations
 
-import base64
 import json
 import math
-import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
-from urllib.parse import urlencode
 
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.core.render import iso_utc
-from gpuwarden.agent.jobs.http_cutoff import Cutoff
 
 
 @dataclass(frozen=True)
@@ -158,6 +154,8 @@ def fetch_nodes(hosts: Sequence[str], since: float, until: float, *, port: int =
     (a server that trickles or never answers is cut off then), at most `max_bytes`. A node that refuses, times
     out, answers anything but 200 with a window document, or one of the wrong schema is kept as unreachable with
     the reason; nothing raises for one bad node."""
+    from urllib.parse import urlencode  # at use, as what asks below: a log read alone asks no node
+
     hosts = list(hosts)
     ctx = _tls_context(ca_file) if tls else None
     out: list[NodeEvidence | None] = [None] * len(hosts)
@@ -224,8 +222,11 @@ def _tls_context(ca_file: Path | None) -> Any:
 def _fetch(host: str, port: int, query: str, ctx: Any, auth: tuple[str, str] | None, timeout_s: float,
            max_bytes: int) -> NodeEvidence:
     # at use: http.client and ssl, +28 ms (-X importtime) to `gpuwarden analyze` of a job log, which asks no node
+    import base64
     import http.client
     import ssl
+
+    from gpuwarden.agent.jobs.http_cutoff import Cutoff
 
     try:
         name, number = split_host(host, port)
@@ -276,6 +277,8 @@ def _fetch(host: str, port: int, query: str, ctx: Any, auth: tuple[str, str] | N
 
 
 def _why(exc: BaseException, timeout_s: float) -> str:
+    import socket  # loaded by the ask that failed
+
     if isinstance(exc, (TimeoutError, socket.timeout)):
         return f"no answer within {timeout_s:g} s"
     if isinstance(exc, ConnectionRefusedError):
