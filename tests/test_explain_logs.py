@@ -302,3 +302,35 @@ def test_explain_of_a_1m_line_log_reads_it_to_its_end(tmp_path):
     assert doc["culprit"]["rank"] == 37 and doc["culprit"]["host"] == "gpu005"
     stalled = next(e for e in doc["evidence"] if e["step"] == "b" and "[rank37]" in e["text"])
     assert stalled["line"] > 999_000
+
+
+@pytest.mark.parametrize("chunk", [61, 997, 4096])
+def test_explain_reads_every_log_the_same_whatever_the_chunk_its_lines_are_read_in(chunk, monkeypatch):
+    """The reader reads into one buffer chunk after chunk, a partial line carried to the next: the events, their
+    lines and the line count are those of one read of the whole file, with lines cut at every place. (A hard-wrapped
+    log is told by its first chunk: one shorter than its head is left out.)"""
+    from gpuwarden.agent.jobs import joblog
+
+    for path in sorted((ROOT / "fixtures" / "job_logs").glob("*.log")):
+        whole = read_job_log(path)
+        if whole.wrapped and chunk < path.stat().st_size:
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(joblog, "CHUNK", chunk)
+            parts = read_job_log(path)
+        assert (parts.lines, parts.events, parts.notes) == (whole.lines, whole.events, whole.notes), path.name
+
+
+def test_explain_a_long_line_among_chunks_is_cut_and_the_lines_around_it_read(tmp_path, monkeypatch):
+    from gpuwarden.agent.jobs import joblog
+
+    log = tmp_path / "long.log"
+    stalled = "[rank3]:[E1207 10:00:00.000000 1 ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective "
+    stalled += "operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000)"
+    log.write_text(f"{stalled}\n" + "x" * 5000 + " Xid tail\n" + f"{stalled.replace('Rank 3', 'Rank 4')}\n")
+    with monkeypatch.context() as m:
+        m.setattr(joblog, "CHUNK", 300)
+        m.setattr(joblog, "LINE_MAX", 1000)
+        got = read_job_log(log)
+    assert got.lines == 3 and [e.line for e in got.events if e.kind == "watchdog_timeout"] == [1, 3]
+    assert any("a line of 5009 bytes, longer than 1000" in n for n in got.notes), got.notes

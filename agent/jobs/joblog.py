@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
-from gpuwarden.agent.core.line_search import ProbeMemory, lines_holding, probes_for
+from gpuwarden.agent.core.line_search import ProbeMemory, gather, probes_for
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.jobs import joblog_lines
 
@@ -104,7 +104,11 @@ def read_text(text: str, source: str = "<text>") -> JobLog:
 
 def _read(f: BinaryIO, source: str, deadline: float, max_bytes: int) -> JobLog:
     reader = _Reader(source)
-    buf = bytearray()
+    # One buffer for the whole file, read into (not a fresh bytes a chunk, copied on: 85 ms of a 157 MB log): a
+    # partial line carried at its front, a chunk after it, and room for the newline a file cut mid-line is given.
+    buf = bytearray(2 * CHUNK + LINE_MAX + 1)
+    view = memoryview(buf)
+    have = 0  # bytes in buf: the lines not yet read, none of them complete but the last
     memory = ProbeMemory()
     lineno = 0  # lines before buf[0]
     total = 0
@@ -116,30 +120,33 @@ def _read(f: BinaryIO, source: str, deadline: float, max_bytes: int) -> JobLog:
                                 f"{DEADLINE_S:.0f} s")
             break
         want = min(CHUNK, max_bytes - total)
-        data = f.read(want) if want > 0 else b""
+        n = (f.readinto(view[have:have + want]) or 0) if want > 0 else 0
         if want <= 0:
             reader.notes.append(f"{source}: read up to {max_bytes} bytes, the rest is not looked at")
-        if not data:
+        if not n:
             eof = True
-            if buf and not buf.endswith(b"\n"):
-                buf += b"\n"  # a file cut mid-line: its last line reads as a line
+            if have and buf[have - 1] != 0x0A:
+                buf[have] = 0x0A  # a file cut mid-line: its last line reads as a line
+                have += 1
         else:
-            total += len(data)
-            buf += data
-        if first and buf:
+            total += n
+            have += n
+        if first and have:
             first = False
-            reader.wrap = _wrap_width(bytes(buf[:CHUNK]))
-        stop = buf.rfind(b"\n") + 1
-        if stop == 0:
-            if len(buf) > LINE_MAX:  # one line longer than LINE_MAX: keep its start, skip to its end
-                buf, lineno = _skip_long(f, buf, lineno, reader, source)
-            continue
-        lineno = reader.take(buf, stop, lineno, memory)
-        del buf[:stop]
-        if len(reader.events) >= MAX_EVENTS:
-            reader.notes.append(f"{source}: more than {MAX_EVENTS} lines of interest; those after line {lineno} "
-                                "are not looked at")
-            break
+            reader.wrap = _wrap_width(bytes(view[:min(have, CHUNK)]))
+        stop = buf.rfind(b"\n", 0, have) + 1
+        if stop:
+            lineno = reader.take(buf, stop, lineno, memory)
+            buf[:have - stop] = bytes(view[stop:have])  # a copy: the two overlap (a part of a line, short)
+            have -= stop
+            if len(reader.events) >= MAX_EVENTS:
+                reader.notes.append(f"{source}: more than {MAX_EVENTS} lines of interest; those after line "
+                                    f"{lineno} are not looked at")
+                break
+        if have > LINE_MAX:  # one line longer than LINE_MAX: keep its start, skip to its end
+            rest, lineno = _skip_long(f, bytearray(view[:have]), lineno, reader, source)
+            buf[:len(rest)] = rest
+            have = len(rest)
     reader.flush(lineno)
     reader.tag_check()
     return JobLog(source, lineno, tuple(reader.events), tuple(reader.notes), wrapped=reader.wrap)
@@ -215,13 +222,13 @@ class _Reader:
         """Parses the lines of interest of buf[:stop] (complete lines); returns the line count after them."""
         if self.wrap:
             return self._take_wrapped(buf, stop, lineno)
-        at, n = 0, lineno
-        count = buf.count
-        for start, end in lines_holding(buf, 0, stop, _PROBES, memory):
-            n += count(b"\n", at, start) + 1
-            at = end + 1
-            self._line(buf[start:end], n)
-        return n + count(b"\n", at, stop)
+        # The lines found, their numbers and the newlines of the buffer in one pass of C (line_search.gather): no
+        # count of the newlines between two found lines in Python (75 ms of a 157 MB log with few such lines)
+        joined, numbers, newlines = gather(buf, 0, stop, _PROBES, lineno, memory)
+        if numbers:
+            for raw, n in zip(joined.split(b"\n"), numbers, strict=True):
+                self._line(raw, n)
+        return lineno + newlines
 
     def _take_wrapped(self, buf: bytearray, stop: int, lineno: int) -> int:
         """A hard-wrapped file: a line exactly `wrap` wide goes on in the next, unless that one opens a record of
