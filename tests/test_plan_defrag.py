@@ -511,3 +511,17 @@ def test_plan_defrag_slurm_unreachable_is_an_input_error(tmp_path):
     conf.write_text("ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1\n")
     with pytest.raises(ConfigError, match="Slurm could not be asked"):
         plan_cli.run_part(parser().parse_args(["--slice", "2", "--slurm-conf", str(conf)]))
+
+
+def test_plan_defrag_help_says_what_each_exit_code_means(capsys):
+    from gpuwarden.agent.cli.main import main
+    from gpuwarden.agent.fleet.plan import defrag as defrag_mod
+
+    with pytest.raises(SystemExit):
+        main(["plan", "defrag", "--help"])
+    shown = capsys.readouterr().out
+    assert "exit codes:" in shown
+    for code, meaning in defrag_mod.EXIT_CODES:
+        assert f"  {code}  {meaning}" in shown
+    assert (defrag_mod.EXIT_PLAN, defrag_mod.EXIT_NO_PLAN, defrag_mod.EXIT_INPUT) == tuple(
+        int(code) for code, _ in defrag_mod.EXIT_CODES)

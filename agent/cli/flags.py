@@ -4,7 +4,7 @@ record (no argparse below agent/cli/)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 if TYPE_CHECKING:  # the parser's module loads with the parser (cli.main), not with analyze's read-ahead
     import argparse
@@ -22,9 +22,10 @@ EXIT_CODES: tuple[tuple[str, str], ...] = (
 CONFIG_HELP = "TOML config (default: /etc/gpuwarden/gpuwarden.toml if present; see gpuwarden(1), FILES)"
 
 
-def exit_codes_epilog() -> str:
-    width = max(len(code) for code, _ in EXIT_CODES)
-    return "exit codes:\n" + "\n".join(f"  {code:<{width}}  {meaning}" for code, meaning in EXIT_CODES)
+def exit_codes_epilog(codes: Sequence[tuple[str, str]] = EXIT_CODES) -> str:
+    """The "exit codes:" part of a --help epilog: each code, and what it means."""
+    width = max(len(code) for code, _ in codes)
+    return "exit codes:\n" + "\n".join(f"  {code:<{width}}  {meaning}" for code, meaning in codes)
 
 
 def log_flags(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from gpuwarden.agent.cli.flags import log_flags, options
+from gpuwarden.agent.cli.flags import exit_codes_epilog, log_flags, options
 from gpuwarden.agent.core import logs
 
 EVERY = "*"  # add_arguments(part=EVERY): every part's options
@@ -139,6 +139,9 @@ def add_arguments(p: argparse.ArgumentParser, part: str | None = EVERY) -> None:
         sub = plan.add_parser(name, help=summary, formatter_class=formatter)
         module = part_arguments(sub, name)
         sub.description = _description(module, summary)
+        codes = getattr(module, "EXIT_CODES", None)  # a part whose exit status says more than ok/bad input
+        if codes:
+            sub.epilog = exit_codes_epilog(codes)
 
 
 def part_arguments(p: argparse.ArgumentParser, name: str) -> ModuleType:

@@ -4,13 +4,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gpuwarden.agent.cli.flags import CONFIG_HELP, log_flags, options
+from gpuwarden.agent.cli.flags import CONFIG_HELP, exit_codes_epilog, log_flags, options
 from gpuwarden.agent.core import config as config_mod
 from gpuwarden.agent.core import logs
 from gpuwarden.agent.fleet.sweep import command as sweep_command
 from gpuwarden.checks import all_specs
 
-_WIDTH = max(len(c) for c, _ in sweep_command.EXIT_CODES)
 DESCRIPTION = ("Test idle nodes with multi-node nccl-tests collectives, launched through the scheduler as "
                "low-priority preemptible jobs (srun) or with mpirun where there is none: groups within each "
                "NVLink domain, then across domains over the InfiniBand fabric. Small messages are judged on p95 "
@@ -21,7 +20,7 @@ EPILOG = ("examples:\n"
           "  gpuwarden sweep --nodes n1,n2,n3,n4 --json\n"
           "  gpuwarden sweep --plan                 the groups it would run, and nothing else\n"
           "  gpuwarden sweep --hosts h1,h2,h3,h4    no scheduler: mpirun over these hosts\n\n"
-          "exit codes:\n" + "\n".join(f"  {c:<{_WIDTH}}  {m}" for c, m in sweep_command.EXIT_CODES))
+          + exit_codes_epilog(sweep_command.EXIT_CODES))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
