@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
+from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 from gpuwarden.agent.core import log_rows
@@ -193,7 +194,6 @@ def _text_rows(raws: list[bytes | bytearray], linenos: list[int]) -> Rows:
     first line's: dmesg, dmesg -T, ISO, syslog/journal) read by one findall of kernel_log's pattern of that form
     over them all, any other line through classify_line: one pattern over the part's lines instead of several
     matches and a function call for each line. A dmesg part is read in C where it is built (_dmesg_rows_native)."""
-    rows: list[tuple[Any, ...]] = []
     joined = b"\n".join(raws)
     # One object for each text that repeats (a flood's lines do): marshal sends it once and refers to it after, and
     # the judges here find the hash of a text they look up already made. A stamp goes as its text ("secs.frac"):
@@ -206,15 +206,10 @@ def _text_rows(raws: list[bytes | bytearray], linenos: list[int]) -> Rows:
     if lines is None and log_rows.native is not None:
         return _dmesg_rows_native(joined, linenos, same)
     text = joined.decode("utf-8", "replace")
-    # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
     if lines is None:
-        for (secs, frac, message), lineno in zip(DMESG_LINES.findall(text), linenos, strict=True):
-            if secs:
-                rows.append((same.setdefault(message, message), lineno, None, f"{secs}.{frac}", None, None, None))
-            elif message and not message.isspace():
-                _, message, timestamp, usec, priority, seq = classify_line(message)
-                rows.append((message, lineno, seq, usec, priority, timestamp, None))
-        return rows
+        return _dmesg_pattern_rows(text, linenos, same)
+    rows: list[tuple[Any, ...]] = []
+    # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
     for (timestamp, secs, frac, message), lineno in zip(lines.findall(text), linenos, strict=True):
         if timestamp:
             rows.append((same.setdefault(message, message), lineno, None, f"{secs}.{frac}" if secs else None, None,
@@ -232,17 +227,25 @@ def _dmesg_rows_native(joined: bytes, linenos: list[int], same: dict[str, str]) 
     messages, stamps, ends, deferred = log_rows.native.dmesg_rows(joined, linenos, same)
     if not deferred:
         return (messages, array("q", linenos).tobytes(), stamps, ends)
-    rows: list[tuple[Any, ...] | None] = [
-        None if message is None else (message, lineno, None, stamp, None, None, None)
-        for message, lineno, stamp in zip(messages, linenos, stamp_texts(stamps, ends), strict=True)]
+    sure = [(message, lineno, None, stamp, None, None, None)
+            for message, lineno, stamp in zip(messages, linenos, stamp_texts(stamps, ends), strict=True)
+            if message is not None]
     text = b"\n".join(raw for _, raw in deferred).decode("utf-8", "replace")
-    for (k, _), (secs, frac, message) in zip(deferred, DMESG_LINES.findall(text), strict=True):
+    read = _dmesg_pattern_rows(text, [linenos[k] for k, _ in deferred], same)
+    return sorted(sure + read, key=itemgetter(1))  # each line's number is its own: the lines in the file's order
+
+
+def _dmesg_pattern_rows(text: str, linenos: list[int], same: dict[str, str]) -> list[tuple[Any, ...]]:
+    """The rows of newline-joined dmesg lines by DMESG_LINES (a line of white space only is no record)."""
+    rows: list[tuple[Any, ...]] = []
+    # A line holds no newline, so each is one match (zip's strict= would say otherwise, and the part fail whole).
+    for (secs, frac, message), lineno in zip(DMESG_LINES.findall(text), linenos, strict=True):
         if secs:
-            rows[k] = (same.setdefault(message, message), linenos[k], None, f"{secs}.{frac}", None, None, None)
+            rows.append((same.setdefault(message, message), lineno, None, f"{secs}.{frac}", None, None, None))
         elif message and not message.isspace():
             _, message, timestamp, usec, priority, seq = classify_line(message)
-            rows[k] = (message, linenos[k], seq, usec, priority, timestamp, None)
-    return [row for row in rows if row is not None]  # a line of white space only is no record, as in the loop
+            rows.append((message, lineno, seq, usec, priority, timestamp, None))
+    return rows
 
 
 def stamp_texts(stamps: bytes, ends: bytes) -> list[str]:
