@@ -170,3 +170,65 @@ def test_a_probe_byte_common_in_the_buffer_turns_to_the_texts_and_finds_the_same
         probes = probes_for(texts)
         assert native.lines_holding(buf, 0, len(buf), probes) == python_lines_holding(buf, 0, len(buf), probes)
         assert native.gather(buf, 0, len(buf), probes, 3) == python_gather(buf, 0, len(buf), probes, 3)
+
+
+def _job_texts() -> tuple[bytes, ...]:
+    from gpuwarden.agent.jobs.joblog_lines import NEEDLES
+
+    return tuple(NEEDLES)
+
+
+# Pieces of the job-log texts: each whole, cut short by a byte, and with the byte a nibble filter lets through in
+# place of one of its own (the same low or high nibble), so that the filter's candidates and its misses both occur.
+def _near_misses(text: bytes) -> list[bytes]:
+    out = [text, text[:-1], text[1:]]
+    for i in range(len(text)):
+        out.append(text[:i] + bytes([text[i] ^ 0x10]) + text[i + 1:])
+        out.append(text[:i] + bytes([text[i] ^ 0x01]) + text[i + 1:])
+    return out
+
+
+JOB_PIECES = tuple(p for t in _job_texts() for p in _near_misses(t)) + (b"\n", b"\r\n", b"\x00", b"\xff", b" ", b"a")
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.sampled_from(JOB_PIECES), max_size=400), lead=st.binary(max_size=4),
+       tail=st.sampled_from([b"", b"NCC", b"Xi", b"NCCL WAR", b"Tracebac", b"desyn"]), base=st.integers(0, 10**6),
+       cut=st.integers(0, 40))
+def test_the_one_pass_for_many_texts_finds_the_lines_the_probes_find(parts, lead, tail, base, cut):
+    """Past MULTI_PROBES probes (the job-log reader's 20) one vector pass looks for all texts at once: it finds the
+    lines the probes' passes and the Python search find, up to a region's end that cuts a text (a tail past `stop`
+    that is the start of a text, and a region ending mid-line)."""
+    body = b"".join(parts) + b"\n"
+    buf = bytearray(lead.replace(b"\n", b" ") + b"\n" + body + tail)
+    start = len(lead) + 1
+    probes = probes_for(_job_texts())
+    for stop in (start + len(body), max(start, start + len(body) - cut)):
+        want = python_lines_holding(buf, start, stop, probes)
+        assert native.lines_holding(buf, start, stop, probes) == want
+        assert native.lines_holding(buf, start, stop, probes, False) == want
+        if stop == start + len(body):
+            assert native.gather(buf, start, stop, probes, base) == python_gather(buf, start, stop, probes, base)
+            assert native.gather(buf, start, stop, probes, base, False) == python_gather(buf, start, stop, probes,
+                                                                                         base)
+
+
+@needs_c
+def test_the_one_pass_finds_a_text_at_every_place_of_a_vector_step_and_at_the_buffer_end():
+    """A text at each offset across two 32-byte steps, and the buffer's last bytes (the scalar tail)."""
+    probes = probes_for(_job_texts())
+    for text in _job_texts():
+        for pad in range(70):
+            buf = b"x" * pad + text + b"\n" + b"y" * (pad % 5)
+            want = python_lines_holding(buf, 0, len(buf), probes)
+            assert want == [(0, pad + len(text))]
+            assert native.lines_holding(buf, 0, len(buf), probes) == want, (text, pad)
+            assert native.lines_holding(buf, 0, pad + len(text), probes) == [(0, -1)], (text, pad)
+            # its probe byte past the region's end: not a hit of this region
+            cut = pad + probes_offset(probes, text)
+            assert native.lines_holding(buf, 0, cut, probes) == python_lines_holding(buf, 0, cut, probes) == []
+
+
+def probes_offset(probes, text: bytes) -> int:
+    return next(at for _, at, texts in probes for t in texts if t == text)

@@ -117,9 +117,11 @@ def python_lines_holding(buf: bytes | bytearray, start: int, stop: int, probes: 
         i = find(probe, start + at, stop) if text_from is None else -1
         misses = 0
         while i >= 0:
-            if startswith(texts, i - at):
+            if startswith(texts, i - at, stop):
                 le = find(b"\n", i, stop)
                 found[rfind(b"\n", start, i) + 1 or start] = le
+                if le < 0:  # a region that ends mid-line: that line was its last
+                    break
                 i = find(probe, le + 1 + at, stop)  # on from the next line
                 continue
             misses += 1
@@ -135,5 +137,5 @@ def python_lines_holding(buf: bytes | bytearray, start: int, stop: int, probes: 
                 while j >= 0:
                     le = find(b"\n", j, stop)
                     found[rfind(b"\n", start, j) + 1 or start] = le
-                    j = find(text, le + 1, stop)
+                    j = find(text, le + 1, stop) if le >= 0 else -1
     return sorted(found.items()) if len(probes) > 1 else list(found.items())
