@@ -550,41 +550,34 @@ typedef struct {
     const unsigned char *buf;
     Py_ssize_t at;        /* newlines are counted up to here */
     Py_ssize_t lines;     /* newlines before `at` (with the caller's base) */
-    PyObject *numbers;
-    /* the found lines, CR of a CRLF end taken off: (start, length) pairs, joined at the end */
+    /* the found lines, CR of a CRLF end taken off: (start, length, number) triples, made Python objects at the end */
     Py_ssize_t *spans;
     Py_ssize_t nspans, cap;
     Py_ssize_t bytes;
 } Gather;
 
+/* No Python object is touched here: the scan runs with the GIL released (a reader thread searches while the main
+ * thread goes on). */
 static int
 gather_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
 {
     Gather *g = ctx;
     g->lines += count_newlines(g->buf + g->at, ls - g->at);
     g->at = ls;
-    PyObject *number = PyLong_FromSsize_t(g->lines + 1);
-    if (number == NULL)
-        return -1;
-    int rc = PyList_Append(g->numbers, number);
-    Py_DECREF(number);
-    if (rc < 0)
-        return -1;
     if (g->nspans == g->cap) {
         Py_ssize_t cap = g->cap ? 2 * g->cap : 256;
-        Py_ssize_t *spans = PyMem_Realloc(g->spans, (size_t)cap * 2 * sizeof(Py_ssize_t));
-        if (spans == NULL) {
-            PyErr_NoMemory();
+        Py_ssize_t *spans = PyMem_RawRealloc(g->spans, (size_t)cap * 3 * sizeof(Py_ssize_t));
+        if (spans == NULL)
             return -1;
-        }
         g->spans = spans;
         g->cap = cap;
     }
     Py_ssize_t end = le;
     if (end > ls && g->buf[end - 1] == '\r')
         end--;
-    g->spans[2 * g->nspans] = ls;
-    g->spans[2 * g->nspans + 1] = end - ls;
+    g->spans[3 * g->nspans] = ls;
+    g->spans[3 * g->nspans + 1] = end - ls;
+    g->spans[3 * g->nspans + 2] = g->lines + 1;
     g->nspans++;
     g->bytes += end - ls;
     return 0;
@@ -594,7 +587,7 @@ PyDoc_STRVAR(gather_doc,
 "gather(buf, start, stop, probes, base, multi=True) -> (joined, numbers, newlines)\n\n"
 "The found lines of buf[start:stop] (complete lines: stop just past a newline) joined by newlines, the CR of a\n"
 "CRLF end taken off each; the line number of each (base + the newlines before it + 1); the newlines in the\n"
-"region. multi: as for lines_holding.");
+"region. multi: as for lines_holding. The search runs with the GIL released.");
 
 static PyObject *
 gather(PyObject *self, PyObject *args)
@@ -616,28 +609,41 @@ gather(PyObject *self, PyObject *args)
         PyBuffer_Release(&view);
         return NULL;
     }
-    Gather g = {view.buf, start, base, PyList_New(0), NULL, 0, 0, 0};
-    PyObject *joined = NULL, *out = NULL;
-    if (g.numbers == NULL || scan(view.buf, view.len, start, stop, &ps, gather_span, &g) < 0)
+    Gather g = {view.buf, start, base, NULL, 0, 0, 0};
+    PyObject *joined = NULL, *numbers = NULL, *out = NULL;
+    int rc;
+    Py_ssize_t newlines;
+    /* The buffer cannot be resized or freed while it is exported (view); the probes' texts are held by `probes`. */
+    Py_BEGIN_ALLOW_THREADS
+    rc = scan(view.buf, view.len, start, stop, &ps, gather_span, &g);
+    newlines = g.lines - base + count_newlines((const unsigned char *)view.buf + g.at, stop - g.at);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
         goto done;
+    }
     Py_ssize_t size = g.bytes + (g.nspans ? g.nspans - 1 : 0);
     joined = PyBytes_FromStringAndSize(NULL, size);
-    if (joined == NULL)
+    numbers = PyList_New(g.nspans);
+    if (joined == NULL || numbers == NULL)
         goto done;
     char *w = PyBytes_AS_STRING(joined);
     for (Py_ssize_t i = 0; i < g.nspans; i++) {
         if (i)
             *w++ = '\n';
-        memcpy(w, (const char *)view.buf + g.spans[2 * i], (size_t)g.spans[2 * i + 1]);
-        w += g.spans[2 * i + 1];
+        memcpy(w, (const char *)view.buf + g.spans[3 * i], (size_t)g.spans[3 * i + 1]);
+        w += g.spans[3 * i + 1];
+        PyObject *number = PyLong_FromSsize_t(g.spans[3 * i + 2]);
+        if (number == NULL)
+            goto done;
+        PyList_SET_ITEM(numbers, i, number);
     }
-    Py_ssize_t newlines = g.lines - base + count_newlines((const unsigned char *)view.buf + g.at, stop - g.at);
-    out = Py_BuildValue("(NOn)", joined, g.numbers, newlines);
-    joined = NULL;
+    out = Py_BuildValue("(NNn)", joined, numbers, newlines);
+    joined = numbers = NULL;
 done:
     Py_XDECREF(joined);
-    Py_XDECREF(g.numbers);
-    PyMem_Free(g.spans);
+    Py_XDECREF(numbers);
+    PyMem_RawFree(g.spans);
     probes_free(&ps);
     PyBuffer_Release(&view);
     return out;
