@@ -158,8 +158,20 @@ struct Multi {
 static int have_avx2;
 static double byte_costs[256];
 
-/* How common a byte is in a log, roughly (a probability weight): the text of log lines is lower-case words, digits
- * and spaces; upper case is rarer, but NCCL's "NCCL INFO" is on every line of a log at NCCL_DEBUG=INFO. */
+/* Which three-byte windows the region's first SAMPLE bytes hold, as bits of a hash: a window seen there is common in
+ * the rest (a log is much the same all through: NCCL_DEBUG=INFO's "NCCL INFO" on every line), and another window of
+ * the text is taken. Read and written with the GIL held. */
+#define SAMPLE 4096
+#define SEEN_BITS 16
+static uint64_t sample_seen[(1u << SEEN_BITS) / 64];
+
+static inline uint32_t
+window_hash(const unsigned char *p)
+{
+    uint32_t key = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 8 | p[2];
+    return (key * 2654435761u) >> (32 - SEEN_BITS);
+}
+
 static double
 byte_cost_of(unsigned char c)
 {
@@ -172,30 +184,17 @@ byte_cost_of(unsigned char c)
     return 1.0;
 }
 
-/* The likelihood that a random position matches bucket b's nibble filter if text `t` joined it: the product over the
- * places of the summed cost of the bytes the filter lets through there. */
+/* The likelihood that a random position matches a nibble filter that lets through, at each place k, the bytes whose
+ * low nibble is in lo[k] and high nibble in hi[k] (bit masks): the product over the places of their summed cost. */
 static double
-bucket_cost(const Multi *m, int b, const MultiText *t)
+filter_cost(const uint16_t lo[FP], const uint16_t hi[FP])
 {
     double cost = 1.0;
     for (int k = 0; k < FP; k++) {
-        unsigned lo = 0, hi = 0;
-        for (int n = 0; n < 16; n++) {
-            if (m->lo[k][n] & (1u << b))
-                lo |= 1u << n;
-            if (m->hi[k][n] & (1u << b))
-                hi |= 1u << n;
-        }
-        if (t != NULL) {
-            lo |= 1u << (t->text[t->w + k] & 15);
-            hi |= 1u << (t->text[t->w + k] >> 4);
-        }
         double sum = 0.0;
-        for (int h = 0; h < 16; h++)
-            if (hi >> h & 1)
-                for (int l = 0; l < 16; l++)
-                    if (lo >> l & 1)
-                        sum += byte_costs[16 * h + l];
+        for (uint32_t h = hi[k]; h; h &= h - 1)
+            for (uint32_t l = lo[k]; l; l &= l - 1)
+                sum += byte_costs[16 * __builtin_ctz(h) + __builtin_ctz(l)];
         cost *= sum / 256.0;
     }
     return cost;
@@ -211,6 +210,25 @@ multi_free(Multi *m)
 
 /* The filter for the probes' texts, or NULL where the probes' own passes are used (few probes, a text shorter than
  * FP, no AVX2); -1 in *err with an exception set on a failed allocation. */
+static void
+sample_read(const unsigned char *p, Py_ssize_t n)
+{
+    if (n > SAMPLE)
+        n = SAMPLE;
+    memset(sample_seen, 0, sizeof sample_seen);
+    for (Py_ssize_t i = 0; i + FP <= n; i++) {
+        uint32_t h = window_hash(p + i);
+        sample_seen[h / 64] |= (uint64_t)1 << (h % 64);
+    }
+}
+
+static inline int
+sample_holds(const unsigned char *window)
+{
+    uint32_t h = window_hash(window);
+    return (int)(sample_seen[h / 64] >> (h % 64) & 1);
+}
+
 static Multi *
 multi_build(const Probe *probes, Py_ssize_t nprobes, int *err)
 {
@@ -246,6 +264,8 @@ multi_build(const Probe *probes, Py_ssize_t nprobes, int *err)
                 double c = 1.0;
                 for (int q = 0; q < FP; q++)
                     c *= byte_costs[t->text[w + q]];
+                if (sample_holds(t->text + w))
+                    c *= 1e4;
                 if (w == 0 || c < best) {
                     best = c;
                     t->w = w;
@@ -253,6 +273,7 @@ multi_build(const Probe *probes, Py_ssize_t nprobes, int *err)
             }
         }
     /* Each text to the bucket its window widens least (an empty bucket first, while there is one). */
+    uint16_t lo[BUCKETS][FP] = {{0}}, hi[BUCKETS][FP] = {{0}};
     int used = 0;
     for (j = 0; j < n; j++) {
         MultiText *t = &all[j];
@@ -262,7 +283,12 @@ multi_build(const Probe *probes, Py_ssize_t nprobes, int *err)
         } else {
             double least = 0.0;
             for (int b = 0; b < BUCKETS; b++) {
-                double grow = bucket_cost(m, b, t) - bucket_cost(m, b, NULL);
+                uint16_t lo2[FP], hi2[FP];
+                for (int k = 0; k < FP; k++) {
+                    lo2[k] = (uint16_t)(lo[b][k] | 1u << (t->text[t->w + k] & 15));
+                    hi2[k] = (uint16_t)(hi[b][k] | 1u << (t->text[t->w + k] >> 4));
+                }
+                double grow = filter_cost(lo2, hi2) - filter_cost(lo[b], hi[b]);
                 if (b == 0 || grow < least) {
                     least = grow;
                     pick = b;
@@ -272,6 +298,8 @@ multi_build(const Probe *probes, Py_ssize_t nprobes, int *err)
         bucket[j] = pick;
         for (int k = 0; k < FP; k++) {
             unsigned char c = t->text[t->w + k];
+            lo[pick][k] |= (uint16_t)(1u << (c & 15));
+            hi[pick][k] |= (uint16_t)(1u << (c >> 4));
             m->lo[k][c & 15] |= (unsigned char)(1u << pick);
             m->hi[k][c >> 4] |= (unsigned char)(1u << pick);
             m->exact[k][c] |= (unsigned char)(1u << pick);
@@ -379,10 +407,29 @@ probes_free(Probes *ps)
     ps->multi = NULL;
 }
 
-/* Reads probes_for's list (with the one-pass filter where `multi` allows it); 0 on success, -1 with an exception
- * set. */
+static int probes_parse(PyObject *seq, Probes *ps);
+
+/* Reads probes_for's list; 0 on success, -1 with an exception set. Where `multi` allows it, the one-pass filter is
+ * built for buf[start:stop], from what its start holds. */
 static int
-probes_read(PyObject *seq, Probes *ps, int multi)
+probes_read(PyObject *seq, Probes *ps, int multi, const unsigned char *buf, Py_ssize_t start, Py_ssize_t stop)
+{
+    if (probes_parse(seq, ps) < 0)
+        return -1;
+    if (multi && have_avx2 && ps->n > MULTI_PROBES && start < stop) {
+        int err;
+        sample_read(buf + start, stop - start);
+        ps->multi = multi_build(ps->probes, ps->n, &err);
+        if (err < 0) {
+            probes_free(ps);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int
+probes_parse(PyObject *seq, Probes *ps)
 {
     ps->probes = NULL;
     ps->n = 0;
@@ -436,14 +483,6 @@ probes_read(PyObject *seq, Probes *ps, int multi)
         }
     }
     Py_DECREF(fast);  /* the texts stay alive: the caller's probes hold them */
-    if (multi) {
-        int err;
-        ps->multi = multi_build(ps->probes, ps->n, &err);
-        if (err < 0) {
-            probes_free(ps);
-            return -1;
-        }
-    }
     return 0;
 fail:
     Py_DECREF(fast);
@@ -534,7 +573,7 @@ lines_holding(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*nnO|p", &view, &start, &stop, &probes, &multi))
         return NULL;
     Probes ps;
-    if (probes_read(probes, &ps, multi) < 0) {
+    if (probes_read(probes, &ps, multi, view.buf, start < 0 ? 0 : start, stop > view.len ? view.len : stop) < 0) {
         PyBuffer_Release(&view);
         return NULL;
     }
@@ -605,7 +644,7 @@ gather(PyObject *self, PyObject *args)
         return NULL;
     }
     Probes ps;
-    if (probes_read(probes, &ps, multi) < 0) {
+    if (probes_read(probes, &ps, multi, view.buf, start, stop) < 0) {
         PyBuffer_Release(&view);
         return NULL;
     }
