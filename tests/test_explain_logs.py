@@ -334,3 +334,40 @@ def test_explain_a_long_line_among_chunks_is_cut_and_the_lines_around_it_read(tm
         got = read_job_log(log)
     assert got.lines == 3 and [e.line for e in got.events if e.kind == "watchdog_timeout"] == [1, 3]
     assert any("a line of 5009 bytes, longer than 1000" in n for n in got.notes), got.notes
+
+
+DESYNC = ("[rank0]:[E1206 10:00:00.2 ProcessGroupNCCL.cpp:2] [Rank 0] Rank 0\n"
+          "To our best knowledge, the lagging/dead/mismatched ranks that caused the desync are:\n"
+          "  - [7] finished collective #182, but didn't join collective #183 (count from 1)\n")
+
+
+def _read_without_repeats_taken(text, monkeypatch):
+    from gpuwarden.agent.jobs import joblog
+
+    with monkeypatch.context() as m:
+        m.setattr(joblog, "MADE_MAX", 0)
+        return read_text(text, "job.out")
+
+
+def test_explain_reads_a_repeated_line_as_it_read_it_the_first_time(monkeypatch):
+    """A line met before is taken from what it meant then (a flood of one warning costs no parse a line), except the
+    lines whose meaning depends on the ones around them (joblog_lines.reads_block): the events are those of a
+    reading that parses every line, on each fixture log whole, twice over, followed by its own lines in reverse,
+    on shuffled repeats of their lines, and on a desync report met again past its window."""
+    import random
+
+    texts = []
+    logs = sorted(LOGS.glob("*.log"))
+    for path in logs:
+        t = path.read_text(errors="replace")
+        texts += [t, t + t, t + "\n".join(reversed(t.splitlines())) + "\n"]
+    filler = "".join(f"gpu1:1:1 [0] misc/socket.cc:538 NCCL WARN Net : Connection closed by remote peer {i}\n"
+                     for i in range(70))
+    texts += [DESYNC + filler + DESYNC.splitlines()[-1] + "\n", DESYNC + filler + DESYNC]
+    r = random.Random(7)
+    lines = [line for path in logs for line in path.read_text(errors="replace").splitlines()] + DESYNC.splitlines()
+    for _ in range(200):
+        pick = [r.choice(lines) for _ in range(r.randrange(1, 300))]
+        texts.append("\n".join(pick * r.randrange(1, 4)) + "\n")
+    for text in texts:
+        assert read_text(text, "job.out") == _read_without_repeats_taken(text, monkeypatch), text[:300]

@@ -32,6 +32,8 @@ MAX_EVENTS = 200_000  # events kept per file (a 72-rank job's init lines are a f
 DEADLINE_S = 300.0  # reading one file stops here, with a note: the rest of the evidence still counts
 KEEP_FIRST = 3  # lines kept of one kind from one rank (with its last)
 TEXT_MAX = 400  # characters of a line kept as evidence
+MADE_MAX = 4096  # lines whose meaning is kept for their repeats (at most MADE_LINE_MAX bytes each: ~4 MiB)
+MADE_LINE_MAX = 1024
 
 _PROBES = probes_for(joblog_lines.NEEDLES)
 
@@ -217,6 +219,8 @@ class _Reader:
         self.state = joblog_lines.BlockState()
         self._seen: dict[tuple, int] = {}
         self._last: dict[tuple, int] = {}
+        self._pending: dict[tuple, tuple] = {}  # the last line of each key past its first KEEP_FIRST, made at flush
+        self._made: dict[bytes, tuple] = {}  # what a line meant, by its bytes (_line)
 
     def take(self, buf: bytearray, stop: int, lineno: int, memory: ProbeMemory | None) -> int:
         """Parses the lines of interest of buf[:stop] (complete lines); returns the line count after them."""
@@ -255,35 +259,62 @@ class _Reader:
             self._line(logical, lineno)
 
     def _line(self, raw: bytes | bytearray, lineno: int) -> None:
-        text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
-        self.state.lineno = lineno
-        self._add(joblog_lines.parse(text, self.state), text, lineno)
+        # A line met before (a flood of one warning, a log joined from its repeats) means what it meant then: its
+        # events are taken from then, where the line's meaning depends on no other (joblog_lines.reads_block).
+        made = self._made.get(raw)
+        if made is None:
+            text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
+            self.state.lineno = lineno
+            made = (text, self._tagged(list(joblog_lines.parse(text, self.state)), text))
+            if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
+                self._made[bytes(raw)] = made
+        else:
+            self.state.lines += 1  # as parse counts it: a desync report's rank lines are looked for in its next lines
+        self._add(made[1], made[0], lineno)
+
+    @staticmethod
+    def _tagged(events: list, text: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+        """The events with what a `[N] ` / `N: ` tag at the line's start says (a rank, unless the file shows it
+        counts lines: tag_check)."""
+        if not events:
+            return events
+        tag = joblog_lines.tag_context(text)
+        if not tag:
+            return events
+        out = []
+        for kind, fields, ctx in events:
+            fields = {**fields, **tag}
+            if ctx.get("rank") is None:
+                ctx = {**ctx, "rank": tag["_tag"]}
+                fields["_rank_from"] = "tag"
+            out.append((kind, fields, ctx))
+        return out
 
     def _add(self, events: Any, text: str, lineno: int) -> None:
-        tag = joblog_lines.tag_context(text)
         for kind, fields, ctx in events:
-            if tag:
-                fields = {**fields, **tag}
-                if ctx.get("rank") is None:
-                    ctx = {**ctx, "rank": tag["_tag"]}
-                    fields["_rank_from"] = "tag"
-            event = LogEvent(kind, self.source, fields.get("_line", lineno), _short(fields.get("_text", text)), fields,
-                             **ctx)
             # A flood of one kind of line from one rank adds nothing past its first lines and its last: those are
             # kept (the last in place of the one before), so memory is bounded by the ranks and kinds, not the lines.
+            # The last is made an event only at the end (most lines of a flood are replaced by the next).
             key = (kind, ctx.get("host"), ctx.get("pid"), ctx.get("rank"), fields.get("pg"), fields.get("peer"))
             seen = self._seen.get(key, 0)
             self._seen[key] = seen + 1
             if seen < KEEP_FIRST:
-                self.events.append(event)
-            elif seen == KEEP_FIRST:
-                self._last[key] = len(self.events)
-                self.events.append(event)
+                self.events.append(self._event(kind, fields, ctx, text, lineno))
             else:
-                self.events[self._last[key]] = event
+                if seen == KEEP_FIRST:
+                    self._last[key] = len(self.events)
+                    self.events.append(None)
+                self._pending[key] = (kind, fields, ctx, text, lineno)
+
+    def _event(self, kind: str, fields: dict[str, Any], ctx: dict[str, Any], text: str, lineno: int) -> LogEvent:
+        return LogEvent(kind, self.source, fields.get("_line", lineno), _short(fields.get("_text", text)), fields,
+                        **ctx)
 
     def flush(self, lineno: int) -> None:
-        self._add(joblog_lines.flush(self.state), "", lineno)
+        self._add(self._tagged(list(joblog_lines.flush(self.state)), ""), "", lineno)
+        for key, pending in self._pending.items():
+            self.events[self._last[key]] = self._event(*pending)
+        self._pending.clear()
 
     def tag_check(self) -> None:
         """A `[N] ` tag in front of every line is mpirun's rank, unless it counts the file's lines (a paste's line

@@ -114,6 +114,14 @@ def parse(text: str, state: BlockState) -> Iterator[tuple[str, dict[str, Any], d
         yield from _slurm(text, ctx)
 
 
+def reads_block(text: str) -> bool:
+    """Whether what `parse` makes of this line depends on the lines before it or changes what the next ones mean (a
+    desync report's rank lines and its head, a torchrun summary's heads and fields). Every other line means the same
+    wherever it stands: the reader may take a repeat of it from what it made of it the first time."""
+    return ("collective #" in text or "caused the desync" in text or "Root Cause" in text or "Failures:" in text
+            or _TR_FIELD.match(text) is not None)
+
+
 def _context(text: str) -> dict[str, Any]:
     # Each pattern is tried only where a fixed text it needs is there (an `in` costs a tenth of a search).
     ctx: dict[str, Any] = {}
