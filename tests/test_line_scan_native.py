@@ -172,6 +172,12 @@ def test_a_probe_byte_common_in_the_buffer_turns_to_the_texts_and_finds_the_same
         assert native.gather(buf, 0, len(buf), probes, 3) == python_gather(buf, 0, len(buf), probes, 3)
 
 
+def _routes() -> list[int]:
+    """The routes of native's `multi` argument this CPU has: 0 the probes' passes, 1 the best one-pass route, 2 the
+    16-byte one (NEON on aarch64; SSSE3 on x86_64, where AVX2 is the best)."""
+    return [0, 1] + ([2] if native.MULTI_ROUTE != "none" else [])
+
+
 def _job_texts() -> tuple[bytes, ...]:
     from gpuwarden.agent.jobs.joblog_lines import NEEDLES
 
@@ -197,38 +203,50 @@ JOB_PIECES = tuple(p for t in _job_texts() for p in _near_misses(t)) + (b"\n", b
        tail=st.sampled_from([b"", b"NCC", b"Xi", b"NCCL WAR", b"Tracebac", b"desyn"]), base=st.integers(0, 10**6),
        cut=st.integers(0, 40))
 def test_the_one_pass_for_many_texts_finds_the_lines_the_probes_find(parts, lead, tail, base, cut):
-    """Past MULTI_PROBES probes (the job-log reader's 20) one vector pass looks for all texts at once: it finds the
-    lines the probes' passes and the Python search find, up to a region's end that cuts a text (a tail past `stop`
-    that is the start of a text, and a region ending mid-line)."""
+    """Past MULTI_PROBES probes (the job-log reader's 20) one vector pass looks for all texts at once: on each route
+    it finds the lines the probes' passes and the Python search find, up to a region's end that cuts a text (a tail
+    past `stop` that is the start of a text, and a region ending mid-line)."""
     body = b"".join(parts) + b"\n"
     buf = bytearray(lead.replace(b"\n", b" ") + b"\n" + body + tail)
     start = len(lead) + 1
     probes = probes_for(_job_texts())
     for stop in (start + len(body), max(start, start + len(body) - cut)):
         want = python_lines_holding(buf, start, stop, probes)
-        assert native.lines_holding(buf, start, stop, probes) == want
-        assert native.lines_holding(buf, start, stop, probes, False) == want
-        if stop == start + len(body):
-            assert native.gather(buf, start, stop, probes, base) == python_gather(buf, start, stop, probes, base)
-            assert native.gather(buf, start, stop, probes, base, False) == python_gather(buf, start, stop, probes,
-                                                                                         base)
+        for route in _routes():
+            assert native.lines_holding(buf, start, stop, probes, route) == want, route
+            if stop == start + len(body):
+                assert native.gather(buf, start, stop, probes, base, route) == python_gather(buf, start, stop, probes,
+                                                                                             base), route
 
 
 @needs_c
 def test_the_one_pass_finds_a_text_at_every_place_of_a_vector_step_and_at_the_buffer_end():
-    """A text at each offset across two 32-byte steps, and the buffer's last bytes (the scalar tail)."""
+    """A text at each offset across two 32-byte steps, and the buffer's last bytes (the scalar tail), on each route."""
     probes = probes_for(_job_texts())
     for text in _job_texts():
         for pad in range(70):
             buf = b"x" * pad + text + b"\n" + b"y" * (pad % 5)
             want = python_lines_holding(buf, 0, len(buf), probes)
             assert want == [(0, pad + len(text))]
-            assert native.lines_holding(buf, 0, len(buf), probes) == want, (text, pad)
-            assert native.lines_holding(buf, 0, pad + len(text), probes) == [(0, -1)], (text, pad)
-            # its probe byte past the region's end: not a hit of this region
-            cut = pad + probes_offset(probes, text)
-            assert native.lines_holding(buf, 0, cut, probes) == python_lines_holding(buf, 0, cut, probes) == []
+            for route in _routes():
+                assert native.lines_holding(buf, 0, len(buf), probes, route) == want, (text, pad, route)
+                assert native.lines_holding(buf, 0, pad + len(text), probes, route) == [(0, -1)], (text, pad, route)
+                # the region ends inside the text: not a hit of this region
+                cut = pad + probes_offset(probes, text)
+                assert native.lines_holding(buf, 0, cut, probes, route) == python_lines_holding(buf, 0, cut,
+                                                                                                probes) == []
 
 
 def probes_offset(probes, text: bytes) -> int:
     return next(at for _, at, texts in probes for t in texts if t == text)
+
+
+@needs_c
+def test_the_one_pass_route_is_named_and_a_route_this_cpu_lacks_is_refused():
+    assert native.MULTI_ROUTE in {"avx2", "vec16", "none"}
+    probes = probes_for(_job_texts())
+    if native.MULTI_ROUTE == "none":
+        with pytest.raises(ValueError, match="16-byte route"):
+            native.lines_holding(b"a Xid\n", 0, 6, probes, 2)
+    else:
+        assert native.lines_holding(b"a Xid\n", 0, 6, probes, 2) == [(0, 5)]

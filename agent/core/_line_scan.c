@@ -9,6 +9,11 @@
  * found, and a probe whose hit falls inside that line looks on from the line's end: every byte is looked at by each
  * probe once, and the lines come out in order, each once.
  *
+ * With more than MULTI_PROBES probes (the job-log reader's 20), one vector pass looks for all the texts at once
+ * instead (_multi_find.h: AVX2 on x86_64, NEON on aarch64); the lines found are the same.
+ *
+ * A text counts only where it lies wholly inside the region, in every route.
+ *
  * Newlines are counted sixteen bytes a step (count_newlines).
  */
 #define PY_SSIZE_T_CLEAN
@@ -30,7 +35,7 @@ typedef struct {
     Py_ssize_t next_nl;    /* that line's newline */
 } Probe;
 
-typedef struct Multi Multi;
+#include "_multi_find.h"
 
 typedef struct {
     Probe *probes;
@@ -120,276 +125,12 @@ probe_next(Probe *pr, const unsigned char *buf, Py_ssize_t start, Py_ssize_t fro
     return best < 0 ? -1 : line_at(buf, start, best, stop, nl_out);
 }
 
-/* ---- Many texts in one pass: a vector filter of each text's three rarest-looking bytes ("Teddy") ---------------
- *
+/* ---- Many texts in one pass (_multi_find.h) ---------------------------------------------------------------------
  * With more than MULTI_PROBES probes, a memchr pass each costs more than one pass that looks for all texts at once
- * (the job-log reader's 20 probes, nine of them bytes common in a job log: 0.35 s of a 157 MB log). Each text is
- * given a window of FP bytes, the one made of the rarest-looking bytes (byte_cost), and each window one of BUCKETS
- * bits. A buffer position is a candidate for a bucket where each of its FP bytes has a low and a high nibble that
- * bucket's windows have at that place: two table lookups of 32 bytes a step (AVX2's byte shuffle), a superset of the
- * windows. Each candidate is then checked exactly (a table of bytes per place) and its bucket's texts compared.
- * Only on x86_64 with AVX2 (checked when the module loads); elsewhere the probes' memchr passes run. The lines found
- * are the probes' exactly: a text counts where it starts at or after the line being looked from and ends before
- * `stop`. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_MULTI 1
-#else
-#define HAVE_MULTI 0
-#endif
-
-#define FP 3
-#define BUCKETS 8
+ * (the job-log reader's 20 probes, nine of them bytes common in a job log: 0.35 s of a 157 MB log, against 0.02 s). */
 #define MULTI_PROBES 4
 
-typedef struct {
-    const unsigned char *text;
-    Py_ssize_t len;
-    Py_ssize_t w;        /* its window's offset */
-} MultiText;
-
-struct Multi {
-    unsigned char lo[FP][16], hi[FP][16];   /* bucket bits by a byte's low and high nibble, at each place */
-    unsigned char exact[FP][256];           /* bucket bits by byte, at each place */
-    MultiText *texts;                       /* by bucket: texts[first[b]:first[b + 1]] */
-    Py_ssize_t first[BUCKETS + 1];
-};
-
-static int have_avx2;
-static double byte_costs[256];
-
-/* Which three-byte windows the region's first SAMPLE bytes hold, as bits of a hash: a window seen there is common in
- * the rest (a log is much the same all through: NCCL_DEBUG=INFO's "NCCL INFO" on every line), and another window of
- * the text is taken. Read and written with the GIL held. */
-#define SAMPLE 4096
-#define SEEN_BITS 16
-static uint64_t sample_seen[(1u << SEEN_BITS) / 64];
-
-static inline uint32_t
-window_hash(const unsigned char *p)
-{
-    uint32_t key = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 8 | p[2];
-    return (key * 2654435761u) >> (32 - SEEN_BITS);
-}
-
-static double
-byte_cost_of(unsigned char c)
-{
-    if (c == ' ' || (c >= '0' && c <= '9') || strchr("etaoinsrhldcum", c) != NULL)
-        return 10.0;
-    if ((c >= 'a' && c <= 'z') || strchr(".:/|-_,=[]NCLIFO", c) != NULL)
-        return 6.0;
-    if (c >= 'A' && c <= 'Z')
-        return 2.0;
-    return 1.0;
-}
-
-/* The likelihood that a random position matches a nibble filter that lets through, at each place k, the bytes whose
- * low nibble is in lo[k] and high nibble in hi[k] (bit masks): the product over the places of their summed cost. */
-static double
-filter_cost(const uint16_t lo[FP], const uint16_t hi[FP])
-{
-    double cost = 1.0;
-    for (int k = 0; k < FP; k++) {
-        double sum = 0.0;
-        for (uint32_t h = hi[k]; h; h &= h - 1)
-            for (uint32_t l = lo[k]; l; l &= l - 1)
-                sum += byte_costs[16 * __builtin_ctz(h) + __builtin_ctz(l)];
-        cost *= sum / 256.0;
-    }
-    return cost;
-}
-
-static void
-multi_free(Multi *m)
-{
-    if (m != NULL)
-        PyMem_Free(m->texts);
-    PyMem_Free(m);
-}
-
-/* The filter for the probes' texts, or NULL where the probes' own passes are used (few probes, a text shorter than
- * FP, no AVX2); -1 in *err with an exception set on a failed allocation. */
-static void
-sample_read(const unsigned char *p, Py_ssize_t n)
-{
-    if (n > SAMPLE)
-        n = SAMPLE;
-    memset(sample_seen, 0, sizeof sample_seen);
-    for (Py_ssize_t i = 0; i + FP <= n; i++) {
-        uint32_t h = window_hash(p + i);
-        sample_seen[h / 64] |= (uint64_t)1 << (h % 64);
-    }
-}
-
-static inline int
-sample_holds(const unsigned char *window)
-{
-    uint32_t h = window_hash(window);
-    return (int)(sample_seen[h / 64] >> (h % 64) & 1);
-}
-
-static Multi *
-multi_build(const Probe *probes, Py_ssize_t nprobes, int *err)
-{
-    *err = 0;
-    Py_ssize_t n = 0;
-    if (!have_avx2 || nprobes <= MULTI_PROBES)
-        return NULL;
-    for (Py_ssize_t i = 0; i < nprobes; i++)
-        for (Py_ssize_t k = 0; k < probes[i].ntexts; k++) {
-            if (probes[i].lens[k] < FP)
-                return NULL;
-            n++;
-        }
-    Multi *m = PyMem_Calloc(1, sizeof(Multi));
-    MultiText *all = PyMem_Calloc((size_t)n, sizeof(MultiText));
-    int *bucket = PyMem_Calloc((size_t)n, sizeof(int));
-    if (m == NULL || all == NULL || bucket == NULL) {
-        PyMem_Free(m);
-        PyMem_Free(all);
-        PyMem_Free(bucket);
-        PyErr_NoMemory();
-        *err = -1;
-        return NULL;
-    }
-    Py_ssize_t j = 0;
-    for (Py_ssize_t i = 0; i < nprobes; i++)
-        for (Py_ssize_t k = 0; k < probes[i].ntexts; k++, j++) {
-            MultiText *t = &all[j];
-            t->text = (const unsigned char *)probes[i].texts[k];
-            t->len = probes[i].lens[k];
-            double best = 0.0;
-            for (Py_ssize_t w = 0; w + FP <= t->len; w++) {
-                double c = 1.0;
-                for (int q = 0; q < FP; q++)
-                    c *= byte_costs[t->text[w + q]];
-                if (sample_holds(t->text + w))
-                    c *= 1e4;
-                if (w == 0 || c < best) {
-                    best = c;
-                    t->w = w;
-                }
-            }
-        }
-    /* Each text to the bucket its window widens least (an empty bucket first, while there is one). */
-    uint16_t lo[BUCKETS][FP] = {{0}}, hi[BUCKETS][FP] = {{0}};
-    int used = 0;
-    for (j = 0; j < n; j++) {
-        MultiText *t = &all[j];
-        int pick = 0;
-        if (used < BUCKETS) {
-            pick = used++;
-        } else {
-            double least = 0.0;
-            for (int b = 0; b < BUCKETS; b++) {
-                uint16_t lo2[FP], hi2[FP];
-                for (int k = 0; k < FP; k++) {
-                    lo2[k] = (uint16_t)(lo[b][k] | 1u << (t->text[t->w + k] & 15));
-                    hi2[k] = (uint16_t)(hi[b][k] | 1u << (t->text[t->w + k] >> 4));
-                }
-                double grow = filter_cost(lo2, hi2) - filter_cost(lo[b], hi[b]);
-                if (b == 0 || grow < least) {
-                    least = grow;
-                    pick = b;
-                }
-            }
-        }
-        bucket[j] = pick;
-        for (int k = 0; k < FP; k++) {
-            unsigned char c = t->text[t->w + k];
-            lo[pick][k] |= (uint16_t)(1u << (c & 15));
-            hi[pick][k] |= (uint16_t)(1u << (c >> 4));
-            m->lo[k][c & 15] |= (unsigned char)(1u << pick);
-            m->hi[k][c >> 4] |= (unsigned char)(1u << pick);
-            m->exact[k][c] |= (unsigned char)(1u << pick);
-        }
-    }
-    m->texts = PyMem_Calloc((size_t)n, sizeof(MultiText));
-    if (m->texts == NULL) {
-        PyMem_Free(m);
-        PyMem_Free(all);
-        PyMem_Free(bucket);
-        PyErr_NoMemory();
-        *err = -1;
-        return NULL;
-    }
-    Py_ssize_t w = 0;
-    for (int b = 0; b < BUCKETS; b++) {
-        m->first[b] = w;
-        for (j = 0; j < n; j++)
-            if (bucket[j] == b)
-                m->texts[w++] = all[j];
-    }
-    m->first[BUCKETS] = w;
-    PyMem_Free(all);
-    PyMem_Free(bucket);
-    return m;
-}
-
-/* A candidate window at q: the start of the first text of its buckets found there, or -1. */
-static inline Py_ssize_t
-multi_check(const Multi *m, const unsigned char *buf, Py_ssize_t from, Py_ssize_t stop, Py_ssize_t q)
-{
-    unsigned bits = m->exact[0][buf[q]] & m->exact[1][buf[q + 1]] & m->exact[2][buf[q + 2]];
-    while (bits) {
-        int b = __builtin_ctz(bits);
-        bits &= bits - 1;
-        for (Py_ssize_t i = m->first[b]; i < m->first[b + 1]; i++) {
-            const MultiText *t = &m->texts[i];
-            Py_ssize_t t0 = q - t->w;
-            if (t0 >= from && t0 + t->len <= stop && memcmp(buf + t0, t->text, (size_t)t->len) == 0)
-                return t0;
-        }
-    }
-    return -1;
-}
-
-#if HAVE_MULTI
-__attribute__((target("avx2")))
-static Py_ssize_t
-multi_find(const Multi *m, const unsigned char *buf, Py_ssize_t from, Py_ssize_t stop)
-{
-    Py_ssize_t end = stop - FP + 1;  /* the windows that lie inside the region */
-    Py_ssize_t q = from;
-    const __m256i low = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
-    __m256i lo[FP], hi[FP];
-    for (int k = 0; k < FP; k++) {
-        lo[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)m->lo[k]));
-        hi[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)m->hi[k]));
-    }
-    while (q + 32 + FP - 1 <= stop) {
-        __m256i hit = _mm256_set1_epi8(-1);
-        for (int k = 0; k < FP; k++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(buf + q + k));
-            __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            hit = _mm256_and_si256(hit, _mm256_and_si256(_mm256_shuffle_epi8(lo[k], vl),
-                                                         _mm256_shuffle_epi8(hi[k], vh)));
-        }
-        unsigned mask = ~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(hit, zero));
-        while (mask) {
-            Py_ssize_t t0 = multi_check(m, buf, from, stop, q + __builtin_ctz(mask));
-            if (t0 >= 0)
-                return t0;
-            mask &= mask - 1;
-        }
-        q += 32;
-    }
-    for (; q < end; q++) {
-        Py_ssize_t t0 = multi_check(m, buf, from, stop, q);
-        if (t0 >= 0)
-            return t0;
-    }
-    return -1;
-}
-#else
-static Py_ssize_t
-multi_find(const Multi *m, const unsigned char *buf, Py_ssize_t from, Py_ssize_t stop)
-{
-    (void)m; (void)buf; (void)from; (void)stop;
-    return -1;  /* never called: multi_build gives no filter where there is no AVX2 */
-}
-#endif
+static int multi_best;  /* the best route this CPU has (multi_init) */
 
 static void
 probes_free(Probes *ps)
@@ -409,21 +150,45 @@ probes_free(Probes *ps)
 
 static int probes_parse(PyObject *seq, Probes *ps);
 
-/* Reads probes_for's list; 0 on success, -1 with an exception set. Where `multi` allows it, the one-pass filter is
- * built for buf[start:stop], from what its start holds. */
+/* Reads probes_for's list; 0 on success, -1 with an exception set. `multi`: 0 the probes' own passes, 1 the best
+ * one-pass route there is, 2 the 16-byte route (tests); the one-pass filter is built for buf[start:stop], from what
+ * its start holds, where there are more than MULTI_PROBES probes and no text is shorter than FP. */
 static int
 probes_read(PyObject *seq, Probes *ps, int multi, const unsigned char *buf, Py_ssize_t start, Py_ssize_t stop)
 {
+    int route = multi == 1 ? multi_best : multi == 2 ? MULTI_VEC16 : MULTI_NONE;
+    if (multi == 2 && (!MULTI_HAVE_VEC16 || multi_best < MULTI_VEC16)) {
+        PyErr_SetString(PyExc_ValueError, "this CPU or build has no 16-byte route");
+        return -1;
+    }
     if (probes_parse(seq, ps) < 0)
         return -1;
-    if (multi && have_avx2 && ps->n > MULTI_PROBES && start < stop) {
-        int err;
-        sample_read(buf + start, stop - start);
-        ps->multi = multi_build(ps->probes, ps->n, &err);
-        if (err < 0) {
-            probes_free(ps);
-            return -1;
+    if (route == MULTI_NONE || ps->n <= MULTI_PROBES || start >= stop)
+        return 0;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < ps->n; i++)
+        for (Py_ssize_t k = 0; k < ps->probes[i].ntexts; k++) {
+            if (ps->probes[i].lens[k] < FP)
+                return 0;
+            n++;
         }
+    const unsigned char **texts = PyMem_Calloc((size_t)n, sizeof(char *));
+    Py_ssize_t *lens = PyMem_Calloc((size_t)n, sizeof(Py_ssize_t));
+    if (texts != NULL && lens != NULL) {
+        Py_ssize_t j = 0;
+        for (Py_ssize_t i = 0; i < ps->n; i++)
+            for (Py_ssize_t k = 0; k < ps->probes[i].ntexts; k++, j++) {
+                texts[j] = (const unsigned char *)ps->probes[i].texts[k];
+                lens[j] = ps->probes[i].lens[k];
+            }
+        ps->multi = multi_build(texts, lens, n, buf + start, stop - start, route);
+    }
+    PyMem_Free(texts);
+    PyMem_Free(lens);
+    if (ps->multi == NULL) {
+        probes_free(ps);
+        PyErr_NoMemory();
+        return -1;
     }
     return 0;
 }
@@ -557,10 +322,10 @@ append_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
 }
 
 PyDoc_STRVAR(lines_holding_doc,
-"lines_holding(buf, start, stop, probes, multi=True) -> list of (start, end)\n\n"
+"lines_holding(buf, start, stop, probes, multi=1) -> list of (start, end)\n\n"
 "line_search.lines_holding's answer: each line of buf[start:stop] that holds one of the probes' texts, in order;\n"
-"end is the offset of the line's newline. multi=False: the probes' own passes even where one pass for all the\n"
-"texts would be used (the same lines; for the tests).");
+"end is the offset of the line's newline. multi: 1 the one pass for all the texts where it is used (more than\n"
+"four probes), 0 the probes' own passes, 2 the one pass on its 16-byte route (the same lines; for the tests).");
 
 static PyObject *
 lines_holding(PyObject *self, PyObject *args)
@@ -570,7 +335,7 @@ lines_holding(PyObject *self, PyObject *args)
     PyObject *probes;
     int multi = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnO|p", &view, &start, &stop, &probes, &multi))
+    if (!PyArg_ParseTuple(args, "y*nnO|i", &view, &start, &stop, &probes, &multi))
         return NULL;
     Probes ps;
     if (probes_read(probes, &ps, multi, view.buf, start < 0 ? 0 : start, stop > view.len ? view.len : stop) < 0) {
@@ -623,7 +388,7 @@ gather_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
 }
 
 PyDoc_STRVAR(gather_doc,
-"gather(buf, start, stop, probes, base, multi=True) -> (joined, numbers, newlines)\n\n"
+"gather(buf, start, stop, probes, base, multi=1) -> (joined, numbers, newlines)\n\n"
 "The found lines of buf[start:stop] (complete lines: stop just past a newline) joined by newlines, the CR of a\n"
 "CRLF end taken off each; the line number of each (base + the newlines before it + 1); the newlines in the\n"
 "region. multi: as for lines_holding. The search runs with the GIL released.");
@@ -636,7 +401,7 @@ gather(PyObject *self, PyObject *args)
     PyObject *probes;
     int multi = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnOn|p", &view, &start, &stop, &probes, &base, &multi))
+    if (!PyArg_ParseTuple(args, "y*nnOn|i", &view, &start, &stop, &probes, &base, &multi))
         return NULL;
     if (start < 0 || stop > view.len || start > stop) {
         PyBuffer_Release(&view);
@@ -723,11 +488,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__line_scan(void)
 {
-    for (int c = 0; c < 256; c++)
-        byte_costs[c] = byte_cost_of((unsigned char)c);
-#if HAVE_MULTI
-    __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2");
-#endif
-    return PyModule_Create(&module);
+    multi_best = multi_init();
+    PyObject *m = PyModule_Create(&module);
+    static const char *names[] = {"none", "vec16", "avx2"};
+    if (m != NULL && PyModule_AddStringConstant(m, "MULTI_ROUTE", names[multi_best]) < 0)
+        Py_CLEAR(m);
+    return m;
 }
