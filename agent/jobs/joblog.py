@@ -265,7 +265,7 @@ class _Reader:
         if made is None:
             text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
             self.state.lineno = lineno
-            made = (text, self._tagged(list(joblog_lines.parse(text, self.state)), text))
+            made = (text, self._tagged(joblog_lines.parse(text, self.state), text))
             if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
                 self._made[bytes(raw)] = made
         else:
@@ -311,7 +311,7 @@ class _Reader:
                         **ctx)
 
     def flush(self, lineno: int) -> None:
-        self._add(self._tagged(list(joblog_lines.flush(self.state)), ""), "", lineno)
+        self._add(self._tagged(joblog_lines.flush(self.state), ""), "", lineno)
         for key, pending in self._pending.items():
             self.events[self._last[key]] = self._event(*pending)
         self._pending.clear()

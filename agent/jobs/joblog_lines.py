@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import Any
 
 from gpuwarden.agent.jobs.joblog_patterns import load_patterns
 
@@ -72,6 +72,9 @@ _SRUN_NODE_FAIL = _DATA.get("srun_node_failure")
 _SRUN_EXIT_CODE = _DATA.get("srun_exit_code")
 
 
+Events = list[tuple[str, dict[str, Any], dict[str, Any]]]  # (kind, fields, context) of each event of a line
+
+
 class BlockState:
     """What a multi-line block has said so far (torchrun's summary; a desync report's list of ranks)."""
 
@@ -83,35 +86,39 @@ class BlockState:
         self.lineno = 0  # the file's line being read (the reader sets it)
 
 
-def parse(text: str, state: BlockState) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def parse(text: str, state: BlockState) -> Events:
     """The events of one line: (kind, fields, context) where context is the prefix's host/pid/dev/rank/
-    local_rank and the line's time stamp."""
+    local_rank and the line's time stamp. Each part below appends to one list (a generator a part cost more than
+    the part itself on a log dense in such lines)."""
     state.lines += 1
     ctx = _context(text)
+    out: Events = []
     if "NCCL" in text:
-        yield from _nccl(text, ctx)
+        _nccl(text, ctx, out)
     if ("ProcessGroupNCCL" in text or "Rank " in text or "collective #" in text or "dump signal" in text
             or "caused the desync" in text):
-        yield from _pytorch(text, ctx, state)
+        _pytorch(text, ctx, state, out)
     if "CUDA error" in text or "cudaError" in text or "ECC error" in text:
         m = _CUDA_ERROR.search(text)
         msg = m.group("msg").strip() if m else text.strip()
         hw = next(((what, kind) for key, kind, what in HARDWARE_CUDA if key in msg), None)
-        yield "cuda_error", {"message": msg, "hardware": hw[0] if hw else None, "part": hw[1] if hw else None}, ctx
+        out.append(("cuda_error", {"message": msg, "hardware": hw[0] if hw else None,
+                                   "part": hw[1] if hw else None}, ctx))
     if "Rank  " in text:
         m = _TESTS_RANK.search(text)
         if m:
-            yield "tests_rank", {"rank": int(m.group("rank")), "host": m.group("host"), "dev": int(m.group("dev")),
-                                 "bus": int(m.group("bus"), 16) << 12}, ctx
+            out.append(("tests_rank", {"rank": int(m.group("rank")), "host": m.group("host"),
+                                       "dev": int(m.group("dev")), "bus": int(m.group("bus"), 16) << 12}, ctx))
     if "Xid" in text:
         m = _XID.search(text)
         if m:
-            yield "xid", {"xid": int(m.group("xid")), "pci": m.group("pci")}, ctx
+            out.append(("xid", {"xid": int(m.group("xid")), "pci": m.group("pci")}, ctx))
     if "Traceback (most recent call last)" in text:
-        yield "traceback", {}, ctx
-    yield from _torchrun(text, ctx, state)
+        out.append(("traceback", {}, ctx))
+    _torchrun(text, ctx, state, out)
     if "slurmstepd" in text or "srun: error" in text or "ode failure" in text:
-        yield from _slurm(text, ctx)
+        _slurm(text, ctx, out)
+    return out
 
 
 def reads_block(text: str) -> bool:
@@ -174,111 +181,111 @@ def tag_context(text: str) -> dict[str, Any]:
     return {"_tag": int(m.group(1))} if m else {}
 
 
-def _nccl(text: str, ctx: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def _nccl(text: str, ctx: dict[str, Any], out: Events) -> None:
     if " busId " in text:
         m = _COMM.search(text)
         if m:
-            yield "comm", {"comm_rank": int(m.group("rank")), "nranks": int(m.group("nranks")),
-                           "cuda_dev": int(m.group("dev")), "bus": bus_id(m.group("bus")),
-                           "state": m.group("state")}, ctx
+            out.append(("comm", {"comm_rank": int(m.group("rank")), "nranks": int(m.group("nranks")),
+                                 "cuda_dev": int(m.group("dev")), "bus": bus_id(m.group("bus")),
+                                 "state": m.group("state")}, ctx))
     if "Bootstrap : Using" in text:
         m = _BOOTSTRAP.search(text)
         if m:
             ips = [ip for _, ip in _IFACE_IP.findall(m.group("list"))]
             if ips:
-                yield "bootstrap", {"ips": ips}, ctx
+                out.append(("bootstrap", {"ips": ips}, ctx))
     if "NET/IB : Using" in text:
         m = _IB_USING.search(text)
         if m:
             ports = [{"index": int(i), "device": dev, "port": int(p), "link": link}
                      for i, dev, p, link in _IB_PORT.findall(m.group("list"))]
             oob = _IFACE_IP.findall(m.group("oob") or "")
-            yield "ib_devices", {"ports": ports, "oob_ip": oob[0][1] if oob else None}, ctx
+            out.append(("ib_devices", {"ports": ports, "oob_ip": oob[0][1] if oob else None}, ctx))
     if "NCCL version" in text:
         m = _NCCL_VERSION.search(text)
         if m:
-            yield "nccl_version", {"version": m.group("version")}, ctx
+            out.append(("nccl_version", {"version": m.group("version")}, ctx))
     if "set by environment to" in text:
         m = _NCCL_ENV.search(text)
         if m:
-            yield "nccl_env", {"var": m.group("var"), "value": m.group("value")}, ctx
+            out.append(("nccl_env", {"var": m.group("var"), "value": m.group("value")}, ctx))
     if "NCCL WARN" not in text:
         return
     warn = text[text.index("NCCL WARN") + 10:].strip()
     m = _IB_COMPLETION.search(text)
     if m:
-        yield "ib_completion", {"peer": m.group("peer"), "peer_port": int(m.group("port")),
-                                "status": int(m.group("status")), "vendor": int(m.group("vendor")),
-                                "message": warn}, ctx
+        out.append(("ib_completion", {"peer": m.group("peer"), "peer_port": int(m.group("port")),
+                                      "status": int(m.group("status")), "vendor": int(m.group("vendor")),
+                                      "message": warn}, ctx))
         return
     m = _IB_ASYNC.search(text)
     if m:
-        yield "ib_async", {"event": m.group("event").strip(), "message": warn}, ctx
+        out.append(("ib_async", {"event": m.group("event").strip(), "message": warn}, ctx))
         return
     m = _REFUSED.search(text)
     if m:
-        yield "connect_failed", {"peer": m.group("peer"), "peer_port": int(m.group("port")),
-                                 "why": m.group("why").strip(), "message": warn}, ctx
+        out.append(("connect_failed", {"peer": m.group("peer"), "peer_port": int(m.group("port")),
+                                       "why": m.group("why").strip(), "message": warn}, ctx))
         return
     m = _PEER_GONE.search(text)
     if m and m.group("peer"):
-        yield "peer_gone", {"peer": m.group("peer"), "peer_port": int(m.group("port")),
-                            "why": (m.group("why") or "connection closed by the remote peer").strip(),
-                            "message": warn}, ctx
+        out.append(("peer_gone", {"peer": m.group("peer"), "peer_port": int(m.group("port")),
+                                  "why": (m.group("why") or "connection closed by the remote peer").strip(),
+                                  "message": warn}, ctx))
         return
     m = _CUDA_FAILURE.search(text)
     if m:
-        yield "nccl_cuda", {"message": m.group("msg")}, ctx
+        out.append(("nccl_cuda", {"message": m.group("msg")}, ctx))
         return
-    yield "nccl_warn", {"message": warn}, ctx
+    out.append(("nccl_warn", {"message": warn}, ctx))
 
 
-def _pytorch(text: str, ctx: dict[str, Any], state: BlockState) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def _pytorch(text: str, ctx: dict[str, Any], state: BlockState, out: Events) -> None:
     if "collective #" in text and state.desync_until >= state.lines:
         m = _DESYNC_RANK.search(text)
         if m:
-            yield "desync_rank", {"lagging": int(m.group("rank")), "what": m.group("what").strip(),
-                                  "collective": int(m.group("n"))}, ctx
+            out.append(("desync_rank", {"lagging": int(m.group("rank")), "what": m.group("what").strip(),
+                                        "collective": int(m.group("n"))}, ctx))
             state.desync_until = state.lines + 64
             return
     if "caused the desync" in text and _DESYNC_HEAD.search(text):
         state.desync_until = state.lines + 64
-        yield "desync_report", {}, ctx
+        out.append(("desync_report", {}, ctx))
         return
     if "Watchdog caught" in text or "blocking wait" in text:
         m = _WATCHDOG.search(text) or _BLOCKING.search(text)
         if m:
             g = m.groupdict()
-            yield "watchdog_timeout", {**_pg(m), "seq": int(g["seq"]), "op": g["op"],
-                                       "timeout_ms": int(g["timeout"]) if g.get("timeout") else None,
-                                       "ran_ms": int(g["ran"]) if g.get("ran") else None,
-                                       "numel_in": int(g["nin"]) if g.get("nin") else None,
-                                       "numel_out": int(g["nout"]) if g.get("nout") else None,
-                                       "blocking": "blocking wait" in text}, ctx
+            out.append(("watchdog_timeout", {**_pg(m), "seq": int(g["seq"]), "op": g["op"],
+                                             "timeout_ms": int(g["timeout"]) if g.get("timeout") else None,
+                                             "ran_ms": int(g["ran"]) if g.get("ran") else None,
+                                             "numel_in": int(g["nin"]) if g.get("nin") else None,
+                                             "numel_out": int(g["nout"]) if g.get("nout") else None,
+                                             "blocking": "blocking wait" in text}, ctx))
         return
     if "last completed" in text:
         m = _PROGRESS.search(text)
         if m and "dump signal" not in text:
-            yield "pg_progress", {**_pg(m), "at": int(m.group("at")), "enqueued": int(m.group("enq")),
-                                  "completed": int(m.group("done"))}, ctx
+            out.append(("pg_progress", {**_pg(m), "at": int(m.group("at")), "enqueued": int(m.group("enq")),
+                                        "completed": int(m.group("done"))}, ctx))
             return
     if "watchdog got stuck" in text:
         m = _STUCK.search(text)
-        yield "heartbeat", {**(_pg(m) if m else {}), "stuck_s": int(m.group("secs")) if m else None}, ctx
+        out.append(("heartbeat", {**(_pg(m) if m else {}), "stuck_s": int(m.group("secs")) if m else None}, ctx))
         return
     if "Heartbeat monitor timed out" in text:
         m = _HEARTBEAT.search(text)
-        yield "heartbeat", {**(_pg(m) if m else {}), "stuck_s": None}, ctx
+        out.append(("heartbeat", {**(_pg(m) if m else {}), "stuck_s": None}, ctx))
         return
     if "dump signal" in text:
         m = _DUMP.search(text)
         if m:
-            yield "dump_signal", {"from_rank": int(m.group("rank")),
-                                  "completed": int(m.group("done")) if m.group("done") else None}, ctx
+            out.append(("dump_signal", {"from_rank": int(m.group("rank")),
+                                        "completed": int(m.group("done")) if m.group("done") else None}, ctx))
         return
     if "Some NCCL operations have failed" in text:
         m = _FAILED.search(text)
-        yield "nccl_failed", {"pg_rank": int(m.group("pgrank")) if m else None}, ctx
+        out.append(("nccl_failed", {"pg_rank": int(m.group("pgrank")) if m else None}, ctx))
 
 
 def _pg(m: re.Match) -> dict[str, Any]:
@@ -287,16 +294,13 @@ def _pg(m: re.Match) -> dict[str, Any]:
             "pg_rank": int(g["pgrank"]) if g.get("pgrank") else None}
 
 
-Events = Iterator[tuple[str, dict[str, Any], dict[str, Any]]]
-
-
-def _torchrun(text: str, ctx: dict[str, Any], state: BlockState) -> Events:
+def _torchrun(text: str, ctx: dict[str, Any], state: BlockState, out: Events) -> None:
     if "Root Cause (first observed failure)" in text:
-        yield from _close_entry(state)
+        _close_entry(state, out)
         state.torchrun_section = "root"
         return
     if "Failures:" in text and text.strip().endswith("Failures:"):
-        yield from _close_entry(state)
+        _close_entry(state, out)
         state.torchrun_section = "failure"
         return
     if state.torchrun_section is None:
@@ -306,7 +310,7 @@ def _torchrun(text: str, ctx: dict[str, Any], state: BlockState) -> Events:
         return
     key, value = m.group("key"), m.group("value").strip()
     if key == "time":
-        yield from _close_entry(state)
+        _close_entry(state, out)
         state.torchrun_entry = {"section": state.torchrun_section, "time": value, "ctx": ctx,
                                 "line": state.lineno}
         return
@@ -328,10 +332,10 @@ def _torchrun(text: str, ctx: dict[str, Any], state: BlockState) -> Events:
         s = _SIGNAL.search(value)
         entry["signal"] = s.group("name") if s else None
         entry["traceback"] = value
-        yield from _close_entry(state)
+        _close_entry(state, out)
 
 
-def _close_entry(state: BlockState) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def _close_entry(state: BlockState, out: Events) -> None:
     entry, state.torchrun_entry = state.torchrun_entry, None
     if not entry or "rank" not in entry and "host" not in entry:
         return
@@ -345,40 +349,43 @@ def _close_entry(state: BlockState) -> Iterator[tuple[str, dict[str, Any], dict[
     text = (f"torchrun {'root cause' if entry['section'] == 'root' else 'failure'}: rank {entry.get('rank')} on "
             f"{entry.get('host')}, exitcode {entry.get('exitcode')}"
             f"{' (' + entry['signal'] + ')' if entry.get('signal') else ''} at {entry.get('time')}")
-    yield "torchrun_failure", {"root_cause": entry["section"] == "root", "time": entry.get("time"),
-                               "exitcode": entry.get("exitcode"), "signal": entry.get("signal"),
-                               "_line": entry["line"], "_text": text}, ctx
+    out.append(("torchrun_failure", {"root_cause": entry["section"] == "root", "time": entry.get("time"),
+                                     "exitcode": entry.get("exitcode"), "signal": entry.get("signal"),
+                                     "_line": entry["line"], "_text": text}, ctx))
 
 
-def flush(state: BlockState) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def flush(state: BlockState) -> Events:
     """What a block left open at the end of the file says (a torchrun entry cut before its traceback field)."""
-    yield from _close_entry(state)
+    out: Events = []
+    _close_entry(state, out)
+    return out
 
 
-def _slurm(text: str, ctx: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def _slurm(text: str, ctx: dict[str, Any], out: Events) -> None:
     m = _STEPD_CANCEL.search(text)
     if m:
         t = _ISO.search(m.group("at"))
         ctx = {**ctx, "stamp": ("wall", _iso(t))} if t else ctx
-        yield "slurm_cancel", {"what": m.group("what").lower(), "id": m.group("id"), "batch_host": m.group("host"),
-                               "at": m.group("at"), "why": (m.group("why") or "").strip() or None}, ctx
+        out.append(("slurm_cancel", {"what": m.group("what").lower(), "id": m.group("id"),
+                                     "batch_host": m.group("host"), "at": m.group("at"),
+                                     "why": (m.group("why") or "").strip() or None}, ctx))
         return
     m = _SRUN_TASK.search(text)
     if m:
         how = m.group("how").strip()
         code = _SRUN_EXIT_CODE.search(how)
-        yield "srun_task", {"host": m.group("host"), "tasks": m.group("tasks"), "how": how,
-                            "exit_code": int(code.group(1)) if code else None,
-                            "killed": how.startswith(("Killed", "Terminated"))}, ctx
+        out.append(("srun_task", {"host": m.group("host"), "tasks": m.group("tasks"), "how": how,
+                                  "exit_code": int(code.group(1)) if code else None,
+                                  "killed": how.startswith(("Killed", "Terminated"))}, ctx))
         return
     m = _SRUN_NODE_FAIL.search(text)
     if m:
-        yield "node_failure", {"host": m.group("host").rstrip(".")}, ctx
+        out.append(("node_failure", {"host": m.group("host").rstrip(".")}, ctx))
         return
     if "oom" in text.lower():
         m = _STEPD_OOM.search(text)
         if m:
-            yield "oom_kill", {"count": int(m.group("n"))}, ctx
+            out.append(("oom_kill", {"count": int(m.group("n"))}, ctx))
 
 
 def bus_id(text: str) -> int | None:
