@@ -6,10 +6,15 @@ interleaved, the file in the page cache; figures are medians.
 Two greps: `grep -c NCCL` (what an operator types first) and `grep -c -F -f TEXTS` with the fixed texts the reader
 looks for (agent/jobs/joblog_lines.NEEDLES: the same search explain's first pass makes).
 
-    .venv/bin/python bench/explain.py [--lines 1000000] [--runs 3] [--json PATH]"""
+gpuwarden is the working tree installed as a user installs it (a wheel, in a venv of bench/peers.product_venv, as
+`bench/run` measures it); --here runs the gpuwarden beside this python instead (an editable tree: its start is
+~20 ms longer).
+
+    .venv/bin/python bench/explain.py [--lines 1000000] [--runs 3] [--json PATH] [--here]"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -35,6 +40,15 @@ def _timed(argv: list[str]) -> tuple[float, int, int]:
     return wall, proc.returncode, usage.ru_maxrss
 
 
+def _peers():
+    """bench/peers.py by its path (bench/ is not put on sys.path: its scripts' names are too plain)."""
+    spec = importlib.util.spec_from_file_location("gpuwarden_bench_peers", ROOT / "bench" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _real_logs(lines: int, path: Path) -> None:
     text = "".join((p.read_text() + "\n") for p in sorted((ROOT / "fixtures" / "job_logs").glob("*.log")))
     per = text.count("\n")
@@ -48,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", type=int, default=1_000_000)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--here", action="store_true", help="the gpuwarden beside this python, not the installed wheel")
     args = p.parse_args(argv)
     from gpuwarden.agent.jobs.joblog_lines import NEEDLES
 
-    gw = str(Path(sys.executable).parent / "gpuwarden")
+    gw = str((Path(sys.executable) if args.here else _peers().product_venv()).parent / "gpuwarden")
+    print(f"gpuwarden: {gw}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         texts = Path(tmp) / "texts"

@@ -230,8 +230,14 @@ class _Reader:
         # count of the newlines between two found lines in Python (75 ms of a 157 MB log with few such lines)
         joined, numbers, newlines = gather(buf, 0, stop, _PROBES, lineno, memory)
         if numbers:
+            made, state, add = self._made.get, self.state, self._add
             for raw, n in zip(joined.split(b"\n"), numbers, strict=True):
-                self._line(raw, n)
+                known = made(raw)  # _line's first step, here: most lines of a flood are met before
+                if known is None:
+                    self._line(raw, n)
+                else:
+                    state.lines += 1  # as parse counts it (see _line)
+                    add(known[1], known[0], n)
         return lineno + newlines
 
     def _take_wrapped(self, buf: bytearray, stop: int, lineno: int) -> int:
@@ -265,7 +271,8 @@ class _Reader:
         if made is None:
             text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
             self.state.lineno = lineno
-            made = (text, self._tagged(joblog_lines.parse(text, self.state), text))
+            made = (text, [(_key(kind, fields, ctx), kind, fields, ctx)
+                           for kind, fields, ctx in self._tagged(joblog_lines.parse(text, self.state), text)])
             if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
                 self._made[bytes(raw)] = made
         else:
@@ -291,11 +298,11 @@ class _Reader:
         return out
 
     def _add(self, events: Any, text: str, lineno: int) -> None:
-        for kind, fields, ctx in events:
+        """events: (key, kind, fields, context) of each event of one line."""
+        for key, kind, fields, ctx in events:
             # A flood of one kind of line from one rank adds nothing past its first lines and its last: those are
             # kept (the last in place of the one before), so memory is bounded by the ranks and kinds, not the lines.
             # The last is made an event only at the end (most lines of a flood are replaced by the next).
-            key = (kind, ctx.get("host"), ctx.get("pid"), ctx.get("rank"), fields.get("pg"), fields.get("peer"))
             seen = self._seen.get(key, 0)
             self._seen[key] = seen + 1
             if seen < KEEP_FIRST:
@@ -311,7 +318,7 @@ class _Reader:
                         **ctx)
 
     def flush(self, lineno: int) -> None:
-        self._add(self._tagged(joblog_lines.flush(self.state), ""), "", lineno)
+        self._add([(_key(*e), *e) for e in self._tagged(joblog_lines.flush(self.state), "")], "", lineno)
         for key, pending in self._pending.items():
             self.events[self._last[key]] = self._event(*pending)
         self._pending.clear()
@@ -323,6 +330,11 @@ class _Reader:
         if len(tagged) >= 2 and len({e.fields["_tag"] - e.line for e in tagged}) == 1:
             self.events = [_untag(e) for e in self.events]
         self.events = [_drop_tag(e) for e in self.events]
+
+
+def _key(kind: str, fields: dict[str, Any], ctx: dict[str, Any]) -> tuple:
+    """Which flood an event belongs to (_Reader._add): its kind from one process, rank, process group and peer."""
+    return kind, ctx.get("host"), ctx.get("pid"), ctx.get("rank"), fields.get("pg"), fields.get("peer")
 
 
 def _untag(e: LogEvent) -> LogEvent:
