@@ -4,8 +4,9 @@ signal it, requeue or cancel it) through the scheduler adapter; and explaining a
 - `doom`: the doom rules (doom_rules.toml, data), pure: which findings end which job's collectives;
 - `guard`: the daemon's side (jobs known, rules applied at each observation, one intent per job and incident);
 - `respond`: the engine's side (carrying a job intent out through the adapter, reconciled against the scheduler);
-- explaining a failed job (`gpuwarden explain`): `joblog_lines` (what each line of a job's log means, pure; its
-  patterns, each with its source, are data: data/joblog_patterns.toml, read by `joblog_patterns`) and `joblog`
+- explaining a failed job (`gpuwarden explain`): `joblog_lines` (what each line of a job's log means, pure, with
+  `joblog_prefix`: where and when a line was written; their patterns, each with its source, are data:
+  data/joblog_patterns.toml, read by `joblog_patterns`) and `joblog`
   (reading a log, bounded), `explain` (the verdict, pure) with `explain_steps` (its lines of reasoning) and
   `explain_places` (where each rank ran), `node_evidence` (one node's evidence over a window, read from its
   endpoint), `evidence_saved` (the same from saved stores and recordings), `evidence_window` (what the daemon serves

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Sequence
 from gpuwarden.agent.core.line_search import ProbeMemory, gather, probes_for
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.jobs import joblog_lines
+from gpuwarden.agent.jobs.joblog_prefix import tag_context
 
 CHUNK = 1 << 20
 LINE_MAX = 64 << 10  # a longer line is cut to this (a job log's longest real lines, tracebacks' frames, are < 4 KiB)
@@ -285,7 +286,7 @@ class _Reader:
         counts lines: tag_check)."""
         if not events:
             return events
-        tag = joblog_lines.tag_context(text)
+        tag = tag_context(text)
         if not tag:
             return events
         out = []

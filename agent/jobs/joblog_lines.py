@@ -7,26 +7,16 @@ line in, its events out.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
 from typing import Any
 
-from gpuwarden.agent.jobs.joblog_patterns import load_patterns
+from gpuwarden.agent.jobs.joblog_patterns import shipped
+from gpuwarden.agent.jobs.joblog_prefix import context, wall_time
 
 # The patterns, their forms and the sources they were learned from are data (data/joblog_patterns.toml), read
-# once here: module globals, so that a line costs what it cost with the patterns in the code.
-_DATA = load_patterns()
+# once (joblog_patterns.shipped): module globals, so that a line costs what it cost with the patterns in the code.
+_DATA = shipped()
 NEEDLES: tuple[bytes, ...] = _DATA.needles
 HARDWARE_CUDA = _DATA.hardware_cuda  # (text in CUDA's message, part, what it means): the GPU itself failed
-
-# ---- the launcher's prefix and NCCL's own ----------------------------------------------------------------------------
-_RANK_PREFIX = _DATA.get("rank_prefix")
-_LOCAL_PREFIX = _DATA.get("local_prefix")
-_MPI_TAG = _DATA.get("mpi_tag")
-_BRACKET_TAG = _DATA.get("bracket_tag")
-_SRUN_LABEL = _DATA.get("srun_label")
-_NCCL = _DATA.get("nccl_prefix")
-_GLOG = _DATA.get("glog_stamp")
-_ISO = _DATA.get("iso_stamp")
 
 # ---- PyTorch ProcessGroupNCCL ----------------------------------------------------------------------------------------
 _WATCHDOG = _DATA.get("watchdog")
@@ -91,7 +81,7 @@ def parse(text: str, state: BlockState) -> Events:
     local_rank and the line's time stamp. Each part below appends to one list (a generator a part cost more than
     the part itself on a log dense in such lines)."""
     state.lines += 1
-    ctx = _context(text)
+    ctx = context(text)  # the launcher's and NCCL's prefix, the stamp: joblog_prefix
     out: Events = []
     if "NCCL" in text:
         _nccl(text, ctx, out)
@@ -127,58 +117,6 @@ def reads_block(text: str) -> bool:
     wherever it stands: the reader may take a repeat of it from what it made of it the first time."""
     return ("collective #" in text or "caused the desync" in text or "Root Cause" in text or "Failures:" in text
             or _TR_FIELD.match(text) is not None)
-
-
-def _context(text: str) -> dict[str, Any]:
-    # Each pattern is tried only where a fixed text it needs is there (an `in` costs a tenth of a search).
-    ctx: dict[str, Any] = {}
-    head = text[:200]
-    if "[rank" in head:
-        m = _RANK_PREFIX.search(head)
-        if m:
-            ctx["rank"] = int(m.group(1))
-    if "[default" in head:
-        m = _LOCAL_PREFIX.search(head)
-        if m:
-            ctx["local_rank"] = int(m.group(1))
-    if "rank" not in ctx and "<std" in head:
-        m = _MPI_TAG.search(head)
-        if m:
-            ctx["rank"] = int(m.group(1))
-    if "NCCL INFO" in text or "NCCL WARN" in text:
-        m = _NCCL.search(text, 0, 400)
-        if m:
-            ctx["host"], ctx["pid"], ctx["dev"] = m.group(1), int(m.group(2)), int(m.group(4))
-    stamp = _stamp(head)
-    if stamp:
-        ctx["stamp"] = stamp
-    return ctx
-
-
-def _stamp(head: str) -> tuple[str, float] | None:
-    m = _GLOG.search(head) if ("[E" in head or "[W" in head or "[I" in head or "[F" in head) else None
-    if m:
-        mo, d, h, mi, s, frac = m.groups()
-        return "glog", ((int(mo) * 31 + int(d)) * 86400 + int(h) * 3600 + int(mi) * 60 + int(s)
-                        + (float("0." + frac) if frac else 0.0))
-    m = _ISO.search(head) if "-" in head else None
-    if m:
-        return "wall", _iso(m)
-    return None
-
-
-def _iso(m: re.Match) -> float:
-    y, mo, d, h, mi, s = m.groups()
-    try:
-        return datetime(int(y), int(mo), int(d), int(h), int(mi), int(s or 0), tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return 0.0
-
-
-def tag_context(text: str) -> dict[str, Any]:
-    """A `[N] ` or srun `N: ` tag at the line's start: a rank, unless the file shows it counts lines."""
-    m = _BRACKET_TAG.match(text) or _SRUN_LABEL.match(text)
-    return {"_tag": int(m.group(1))} if m else {}
 
 
 def _nccl(text: str, ctx: dict[str, Any], out: Events) -> None:
@@ -340,9 +278,9 @@ def _close_entry(state: BlockState, out: Events) -> None:
     if not entry or "rank" not in entry and "host" not in entry:
         return
     ctx = dict(entry.pop("ctx"))
-    t = _ISO.search(entry.get("time", ""))
-    if t:
-        ctx["stamp"] = ("wall", _iso(t))
+    at = wall_time(entry.get("time", ""))
+    if at is not None:
+        ctx["stamp"] = ("wall", at)
     ctx["rank"] = entry.get("rank")
     ctx["host"] = entry.get("host")
     ctx["local_rank"] = entry.get("local_rank")
@@ -364,8 +302,8 @@ def flush(state: BlockState) -> Events:
 def _slurm(text: str, ctx: dict[str, Any], out: Events) -> None:
     m = _STEPD_CANCEL.search(text)
     if m:
-        t = _ISO.search(m.group("at"))
-        ctx = {**ctx, "stamp": ("wall", _iso(t))} if t else ctx
+        at = wall_time(m.group("at"))
+        ctx = {**ctx, "stamp": ("wall", at)} if at is not None else ctx
         out.append(("slurm_cancel", {"what": m.group("what").lower(), "id": m.group("id"),
                                      "batch_host": m.group("host"), "at": m.group("at"),
                                      "why": (m.group("why") or "").strip() or None}, ctx))

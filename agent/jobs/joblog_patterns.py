@@ -3,6 +3,7 @@ from), read and compiled once at import; agent/jobs/joblog_lines.py interprets t
 ValueError naming the file and the entry that is wrong."""
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
 from pathlib import Path
@@ -94,3 +95,9 @@ def load_patterns(path: Path = PATTERNS_FILE) -> JobLogPatterns:
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not TOML: {exc}") from None
     return parse_patterns(doc, str(path))
+
+
+@functools.cache
+def shipped() -> JobLogPatterns:
+    """The shipped file's patterns, read once for the modules that interpret them (joblog_prefix, joblog_lines)."""
+    return load_patterns()
