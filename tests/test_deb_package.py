@@ -115,6 +115,14 @@ def test_the_installed_program_runs(installed, tmp_path):
     assert list((VENV / "lib").glob("python3*/site-packages/gpuwarden/agent/cli/__pycache__/main.*.pyc"))  # postinst
 
 
+def test_the_installed_package_has_the_log_readers_c_parts(installed, tmp_path):
+    """debian/rules stops a build whose optional C parts did not compile (setuptools would skip them silently, and
+    the log readers would run at Python speed): the installed package has both, with the job-log search's one pass."""
+    out = sh(VENV / "bin" / "python", "-c", "from gpuwarden.agent.core import _line_scan, _log_rows; "
+             "print(_line_scan.MULTI_ROUTE)", cwd=tmp_path, check=True).stdout.strip()
+    assert out in {"avx2", "vec16"}, out
+
+
 def test_installed_preflight_on_recorded_nodes(installed, tmp_path):
     healthy = sh("/usr/bin/gpuwarden", "preflight", "--root", NODES / "h100-hgx-healthy", cwd=tmp_path)
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
