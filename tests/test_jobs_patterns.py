@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from gpuwarden.agent.jobs import joblog_lines
+from gpuwarden.agent.jobs import joblog_lines, joblog_prefix
 from gpuwarden.agent.jobs.joblog_patterns import PATTERNS_FILE, load_patterns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,14 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_shipped_pattern_names_its_source_and_the_reader_uses_it():
     doc = tomllib.loads(PATTERNS_FILE.read_text())
-    used = {p.pattern for p in vars(joblog_lines).values() if isinstance(p, re.Pattern)}
+    # the modules that interpret them: a line's prefix and stamp (joblog_prefix), what the rest of it means
+    used = {p.pattern for m in (joblog_prefix, joblog_lines) for p in vars(m).values() if isinstance(p, re.Pattern)}
     loaded = load_patterns()
     for name, entry in doc["pattern"].items():
         assert entry["form"] and entry["source"], name
         for source in entry["source"]:
             if source.startswith("fixtures/") and source.endswith(".log"):
                 assert (ROOT / source).is_file(), f"{name}: {source}"
-        assert loaded.get(name).pattern in used, f"{name} is read by no line of agent/jobs/joblog_lines.py"
+        assert loaded.get(name).pattern in used, f"{name} is read by neither joblog_prefix.py nor joblog_lines.py"
     assert all(h["source"] for h in doc["hardware_cuda"])
     assert joblog_lines.NEEDLES == tuple(t.encode() for t in doc["needles"]["texts"])
 
