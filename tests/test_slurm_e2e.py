@@ -436,8 +436,10 @@ def test_slurm_a_hung_ctld_delays_actions_but_not_detection(cluster, agents):
         a.inject(XID13)  # detection goes on: the next XID is counted while the drain still waits
         poll(lambda: a.metrics().get('gpuwarden_xid_events{pci="0009:01:00.0",xid="13"}') == 1.0,
              "an XID 13 counted while slurmctld hangs")
-        journal = a.intents()
-        assert {i["action"] for i in journal if i["done"] is None} >= {"cordon", "drain"}, journal
+        # The engine journals a transition's intents after its own call to the hung slurmctld has timed out: on a
+        # busy machine that can come after the XID 13 above. They stay pending while slurmctld hangs.
+        poll(lambda: {i["action"] for i in a.intents() if i["done"] is None} >= {"cordon", "drain"},
+             "the cordon and the drain journaled, waiting on slurmctld")
         poll(lambda: a.metrics().get("gpuwarden_scheduler_reachable") == 0.0, "the scheduler reported unreachable")
     finally:
         cluster.wake_ctld()
