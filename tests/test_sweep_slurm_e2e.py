@@ -163,7 +163,8 @@ def test_sweep_names_a_slow_node_and_a_bad_link(fresh, tmp_path):
     s = Sweeper(fresh, tmp_path)
     code, report = s.run({"slow_nodes": ["n5"], "bad_links": [["n1", "n4"]], "seed": 3})
     assert code == 1, report
-    assert report["culprit_nodes"] == {"n5": "sweep-slow"}
+    # the runs of n5's groups with the rest: once (in a full suite) n5 was judged sweep-failed, not sweep-slow
+    assert report["culprit_nodes"] == {"n5": "sweep-slow"}, [t for t in report["tests"] if "n5" in t["nodes"]]
     assert report["culprit_links"] == [["n1", "n4"]]
     (slow,) = s.verdict("n5")["findings"]
     assert slow["code"] == "sweep-slow" and slow["action"] == "DRAIN" and "n5" in slow["message"]
