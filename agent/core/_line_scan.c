@@ -360,8 +360,8 @@ typedef struct {
     Py_ssize_t bytes;
 } Gather;
 
-/* No Python object is touched here: the scan runs with the GIL released (a reader thread searches while the main
- * thread goes on). */
+/* No Python object is touched here: the scan runs with the GIL released (the process's other threads, the daemon's,
+ * run meanwhile). */
 static int
 gather_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
 {

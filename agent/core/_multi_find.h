@@ -155,11 +155,13 @@ multi_build(const unsigned char *const *texts, const ssize_t *lens, ssize_t n, c
             ssize_t sample_len, int route)
 {
     Multi *m = calloc(1, sizeof(Multi));
-    MultiText *all = calloc(n ? (size_t)n : 1, sizeof(MultiText));
+    MultiText *all = calloc(n ? (size_t)n : 1, sizeof(MultiText));  /* in the order given; m->texts by bucket */
     int *bucket = calloc(n ? (size_t)n : 1, sizeof(int));
     Seen *seen = malloc(sizeof(Seen));
-    if (m == NULL || all == NULL || bucket == NULL || seen == NULL) {
-        free(m);
+    if (m != NULL)
+        m->texts = calloc(n ? (size_t)n : 1, sizeof(MultiText));
+    if (m == NULL || m->texts == NULL || all == NULL || bucket == NULL || seen == NULL) {
+        multi_free(m);
         free(all);
         free(bucket);
         free(seen);
@@ -218,22 +220,14 @@ multi_build(const unsigned char *const *texts, const ssize_t *lens, ssize_t n, c
             m->exact[k][c] |= (unsigned char)(1u << pick);
         }
     }
-    m->texts = all;  /* ordered by bucket below, in place of the order given */
-    MultiText *ordered = calloc(n ? (size_t)n : 1, sizeof(MultiText));
-    if (ordered == NULL) {
-        free(bucket);
-        multi_free(m);
-        return NULL;
-    }
     ssize_t w = 0;
     for (int b = 0; b < BUCKETS; b++) {
         m->first[b] = w;
         for (ssize_t j = 0; j < n; j++)
             if (bucket[j] == b)
-                ordered[w++] = all[j];
+                m->texts[w++] = all[j];
     }
     m->first[BUCKETS] = w;
-    m->texts = ordered;
     free(all);
     free(bucket);
     return m;
