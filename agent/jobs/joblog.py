@@ -233,9 +233,9 @@ class _Reader:
         if numbers:
             made, state, add = self._made.get, self.state, self._add
             for raw, n in zip(joined.split(b"\n"), numbers, strict=True):
-                known = made(raw)  # _line's first step, here: most lines of a flood are met before
+                known = made(raw)  # _line, inline: most lines of a flood are met before
                 if known is None:
-                    self._line(raw, n)
+                    self._parse_line(raw, n)
                 else:
                     state.lines += 1  # as parse counts it (see _line)
                     add(known[1], known[0], n)
@@ -270,14 +270,19 @@ class _Reader:
         # events are taken from then, where the line's meaning depends on no other (joblog_lines.reads_block).
         made = self._made.get(raw)
         if made is None:
-            text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
-            self.state.lineno = lineno
-            made = (text, [(_key(kind, fields, ctx), kind, fields, ctx)
-                           for kind, fields, ctx in self._tagged(joblog_lines.parse(text, self.state), text)])
-            if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
-                self._made[bytes(raw)] = made
+            self._parse_line(raw, lineno)
         else:
             self.state.lines += 1  # as parse counts it: a desync report's rank lines are looked for in its next lines
+            self._add(made[1], made[0], lineno)
+
+    def _parse_line(self, raw: bytes | bytearray, lineno: int) -> None:
+        """A line not met before: parsed, and its meaning kept for its repeats where it depends on no other line."""
+        text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
+        self.state.lineno = lineno
+        made = (text, [(_key(kind, fields, ctx), kind, fields, ctx)
+                       for kind, fields, ctx in self._tagged(joblog_lines.parse(text, self.state), text)])
+        if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
+            self._made[bytes(raw)] = made
         self._add(made[1], made[0], lineno)
 
     @staticmethod
