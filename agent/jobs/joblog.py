@@ -218,10 +218,9 @@ class _Reader:
         self.notes: list[str] = []
         self.wrap: int | None = None
         self.state = joblog_lines.BlockState()
-        self._seen: dict[tuple, int] = {}
-        self._last: dict[tuple, int] = {}
-        self._pending: dict[tuple, tuple] = {}  # the last line of each key past its first KEEP_FIRST, made at flush
-        self._made: dict[bytes, tuple] = {}  # what a line meant, by its bytes (_line)
+        self._floods: dict[tuple, _Flood] = {}  # by _key
+        self._open: list[_Flood] = []  # the floods past their first KEEP_FIRST lines: their last is made at flush
+        self._made: dict[bytes, tuple] = {}  # what a line meant, by its bytes (_line), its events' floods resolved
 
     def take(self, buf: bytearray, stop: int, lineno: int, memory: ProbeMemory | None) -> int:
         """Parses the lines of interest of buf[:stop] (complete lines); returns the line count after them."""
@@ -279,7 +278,7 @@ class _Reader:
         """A line not met before: parsed, and its meaning kept for its repeats where it depends on no other line."""
         text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
         self.state.lineno = lineno
-        made = (text, [(_key(kind, fields, ctx), kind, fields, ctx)
+        made = (text, [(self._flood(kind, fields, ctx), kind, fields, ctx)
                        for kind, fields, ctx in self._tagged(joblog_lines.parse(text, self.state), text)])
         if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
             self._made[bytes(raw)] = made
@@ -303,31 +302,40 @@ class _Reader:
             out.append((kind, fields, ctx))
         return out
 
+    def _flood(self, kind: str, fields: dict[str, Any], ctx: dict[str, Any]) -> "_Flood":
+        key = _key(kind, fields, ctx)
+        flood = self._floods.get(key)
+        if flood is None:
+            flood = self._floods[key] = _Flood()
+        return flood
+
     def _add(self, events: Any, text: str, lineno: int) -> None:
-        """events: (key, kind, fields, context) of each event of one line."""
-        for key, kind, fields, ctx in events:
+        """events: (flood, kind, fields, context) of each event of one line."""
+        for flood, kind, fields, ctx in events:
             # A flood of one kind of line from one rank adds nothing past its first lines and its last: those are
             # kept (the last in place of the one before), so memory is bounded by the ranks and kinds, not the lines.
-            # The last is made an event only at the end (most lines of a flood are replaced by the next).
-            seen = self._seen.get(key, 0)
-            self._seen[key] = seen + 1
+            # The last is made an event only at the end (most lines of a flood are replaced by the next). The flood
+            # is resolved once per distinct line (_parse_line), not looked up by its key at each repeat.
+            seen = flood.seen
+            flood.seen = seen + 1
             if seen < KEEP_FIRST:
                 self.events.append(self._event(kind, fields, ctx, text, lineno))
             else:
                 if seen == KEEP_FIRST:
-                    self._last[key] = len(self.events)
+                    flood.slot = len(self.events)
                     self.events.append(None)
-                self._pending[key] = (kind, fields, ctx, text, lineno)
+                    self._open.append(flood)
+                flood.pending = (kind, fields, ctx, text, lineno)
 
     def _event(self, kind: str, fields: dict[str, Any], ctx: dict[str, Any], text: str, lineno: int) -> LogEvent:
         return LogEvent(kind, self.source, fields.get("_line", lineno), _short(fields.get("_text", text)), fields,
                         **ctx)
 
     def flush(self, lineno: int) -> None:
-        self._add([(_key(*e), *e) for e in self._tagged(joblog_lines.flush(self.state), "")], "", lineno)
-        for key, pending in self._pending.items():
-            self.events[self._last[key]] = self._event(*pending)
-        self._pending.clear()
+        self._add([(self._flood(*e), *e) for e in self._tagged(joblog_lines.flush(self.state), "")], "", lineno)
+        for flood in self._open:
+            self.events[flood.slot] = self._event(*flood.pending)
+        self._open.clear()
 
     def tag_check(self) -> None:
         """A `[N] ` tag in front of every line is mpirun's rank, unless it counts the file's lines (a paste's line
@@ -336,6 +344,17 @@ class _Reader:
         if len(tagged) >= 2 and len({e.fields["_tag"] - e.line for e in tagged}) == 1:
             self.events = [_untag(e) for e in self.events]
         self.events = [_drop_tag(e) for e in self.events]
+
+
+class _Flood:
+    """The lines of one _key so far: how many, the slot of its last in the events, and that last line."""
+
+    __slots__ = ("seen", "slot", "pending")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.slot = -1
+        self.pending: tuple = ()
 
 
 def _key(kind: str, fields: dict[str, Any], ctx: dict[str, Any]) -> tuple:
