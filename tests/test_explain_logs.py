@@ -371,3 +371,22 @@ def test_explain_reads_a_repeated_line_as_it_read_it_the_first_time(monkeypatch)
         texts.append("\n".join(pick * r.randrange(1, 4)) + "\n")
     for text in texts:
         assert read_text(text, "job.out") == _read_without_repeats_taken(text, monkeypatch), text[:300]
+
+
+def test_explain_keeps_a_floods_first_lines_and_its_last_in_place():
+    """A flood of one kind of line from one process and peer keeps its first KEEP_FIRST lines and its last, the last
+    in the place the fourth would have had: whether its lines repeat byte for byte (taken from the memory of
+    repeats) or differ where the flood's key does not look (the thread id: parsed each time), and with a second
+    flood interleaved."""
+    from gpuwarden.agent.jobs.joblog import KEEP_FIRST
+
+    def line(tid: int, peer: str) -> str:
+        return f"gpu1:1:{tid} [0] misc/socket.cc:538 NCCL WARN Net : Connection closed by remote peer {peer}<5000>\n"
+
+    for tid_of in (lambda i: 1, lambda i: i):  # the same bytes each time; a new thread id each time
+        text = "".join(line(tid_of(i), "node7") + line(tid_of(i), "node8") for i in range(1, 21))
+        events = [(e.fields["peer"], e.line, e.text.split(" ")[0]) for e in read_text(text).events]
+        first = [(peer, 2 * i - (peer == "node7"), f"gpu1:1:{tid_of(i)}") for i in range(1, KEEP_FIRST + 1)
+                 for peer in ("node7", "node8")]
+        last = [("node7", 39, f"gpu1:1:{tid_of(20)}"), ("node8", 40, f"gpu1:1:{tid_of(20)}")]
+        assert events == first + last
