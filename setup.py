@@ -8,7 +8,7 @@ from setuptools import Extension, setup
 _FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
 
 setup(ext_modules=[
-    Extension("gpuwarden.agent.core._line_scan", ["agent/core/_line_scan.c"], depends=["agent/core/_multi_find.h"],
-              optional=True, extra_compile_args=_FLAGS),
+    Extension("gpuwarden.agent.core._line_scan", ["agent/core/_line_scan.c"],
+              depends=["agent/core/_multi_find.h", "agent/core/_repeats.h"], optional=True, extra_compile_args=_FLAGS),
     Extension("gpuwarden.agent.core._log_rows", ["agent/core/_log_rows.c"], optional=True, extra_compile_args=_FLAGS),
 ])

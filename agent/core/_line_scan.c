@@ -15,6 +15,8 @@
  * A text counts only where it lies wholly inside the region, in every route.
  *
  * Newlines are counted sixteen bytes a step (count_newlines).
+ *
+ * gather may be given a Repeats (_repeats.h): the found lines it knows are counted there and not handed on.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE 1 /* memrchr, memmem; the value pyconfig.h gives it */
@@ -36,6 +38,7 @@ typedef struct {
 } Probe;
 
 #include "_multi_find.h"
+#include "_repeats.h"
 
 typedef struct {
     Probe *probes;
@@ -354,11 +357,16 @@ typedef struct {
     const unsigned char *buf;
     Py_ssize_t at;        /* newlines are counted up to here */
     Py_ssize_t lines;     /* newlines before `at` (with the caller's base) */
-    /* the found lines, CR of a CRLF end taken off: (start, length, number) triples, made Python objects at the end */
+    /* the found lines handed on, CR of a CRLF end taken off: (start, length, number, found lines before it) each,
+     * made Python objects at the end */
     Py_ssize_t *spans;
     Py_ssize_t nspans, cap;
     Py_ssize_t bytes;
+    Repeats *repeats;     /* the lines it knows are counted there, not handed on; or NULL */
+    Py_ssize_t found;     /* lines found, those counted in `repeats` with them */
 } Gather;
+
+#define SPAN 4
 
 /* No Python object is touched here: the scan runs with the GIL released (the process's other threads, the daemon's,
  * run meanwhile). */
@@ -368,44 +376,172 @@ gather_span(void *ctx, Py_ssize_t ls, Py_ssize_t le)
     Gather *g = ctx;
     g->lines += count_newlines(g->buf + g->at, ls - g->at);
     g->at = ls;
+    Py_ssize_t end = le;
+    if (end > ls && g->buf[end - 1] == '\r')
+        end--;
+    g->found++;
+    if (g->repeats != NULL && rep_count(g->repeats, g->buf + ls, (size_t)(end - ls), g->lines + 1))
+        return 0;
     if (g->nspans == g->cap) {
         Py_ssize_t cap = g->cap ? 2 * g->cap : 256;
-        Py_ssize_t *spans = PyMem_RawRealloc(g->spans, (size_t)cap * 3 * sizeof(Py_ssize_t));
+        Py_ssize_t *spans = PyMem_RawRealloc(g->spans, (size_t)cap * SPAN * sizeof(Py_ssize_t));
         if (spans == NULL)
             return -1;
         g->spans = spans;
         g->cap = cap;
     }
-    Py_ssize_t end = le;
-    if (end > ls && g->buf[end - 1] == '\r')
-        end--;
-    g->spans[3 * g->nspans] = ls;
-    g->spans[3 * g->nspans + 1] = end - ls;
-    g->spans[3 * g->nspans + 2] = g->lines + 1;
+    Py_ssize_t *span = g->spans + SPAN * g->nspans;
+    span[0] = ls;
+    span[1] = end - ls;
+    span[2] = g->lines + 1;
+    span[3] = g->found - 1;
     g->nspans++;
     g->bytes += end - ls;
     return 0;
 }
 
+/* ---- Lines known by their shape (_repeats.h), for gather --------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    Repeats *table;
+    int busy;  /* a gather is counting into it, with the GIL released: it is not changed meanwhile */
+} RepeatsObject;
+
+static void
+repeats_dealloc(RepeatsObject *self)
+{
+    rep_free(self->table);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+repeats_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Py_ssize_t max, max_line;
+    static char *kwlist[] = {"max_lines", "max_line", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nn", kwlist, &max, &max_line))
+        return NULL;
+    if (max < 0 || max > (1 << 20) || max_line < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_lines is 0 to 2**20, max_line 0 or more");
+        return NULL;
+    }
+    RepeatsObject *self = (RepeatsObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->table = rep_new((size_t)max, (size_t)max_line);
+    if (self->table == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+PyDoc_STRVAR(repeats_add_doc,
+"add(line, significant, ident) -> bool\n\n"
+"Registers `line` (bytes, no newline) under `ident`: later found lines of its shape whose significant digit runs\n"
+"hold its digits are counted, not handed on. significant: bit k for the line's k-th run of digits, used where its\n"
+"shape is new (a shape keeps its first). False where it was not registered: there already, longer than max_line,\n"
+"more than 64 runs of digits, or max_lines registered.");
+
+static PyObject *
+repeats_add(RepeatsObject *self, PyObject *args)
+{
+    Py_buffer line;
+    unsigned long long significant;
+    long long ident;
+    if (!PyArg_ParseTuple(args, "y*KL", &line, &significant, &ident))
+        return NULL;
+    if (self->busy) {
+        PyBuffer_Release(&line);
+        PyErr_SetString(PyExc_RuntimeError, "a gather is counting into this Repeats");
+        return NULL;
+    }
+    int rc = rep_add(self->table, line.buf, (size_t)line.len, significant, ident);
+    PyBuffer_Release(&line);
+    if (rc < 0)
+        return PyErr_NoMemory();
+    return PyBool_FromLong(rc);
+}
+
+PyDoc_STRVAR(repeats_hits_doc,
+"hits() -> list of (ident, count, number, line)\n\n"
+"Each registered line whose shape counted lines: how many, and the number and bytes of the last.");
+
+static PyObject *
+repeats_hits(RepeatsObject *self, PyObject *unused)
+{
+    (void)unused;
+    PyObject *out = PyList_New(0);
+    for (size_t s = 0; out != NULL && s < self->table->slots; s++) {
+        RepEntry *e = &self->table->entries[s];
+        if (e->hash == 0 || e->count == 0)
+            continue;
+        PyObject *hit = Py_BuildValue("(LLLy#)", e->ident, e->count, e->last, (const char *)e->line,
+                                      (Py_ssize_t)self->table->shapes[e->shape].len);
+        if (hit == NULL || PyList_Append(out, hit) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(hit);
+    }
+    return out;
+}
+
+static PyObject *
+repeats_len(RepeatsObject *self, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromSize_t(self->table->nentries);
+}
+
+static PyMethodDef repeats_methods[] = {
+    {"add", (PyCFunction)repeats_add, METH_VARARGS, repeats_add_doc},
+    {"hits", (PyCFunction)repeats_hits, METH_NOARGS, repeats_hits_doc},
+    {"registered", (PyCFunction)repeats_len, METH_NOARGS, "registered() -> the lines registered"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RepeatsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuwarden.agent.core._line_scan.Repeats",
+    .tp_basicsize = sizeof(RepeatsObject),
+    .tp_dealloc = (destructor)repeats_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Repeats(max_lines, max_line): lines known by their shape, counted by gather (_repeats.h)."),
+    .tp_methods = repeats_methods,
+    .tp_new = repeats_new,
+};
+
 PyDoc_STRVAR(gather_doc,
-"gather(buf, start, stop, probes, base, multi=1) -> (joined, numbers, newlines)\n\n"
+"gather(buf, start, stop, probes, base, multi=1, repeats=None) -> (joined, numbers, newlines)\n\n"
 "The found lines of buf[start:stop] (complete lines: stop just past a newline) joined by newlines, the CR of a\n"
 "CRLF end taken off each; the line number of each (base + the newlines before it + 1); the newlines in the\n"
-"region. multi: as for lines_holding. The search runs with the GIL released.");
+"region. multi: as for lines_holding. The search runs with the GIL released.\n"
+"With repeats (a Repeats): the found lines it knows are counted there, not joined, and the answer is\n"
+"(joined, numbers, newlines, befores, found): befores the found lines before each line joined, found all of them.");
 
 static PyObject *
 gather(PyObject *self, PyObject *args)
 {
     Py_buffer view;
     Py_ssize_t start, stop, base;
-    PyObject *probes;
+    PyObject *probes, *repeats = Py_None;
     int multi = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnOn|i", &view, &start, &stop, &probes, &base, &multi))
+    if (!PyArg_ParseTuple(args, "y*nnOn|iO", &view, &start, &stop, &probes, &base, &multi, &repeats))
         return NULL;
+    if (repeats != Py_None && !PyObject_TypeCheck(repeats, &RepeatsType)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_TypeError, "repeats is a Repeats or None");
+        return NULL;
+    }
+    RepeatsObject *rep = repeats == Py_None ? NULL : (RepeatsObject *)repeats;
     if (start < 0 || stop > view.len || start > stop) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "start and stop lie inside the buffer, start first");
+        return NULL;
+    }
+    if (rep != NULL && rep->busy) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_RuntimeError, "a gather is counting into this Repeats");
         return NULL;
     }
     Probes ps;
@@ -413,15 +549,19 @@ gather(PyObject *self, PyObject *args)
         PyBuffer_Release(&view);
         return NULL;
     }
-    Gather g = {view.buf, start, base, NULL, 0, 0, 0};
-    PyObject *joined = NULL, *numbers = NULL, *out = NULL;
+    Gather g = {view.buf, start, base, NULL, 0, 0, 0, rep != NULL ? rep->table : NULL, 0};
+    PyObject *joined = NULL, *numbers = NULL, *befores = NULL, *out = NULL;
     int rc;
     Py_ssize_t newlines;
+    if (rep != NULL)
+        rep->busy = 1;  /* held by `repeats`, which the caller holds for the call */
     /* The buffer cannot be resized or freed while it is exported (view); the probes' texts are held by `probes`. */
     Py_BEGIN_ALLOW_THREADS
     rc = scan(view.buf, view.len, start, stop, &ps, gather_span, &g);
     newlines = g.lines - base + count_newlines((const unsigned char *)view.buf + g.at, stop - g.at);
     Py_END_ALLOW_THREADS
+    if (rep != NULL)
+        rep->busy = 0;
     if (rc < 0) {
         PyErr_NoMemory();
         goto done;
@@ -429,24 +569,38 @@ gather(PyObject *self, PyObject *args)
     Py_ssize_t size = g.bytes + (g.nspans ? g.nspans - 1 : 0);
     joined = PyBytes_FromStringAndSize(NULL, size);
     numbers = PyList_New(g.nspans);
-    if (joined == NULL || numbers == NULL)
+    befores = rep != NULL ? PyList_New(g.nspans) : NULL;
+    if (joined == NULL || numbers == NULL || (rep != NULL && befores == NULL))
         goto done;
     char *w = PyBytes_AS_STRING(joined);
     for (Py_ssize_t i = 0; i < g.nspans; i++) {
+        const Py_ssize_t *span = g.spans + SPAN * i;
         if (i)
             *w++ = '\n';
-        memcpy(w, (const char *)view.buf + g.spans[3 * i], (size_t)g.spans[3 * i + 1]);
-        w += g.spans[3 * i + 1];
-        PyObject *number = PyLong_FromSsize_t(g.spans[3 * i + 2]);
+        memcpy(w, (const char *)view.buf + span[0], (size_t)span[1]);
+        w += span[1];
+        PyObject *number = PyLong_FromSsize_t(span[2]);
         if (number == NULL)
             goto done;
         PyList_SET_ITEM(numbers, i, number);
+        if (befores != NULL) {
+            PyObject *before = PyLong_FromSsize_t(span[3]);
+            if (before == NULL)
+                goto done;
+            PyList_SET_ITEM(befores, i, before);
+        }
     }
-    out = Py_BuildValue("(NNn)", joined, numbers, newlines);
+    if (rep != NULL) {
+        out = Py_BuildValue("(NNnNn)", joined, numbers, newlines, befores, g.found);
+        befores = NULL;
+    } else {
+        out = Py_BuildValue("(NNn)", joined, numbers, newlines);
+    }
     joined = numbers = NULL;
 done:
     Py_XDECREF(joined);
     Py_XDECREF(numbers);
+    Py_XDECREF(befores);
     PyMem_RawFree(g.spans);
     probes_free(&ps);
     PyBuffer_Release(&view);
@@ -489,9 +643,18 @@ PyMODINIT_FUNC
 PyInit__line_scan(void)
 {
     multi_best = multi_init();
+    if (PyType_Ready(&RepeatsType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     static const char *names[] = {"none", "vec16", "avx2"};
     if (m != NULL && PyModule_AddStringConstant(m, "MULTI_ROUTE", names[multi_best]) < 0)
         Py_CLEAR(m);
+    if (m != NULL) {
+        Py_INCREF(&RepeatsType);
+        if (PyModule_AddObject(m, "Repeats", (PyObject *)&RepeatsType) < 0) {
+            Py_DECREF(&RepeatsType);
+            Py_CLEAR(m);
+        }
+    }
     return m;
 }

@@ -90,6 +90,23 @@ def gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: 
     return python_gather(buf, start, stop, probes, base, memory)
 
 
+def new_repeats(max_lines: int, max_line: int) -> object | None:
+    """A table of lines known by their shape that gather_counting counts instead of handing them on
+    (agent/core/_repeats.h), where the package was built with its C part; None otherwise: every found line is handed
+    on, and the reader's answers are the same."""
+    return native.Repeats(max_lines, max_line) if native is not None else None
+
+
+def gather_counting(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: int, repeats: object | None,
+                    memory: ProbeMemory | None = None) -> tuple[bytes, list[int], int, Sequence[int], int]:
+    """gather, with the found lines that `repeats` (new_repeats) knows counted there and not handed on: (joined,
+    numbers, newlines, befores, found), befores the found lines before each line handed on, found all of them."""
+    if repeats is not None:
+        return native.gather(buf, start, stop, probes, base, 1, repeats)
+    joined, numbers, newlines = gather(buf, start, stop, probes, base, memory)
+    return joined, numbers, newlines, range(len(numbers)), len(numbers)
+
+
 def python_gather(buf: bytes | bytearray, start: int, stop: int, probes: Probes, base: int,
                   memory: ProbeMemory | None = None) -> tuple[bytes, list[int], int]:
     """gather in Python: the C search's fallback, and its reference in the tests."""

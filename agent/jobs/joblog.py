@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
-from gpuwarden.agent.core.line_search import ProbeMemory, gather, probes_for
+from gpuwarden.agent.core.line_search import ProbeMemory, gather_counting, new_repeats, probes_for
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.jobs import joblog_lines
 from gpuwarden.agent.jobs.joblog_prefix import tag_context
@@ -37,6 +37,7 @@ MADE_MAX = 4096  # lines whose meaning is kept for their repeats (at most MADE_L
 MADE_LINE_MAX = 1024
 
 _PROBES = probes_for(joblog_lines.NEEDLES)
+_DIGIT_RUNS = re.compile(rb"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -220,24 +221,37 @@ class _Reader:
         self.state = joblog_lines.BlockState()
         self._floods: dict[tuple, _Flood] = {}  # by _key
         self._open: list[_Flood] = []  # the floods past their first KEEP_FIRST lines: their last is made at flush
-        self._made: dict[bytes, tuple] = {}  # what a line meant, by its bytes (_line), its events' floods resolved
+        self._made: dict[bytes, list] = {}  # what a line meant, by its bytes (_line): [text, events, registered]
+        # Lines counted in C (agent/core/_repeats.h), where it is built: those whose every flood is past its first
+        # lines, with the lines of their shape that hold the same digits where the floods' keys were read (_register)
+        self._repeats = new_repeats(MADE_MAX, MADE_LINE_MAX)
+        self._known: list[list] = []  # what each registered line meant, by the number it was registered under
 
     def take(self, buf: bytearray, stop: int, lineno: int, memory: ProbeMemory | None) -> int:
         """Parses the lines of interest of buf[:stop] (complete lines); returns the line count after them."""
         if self.wrap:
             return self._take_wrapped(buf, stop, lineno)
         # The lines found, their numbers and the newlines of the buffer in one pass of C (line_search.gather): no
-        # count of the newlines between two found lines in Python (75 ms of a 157 MB log with few such lines)
-        joined, numbers, newlines = gather(buf, 0, stop, _PROBES, lineno, memory)
+        # count of the newlines between two found lines in Python (75 ms of a 157 MB log with few such lines). The
+        # lines _register gave it are counted there, not handed on; `befores` keeps state.lines a count of every
+        # line found, as parse counts it (see _line).
+        joined, numbers, newlines, befores, found = gather_counting(buf, 0, stop, _PROBES, lineno, self._repeats,
+                                                                    memory)
+        state = self.state
+        base = state.lines
         if numbers:
-            made, state, add = self._made.get, self.state, self._add
-            for raw, n in zip(joined.split(b"\n"), numbers, strict=True):
+            made, add = self._made.get, self._add
+            for raw, n, before in zip(joined.split(b"\n"), numbers, befores, strict=True):
                 known = made(raw)  # _line, inline: most lines of a flood are met before
                 if known is None:
+                    state.lines = base + before
                     self._parse_line(raw, n)
                 else:
-                    state.lines += 1  # as parse counts it (see _line)
+                    state.lines = base + before + 1
                     add(known[1], known[0], n)
+                    if not known[2]:
+                        self._register(raw, known)
+        state.lines = base + found
         return lineno + newlines
 
     def _take_wrapped(self, buf: bytearray, stop: int, lineno: int) -> int:
@@ -276,13 +290,33 @@ class _Reader:
 
     def _parse_line(self, raw: bytes | bytearray, lineno: int) -> None:
         """A line not met before: parsed, and its meaning kept for its repeats where it depends on no other line."""
-        text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
-        self.state.lineno = lineno
-        made = (text, [(self._flood(kind, fields, ctx), kind, fields, ctx)
-                       for kind, fields, ctx in self._tagged(joblog_lines.parse(text, self.state), text)])
-        if len(raw) <= MADE_LINE_MAX and len(self._made) < MADE_MAX and not joblog_lines.reads_block(text):
-            self._made[bytes(raw)] = made
+        made = self._meaning(raw, lineno, self.state)
         self._add(made[1], made[0], lineno)
+        if len(raw) <= MADE_LINE_MAX and not joblog_lines.reads_block(made[0]):
+            if len(self._made) < MADE_MAX:
+                self._made[bytes(raw)] = made
+            self._register(raw, made)
+
+    def _meaning(self, raw: bytes | bytearray, lineno: int, state: joblog_lines.BlockState) -> list:
+        """[text, events, registered] of one line, each event (flood, kind, fields, context)."""
+        text = bytes(raw).decode("utf-8", "replace").rstrip("\r")
+        state.lineno = lineno
+        return [text, [(self._flood(kind, fields, ctx), kind, fields, ctx)
+                       for kind, fields, ctx in self._tagged(joblog_lines.parse(text, state), text)], False]
+
+    def _register(self, raw: bytes | bytearray, made: list) -> None:
+        """A line whose every event's flood is past its first lines and has its last in place (it adds nothing but,
+        perhaps, a flood's last line): from the next buffer on, the C search counts it, with each line of its shape
+        that holds its digits where its floods' keys were read, and keeps only the last (agent/core/_repeats.h:
+        why a line of one shape means what this one does). flush reads that last."""
+        if self._repeats is None:
+            made[2] = True
+            return
+        if any(flood.slot < 0 for flood, *_ in made[1]):
+            return
+        made[2] = True
+        if self._repeats.add(bytes(raw), _significant(raw, made[1]), len(self._known)):
+            self._known.append(made)
 
     @staticmethod
     def _tagged(events: list, text: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -332,10 +366,26 @@ class _Reader:
                         **ctx)
 
     def flush(self, lineno: int) -> None:
+        for ident, count, number, line in self._repeats.hits() if self._repeats is not None else ():
+            self._last_counted(self._known[ident][1], count, number, line)
         self._add([(self._flood(*e), *e) for e in self._tagged(joblog_lines.flush(self.state), "")], "", lineno)
         for flood in self._open:
             self.events[flood.slot] = self._event(*flood.pending)
         self._open.clear()
+
+    def _last_counted(self, registered: list, count: int, number: int, line: bytes) -> None:
+        """The last of `count` lines the C search counted for a registered line: its floods' last, where it came
+        after theirs."""
+        text, events, _ = self._meaning(line, number, joblog_lines.BlockState())
+        if [flood for flood, *_ in events] != [flood for flood, *_ in registered]:
+            # Not the floods of the line it was counted for (a pattern that tells digits apart, which
+            # tests/test_explain_repeats.py guards the patterns against): read as a line of its own, after the others.
+            self._add(events, text, number)
+            return
+        for flood, kind, fields, ctx in events:
+            flood.seen += count
+            if number > flood.pending[4]:
+                flood.pending = (kind, fields, ctx, text, number)
 
     def tag_check(self) -> None:
         """A `[N] ` tag in front of every line is mpirun's rank, unless it counts the file's lines (a paste's line
@@ -360,6 +410,24 @@ class _Flood:
 def _key(kind: str, fields: dict[str, Any], ctx: dict[str, Any]) -> tuple:
     """Which flood an event belongs to (_Reader._add): its kind from one process, rank, process group and peer."""
     return kind, ctx.get("host"), ctx.get("pid"), ctx.get("rank"), fields.get("pg"), fields.get("peer")
+
+
+def _significant(raw: bytes | bytearray, events: list) -> int:
+    """Bit k for each run of digits of the line that one of its floods' keys may have been read from (agent/core/
+    _repeats.h): a run whose number is one of the key's numbers (a rank, a pid, a process group) or one of the runs
+    of its names (a host, a peer's address). More runs than the key's only split a flood between entries."""
+    wanted: set[int] = set()
+    for _, kind, fields, ctx in events:
+        for value in _key(kind, fields, ctx)[1:]:
+            if isinstance(value, int):
+                wanted.add(value)
+            elif isinstance(value, str):
+                wanted.update(int(run) for run in _DIGIT_RUNS.findall(value.encode()))
+    bits = 0
+    for k, run in enumerate(_DIGIT_RUNS.findall(bytes(raw))[:64]):
+        if int(run) in wanted:
+            bits |= 1 << k
+    return bits
 
 
 def _untag(e: LogEvent) -> LogEvent:
