@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import stat
 import time
 from pathlib import Path
@@ -24,7 +23,12 @@ from typing import Any, BinaryIO, Sequence
 from gpuwarden.agent.core.line_search import ProbeMemory, gather_counting, new_repeats, probes_for
 from gpuwarden.agent.core.records import dataclass
 from gpuwarden.agent.jobs import joblog_lines
+from gpuwarden.agent.jobs.joblog_floods import Flood as _Flood
+from gpuwarden.agent.jobs.joblog_floods import key as _key
+from gpuwarden.agent.jobs.joblog_floods import significant as _significant
 from gpuwarden.agent.jobs.joblog_prefix import tag_context
+from gpuwarden.agent.jobs.joblog_wrap import starts_record as _starts_record
+from gpuwarden.agent.jobs.joblog_wrap import wrap_width as _wrap_width
 
 CHUNK = 1 << 20
 LINE_MAX = 64 << 10  # a longer line is cut to this (a job log's longest real lines, tracebacks' frames, are < 4 KiB)
@@ -37,7 +41,6 @@ MADE_MAX = 4096  # lines whose meaning is kept for their repeats (at most MADE_L
 MADE_LINE_MAX = 1024
 
 _PROBES = probes_for(joblog_lines.NEEDLES)
-_DIGIT_RUNS = re.compile(rb"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -174,42 +177,6 @@ def _skip_long(f: BinaryIO, buf: bytearray, lineno: int, reader: "_Reader", sour
                         "is read")
     reader.take(bytearray(head + b"\n"), len(head) + 1, lineno, None)
     return bytearray(rest), lineno + 1
-
-
-_RECORD_START = re.compile(rb"^(?:\[|\s*\d+: |\S+:\d+:\d+ \[|Traceback|  File |\s*$)")
-
-
-def _starts_record(line: bytes) -> bool:
-    """A line that opens a record of its own (a launcher's or NCCL's prefix, a traceback), never a wrapped line's
-    continuation."""
-    return _RECORD_START.match(line) is not None
-
-
-def _wrap_width(head: bytes) -> int | None:
-    """The width a terminal hard-wrapped the file's lines at (116 in a pasted watchdog message): the length most long
-    lines have, where lines of that length go on in a line that opens no record of its own. Identical messages
-    (every rank's same watchdog line) have one length too, but each opens its own record."""
-    lines = [line.rstrip(b"\r") for line in head.split(b"\n")[:-1][:2000]]
-    lengths: dict[int, int] = {}
-    long = 0
-    for line in lines:
-        if len(line) >= 60:
-            long += 1
-            lengths[len(line)] = lengths.get(len(line), 0) + 1
-    if not lengths:
-        return None
-    width, count = max(lengths.items(), key=lambda kv: kv[1])
-    if count < 3 or count * 2 < long:
-        return None
-    # A wrap cuts words: a line of that width that ends inside a word whose rest opens the next line. Lines that
-    # merely share a length (a progress line's fixed format) end where a field ends.
-    split_words = sum(1 for a, b in zip(lines, lines[1:], strict=False)
-                      if len(a) == width and b and not _starts_record(b) and _word(a[-1:]) and _word(b[:1]))
-    return width if split_words >= 2 else None
-
-
-def _word(ch: bytes) -> bool:
-    return ch.isalnum() or ch == b"_"
 
 
 class _Reader:
@@ -394,40 +361,6 @@ class _Reader:
         if len(tagged) >= 2 and len({e.fields["_tag"] - e.line for e in tagged}) == 1:
             self.events = [_untag(e) for e in self.events]
         self.events = [_drop_tag(e) for e in self.events]
-
-
-class _Flood:
-    """The lines of one _key so far: how many, the slot of its last in the events, and that last line."""
-
-    __slots__ = ("seen", "slot", "pending")
-
-    def __init__(self) -> None:
-        self.seen = 0
-        self.slot = -1
-        self.pending: tuple = ()
-
-
-def _key(kind: str, fields: dict[str, Any], ctx: dict[str, Any]) -> tuple:
-    """Which flood an event belongs to (_Reader._add): its kind from one process, rank, process group and peer."""
-    return kind, ctx.get("host"), ctx.get("pid"), ctx.get("rank"), fields.get("pg"), fields.get("peer")
-
-
-def _significant(raw: bytes | bytearray, events: list) -> int:
-    """Bit k for each run of digits of the line that one of its floods' keys may have been read from (agent/core/
-    _repeats.h): a run whose number is one of the key's numbers (a rank, a pid, a process group) or one of the runs
-    of its names (a host, a peer's address). More runs than the key's only split a flood between entries."""
-    wanted: set[int] = set()
-    for _, kind, fields, ctx in events:
-        for value in _key(kind, fields, ctx)[1:]:
-            if isinstance(value, int):
-                wanted.add(value)
-            elif isinstance(value, str):
-                wanted.update(int(run) for run in _DIGIT_RUNS.findall(value.encode()))
-    bits = 0
-    for k, run in enumerate(_DIGIT_RUNS.findall(bytes(raw))[:64]):
-        if int(run) in wanted:
-            bits |= 1 << k
-    return bits
 
 
 def _untag(e: LogEvent) -> LogEvent:
