@@ -53,6 +53,7 @@ typedef struct {
     RepShape *shapes;       /* open addressing, `slots` of them, at most `max` used */
     RepEntry *entries;
     size_t slots, max, nshapes, nentries, max_line;
+    unsigned char *shape;   /* the shape of the line being looked up (max_line bytes): made once, hashed, compared */
 } Repeats;
 
 typedef struct {
@@ -117,17 +118,20 @@ rep_masked_word(const unsigned char *p, size_t i)
     return w;
 }
 
+/* The shape of p[0:n] into out[0:n], and its hash. */
 static uint64_t
-rep_shape_hash(const unsigned char *p, size_t n)
+rep_shape(const unsigned char *p, size_t n, unsigned char *out)
 {
     uint64_t h = 0xcbf29ce484222325ULL ^ n;
     size_t i = 0;
     for (; i + 9 <= n; i += 8) {
-        h = (h ^ rep_masked_word(p, i)) * 0x9e3779b97f4a7c15ULL;
+        uint64_t w = rep_masked_word(p, i);
+        memcpy(out + i, &w, 8);
+        h = (h ^ w) * 0x9e3779b97f4a7c15ULL;
         h ^= h >> 29;
     }
     for (; i < n; i++)
-        h = rep_mix(h, rep_mask(p, i, n));
+        h = rep_mix(h, out[i] = rep_mask(p, i, n));
     return h ? h : 1;
 }
 
@@ -154,13 +158,6 @@ rep_runs(const unsigned char *p, size_t n, RepRuns *runs)
     return 0;
 }
 
-static int
-rep_read(const unsigned char *p, size_t n, uint64_t *hash, RepRuns *runs)
-{
-    *hash = rep_shape_hash(p, n);
-    return rep_runs(p, n, runs);
-}
-
 static uint64_t
 rep_digits_hash(uint64_t shape_hash, const unsigned char *p, const RepRuns *runs, uint64_t significant)
 {
@@ -175,23 +172,15 @@ rep_digits_hash(uint64_t shape_hash, const unsigned char *p, const RepRuns *runs
     return h ? h : 1;
 }
 
+/* The slot of the shape masked[0:n] (rep_shape's), or -1. */
 static long
-rep_find_shape(const Repeats *r, uint64_t hash, const unsigned char *p, size_t n)
+rep_find_shape(const Repeats *r, uint64_t hash, const unsigned char *masked, size_t n)
 {
     for (size_t s = hash & (r->slots - 1);; s = (s + 1) & (r->slots - 1)) {
         const RepShape *sh = &r->shapes[s];
         if (sh->hash == 0)
             return -1;
-        if (sh->hash != hash || sh->len != n)
-            continue;
-        size_t i = 0;
-        while (i + 9 <= n && rep_masked_word(p, i) == rep_load(sh->masked + i))
-            i += 8;
-        if (i + 9 <= n)
-            continue;
-        while (i < n && rep_mask(p, i, n) == sh->masked[i])
-            i++;
-        if (i == n)
+        if (sh->hash == hash && sh->len == n && memcmp(sh->masked, masked, n) == 0)
             return (long)s;
     }
 }
@@ -245,9 +234,11 @@ rep_new(size_t max, size_t max_line)
     r->max_line = max_line;
     r->shapes = calloc(r->slots, sizeof(RepShape));
     r->entries = calloc(r->slots, sizeof(RepEntry));
-    if (r->shapes == NULL || r->entries == NULL) {
+    r->shape = malloc(max_line ? max_line : 1);
+    if (r->shapes == NULL || r->entries == NULL || r->shape == NULL) {
         free(r->shapes);
         free(r->entries);
+        free(r->shape);
         free(r);
         return NULL;
     }
@@ -266,6 +257,7 @@ rep_free(Repeats *r)
     }
     free(r->shapes);
     free(r->entries);
+    free(r->shape);
     free(r);
 }
 
@@ -278,8 +270,8 @@ rep_count(Repeats *r, const unsigned char *p, size_t n, long long number)
     RepRuns runs;
     if (r->nentries == 0 || n > r->max_line)
         return 0;
-    hash = rep_shape_hash(p, n);
-    long shape = rep_find_shape(r, hash, p, n);
+    hash = rep_shape(p, n, r->shape);
+    long shape = rep_find_shape(r, hash, r->shape, n);
     if (shape < 0 || rep_runs(p, n, &runs) < 0)
         return 0;
     int found;
@@ -301,9 +293,10 @@ rep_add(Repeats *r, const unsigned char *p, size_t n, uint64_t significant, long
 {
     uint64_t hash;
     RepRuns runs;
-    if (n > r->max_line || r->nentries >= r->max || rep_read(p, n, &hash, &runs) < 0)
+    if (n > r->max_line || r->nentries >= r->max || rep_runs(p, n, &runs) < 0)
         return 0;
-    long shape = rep_find_shape(r, hash, p, n);
+    hash = rep_shape(p, n, r->shape);
+    long shape = rep_find_shape(r, hash, r->shape, n);
     if (shape < 0) {
         size_t s = hash & (r->slots - 1);
         while (r->shapes[s].hash != 0)
@@ -311,8 +304,7 @@ rep_add(Repeats *r, const unsigned char *p, size_t n, uint64_t significant, long
         unsigned char *masked = malloc(n ? n : 1);
         if (masked == NULL)
             return -1;
-        for (size_t i = 0; i < n; i++)
-            masked[i] = rep_mask(p, i, n);
+        memcpy(masked, r->shape, n);
         RepShape *sh = &r->shapes[s];
         sh->masked = masked;
         sh->len = n;
