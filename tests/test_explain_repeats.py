@@ -54,10 +54,10 @@ def _flood_log(path: Path, lines: int, seed: int) -> None:
         hh, mm, ss = (rnd.choice([rank, rnd.randrange(24)]), rnd.choice([rank, rnd.randrange(60)]),
                       rnd.randrange(60))
         seq = rnd.choice([rank, rnd.randrange(10, 10**6)])
+        glog = f"[rank{rank}]:[E1206 {hh:02}:{mm:02}:{ss:02}.{rnd.randrange(10**6):06} ProcessGroupNCCL.cpp:"
         form = rnd.randrange(5)
         if form == 0:
-            out.append(f"[rank{rank}]:[E1206 {hh:02}:{mm:02}:{ss:02}.{rnd.randrange(10**6):06} ProcessGroupNCCL.cpp:"
-                       f"{rnd.choice([616, 1566])}] [Rank {rank}] Watchdog caught collective operation timeout: "
+            out.append(f"{glog}{rnd.choice([616, 1566])}] [Rank {rank}] Watchdog caught collective operation timeout: "
                        f"WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE, NumelIn={rank * 1000}, NumelOut={rank * 1000}, "
                        f"Timeout(ms)=600000) ran for {600000 + rnd.randrange(100)} milliseconds before timing out.")
         elif form == 1:
@@ -66,10 +66,9 @@ def _flood_log(path: Path, lines: int, seed: int) -> None:
                        f" NCCL WARN NET/IB : Got completion from peer 10.0.{peer}.{rank}<{rnd.randrange(10**5)}> "
                        f"with status={rnd.choice([5, 12])} opcode=0 len=0 vendor err {rnd.choice([129, 244])} (Recv)")
         elif form == 2:
-            out.append(f"[rank{rank}]:[E1206 {hh:02}:{mm:02}:{ss:02}.{rnd.randrange(10**6):06} ProcessGroupNCCL.cpp:"
-                       f"1664] [PG ID {rnd.choice([0, 1])} PG GUID 0(default_pg) Rank {rank}] Exception (either an "
-                       f"error or timeout) detected by watchdog at work: {seq}, last enqueued NCCL work: {seq}, "
-                       f"last completed NCCL work: {max(seq - rank, 0)}.")
+            out.append(f"{glog}1664] [PG ID {rnd.choice([0, 1])} PG GUID 0(default_pg) Rank {rank}] Exception "
+                       f"(either an error or timeout) detected by watchdog at work: {seq}, last enqueued NCCL work: "
+                       f"{seq}, last completed NCCL work: {max(seq - rank, 0)}.")
         elif form == 3:
             out.append(f"{host}:{pid}:{pid} [{rank % 4}] NCCL INFO Channel {rank:02}/0 : {rank} -> {seq % 16} via "
                        "P2P/IPC")
